@@ -61,6 +61,10 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     make_empty_index(factory, dataset.dim, params.metric)  # fail on a bad factory before any work
     if len(dataset.base) < shards:
         raise ShardserveError(f"{shards} shards need at least {shards} vectors, got {len(dataset.base)}")
+    if backend == "ray":
+        from serving.ray_local import ensure_ray
+
+        ensure_ray(fast_ingress=False)
     return build_from_dataset(dataset, params, location, backend)
 
 

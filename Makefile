@@ -1,0 +1,60 @@
+# shardserve — `make demo` and `make test` work on a fresh Debian machine with python3 and go.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+VEGETA := .bin/vegeta
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+INDEX ?= indexes/fashion-mnist-ivf1024-4
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install data vegeta demo serve test test-fast lint bench bench-build clean
+
+install: $(BIN)/.installed
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+data: $(FMNIST)
+$(FMNIST):
+	@if ! command -v apt-get >/dev/null; then \
+	  echo "error: Fashion-MNIST missing and apt-get unavailable: install Debian's dataset-fashion-mnist" >&2; exit 1; fi
+	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist \
+	  || { echo "error: could not apt-get install dataset-fashion-mnist (need root or sudo)" >&2; exit 1; }
+
+vegeta: $(VEGETA)
+# Pinned by loadtests/vegeta/go.mod + go.sum (`go install ...@latest` is refused by the module proxy).
+$(VEGETA): loadtests/vegeta/go.mod loadtests/vegeta/go.sum loadtests/vegeta/tools.go
+	@command -v go >/dev/null || { echo "error: Go is needed to build vegeta (apt-get install golang-go)" >&2; exit 1; }
+	mkdir -p .bin && cd loadtests/vegeta && \
+	  go build -ldflags "-X main.Version=v12.12.0" -o ../../$(VEGETA) github.com/tsenart/vegeta/v12
+
+$(INDEX)/manifest.json: | install data
+	$(BIN)/shardserve build --dataset fashion-mnist --shards 4 --index IVF1024,Flat --out $(INDEX) --force
+
+# Build the full Fashion-MNIST 4-shard index on a local Ray, evaluate it, then serve it on 127.0.0.1:8000.
+demo: install data $(INDEX)/manifest.json
+	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
+	$(BIN)/shardserve serve $(INDEX) --port 8000
+
+test: install data vegeta
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check .
+
+bench-build: install data
+	$(BIN)/python -m index_build.bench --dataset fashion-mnist --shards 4 --index IVF1024,Flat
+
+bench: install data vegeta $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.bench --index $(INDEX) --dataset fashion-mnist
+
+clean:
+	rm -rf $(VENV) .bin indexes

@@ -1,0 +1,123 @@
+"""`shardserve` command line: maps each subcommand to a function in its own module, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from serving.errors import ShardserveError
+
+
+def _build(args: argparse.Namespace) -> None:
+    from index_build.job import build_index
+
+    manifest = build_index(args.dataset, args.shards, args.index, args.out, metric=args.metric,
+                           limit=args.limit, backend=args.backend, force=args.force,
+                           train_size=args.train_size, seed=args.seed)
+    print(f"built {manifest.index_factory} index {manifest.index_version}: {manifest.num_vectors} "
+          f"vectors in {len(manifest.shards)} shards at {args.out} ({manifest.build.seconds:.1f} s)")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from serving.evaluate import evaluate, search_params_from_flags
+
+    result = evaluate(args.index_dir, args.dataset, k=args.k,
+                      params=search_params_from_flags(args.nprobe, args.ef_search), url=args.url,
+                      limit=args.limit, compare_unsharded=args.compare_unsharded)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"recall@{result['k']} = {result['recall']:.4f}  ({result['queries']} queries, "
+          f"{result['qps']:.0f} QPS, {result['shards']} shards, {result['mode']}, params {result['params']})")
+    if "unsharded" in result:
+        u = result["unsharded"]
+        print(f"unsharded recall@{result['k']} = {u['recall']:.4f}  ({u['qps']:.0f} QPS)")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from deployments.run import serve_blocking
+
+    serve_blocking(args.index_dir, host=args.host, port=args.port,
+                   replicas_per_shard=args.replicas_per_shard)
+
+
+def _serve_config(args: argparse.Namespace) -> None:
+    from deployments.config import serve_config_yaml
+
+    sys.stdout.write(serve_config_yaml(args.index_dir, host=args.host, port=args.port,
+                                       replicas_per_shard=args.replicas_per_shard))
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from loadtests.tune import tune_from_record
+
+    sys.stdout.write(tune_from_record(args.record, args.index_dir))
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="shardserve", description=__doc__)
+    root.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = root.add_subparsers(dest="command", required=True)
+
+    build = sub.add_parser("build", help="build a sharded FAISS index with a Ray Data job")
+    build.add_argument("--dataset", required=True, help="fashion-mnist | synthetic:NxD | glove-50 | file path")
+    build.add_argument("--shards", type=int, required=True)
+    build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat")
+    build.add_argument("--out", required=True, help="local dir or pyarrow URI (s3://bucket/idx)")
+    build.add_argument("--metric", choices=["l2", "ip", "cosine"], help="default: the dataset's")
+    build.add_argument("--limit", type=int, help="index only the first N base vectors")
+    build.add_argument("--train-size", type=int, default=0, help="training sample size (0 = auto)")
+    build.add_argument("--seed", type=int, default=1234)
+    build.add_argument("--backend", choices=["ray", "local"], default="ray",
+                       help="ray: Ray Data job (default); local: single-process reference")
+    build.add_argument("--force", action="store_true", help="replace an index already at --out")
+    build.set_defaults(func=_build)
+
+    ev = sub.add_parser("eval", help="recall@k and QPS, in-process or over HTTP")
+    ev.add_argument("index_dir")
+    ev.add_argument("--dataset", required=True)
+    ev.add_argument("--k", type=int, default=10)
+    ev.add_argument("--nprobe", type=int)
+    ev.add_argument("--ef-search", type=int)
+    ev.add_argument("--url", help="evaluate a running server, e.g. http://127.0.0.1:8000")
+    ev.add_argument("--limit", type=int, help="the --limit the index was built with")
+    ev.add_argument("--compare-unsharded", action="store_true")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(func=_eval)
+
+    for name, func, text in (("serve", _serve, "serve an index over HTTP on a local Ray"),
+                             ("serve-config", _serve_config, "print a Ray Serve config YAML")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("index_dir")
+        cmd.add_argument("--host", default="127.0.0.1")
+        cmd.add_argument("--port", type=int, default=8000)
+        cmd.add_argument("--replicas-per-shard", type=int, default=1)
+        cmd.set_defaults(func=func)
+
+    tune = sub.add_parser("tune", help="knee of a sweep record → autoscaling settings in a serve config")
+    tune.add_argument("record")
+    tune.add_argument("--index-dir", help="index for the emitted config (default: the record's)")
+    tune.set_defaults(func=_tune)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    try:
+        args.func(args)
+    except ShardserveError as exc:
+        print(f"shardserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardserve: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: a real local Ray owned by the test session, small real datasets on disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from serving.ray_local import FAST_INGRESS_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    os.environ["SHARDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray with the fast Serve ingress settings; shut down when the session ends."""
+    import ray
+
+    os.environ.update(FAST_INGRESS_ENV)
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real `shardserve` console script (the way users do)."""
+    exe = Path(sys.executable).parent / "shardserve"
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+
+
+@pytest.fixture(scope="session")
+def angular_hdf5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ann-benchmarks layout file (train/test/neighbors, distance=angular) written by the test."""
+    import h5py
+
+    from index_build.datasets import synthetic_vectors
+    from index_build.groundtruth import exact_search
+
+    train = synthetic_vectors(6000, 32, seed=11)
+    test = synthetic_vectors(200, 32, seed=12)
+    _, neighbors = exact_search(train, test, 100, "cosine")
+    path = tmp_path_factory.mktemp("annb") / "toy-32-angular.hdf5"
+    with h5py.File(path, "w") as handle:
+        handle.attrs["distance"] = "angular"
+        handle.create_dataset("train", data=train)
+        handle.create_dataset("test", data=test)
+        handle.create_dataset("neighbors", data=neighbors.astype(np.int32))
+    return path

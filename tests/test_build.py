@@ -1,0 +1,168 @@
+"""The Ray Data build on a real local Ray + real FAISS: recall, sharding equivalence, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from index_build.datasets import load_dataset
+from index_build.job import BuildParams, build_from_dataset, build_index
+from index_build.manifest import read_manifest
+from index_build.storage import Location
+from serving.evaluate import evaluate
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def synthetic_index(ray_cluster, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("idx") / "syn"
+    build_index("synthetic:20000x32", 4, "IVF64,Flat", str(out), backend="ray")
+    return out
+
+
+def test_manifest_follows_the_contract(synthetic_index: Path) -> None:
+    manifest = json.loads((synthetic_index / "manifest.json").read_text())
+    for key in ("format_version", "index_version", "dim", "metric", "index_factory", "num_vectors",
+                "shards", "dataset", "build", "created_at"):
+        assert key in manifest
+    assert manifest["num_vectors"] == 20000 and len(manifest["shards"]) == 4
+    assert sum(s["num_vectors"] for s in manifest["shards"]) == 20000
+    assert {"ray_version", "faiss_version", "seconds", "params"} <= set(manifest["build"])
+    assert sorted(p.name for p in synthetic_index.iterdir()) == [
+        "manifest.json", "shard-000.faiss", "shard-001.faiss", "shard-002.faiss", "shard-003.faiss"]
+
+
+def test_sharded_recall_equals_unsharded(synthetic_index: Path) -> None:
+    result = evaluate(str(synthetic_index), "synthetic:20000x32", k=10, params={"nprobe": 4},
+                      compare_unsharded=True)
+    assert result["recall"] > 0.8
+    assert result["recall"] == result["unsharded"]["recall"]  # shared quantizer: exactly equal
+
+
+def test_ray_and_local_builds_are_byte_identical(synthetic_index: Path, tmp_path: Path) -> None:
+    build_index("synthetic:20000x32", 4, "IVF64,Flat", str(tmp_path / "local"), backend="local")
+    for shard in range(4):
+        name = f"shard-{shard:03d}.faiss"
+        assert (tmp_path / "local" / name).read_bytes() == (synthetic_index / name).read_bytes()
+    assert read_manifest(Location.parse(str(tmp_path / "local"))).index_version == \
+        read_manifest(Location.parse(str(synthetic_index))).index_version
+
+
+def test_fashion_mnist_slice_via_cli(ray_cluster, tmp_path: Path) -> None:
+    out = tmp_path / "fm"
+    built = run_cli("build", "--dataset", "fashion-mnist", "--limit", "12000", "--shards", "4",
+                    "--index", "IVF128,Flat", "--out", str(out))
+    assert built.returncode == 0, built.stderr
+    evaluated = run_cli("eval", str(out), "--dataset", "fashion-mnist", "--limit", "12000",
+                        "--nprobe", "16", "--json", "--compare-unsharded")
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads(evaluated.stdout)
+    assert result["queries"] == 10000 and result["k"] == 10 and result["qps"] > 0
+    assert result["recall"] >= 0.98
+    assert abs(result["recall"] - result["unsharded"]["recall"]) <= 0.005
+
+
+@pytest.mark.parametrize("factory, params", [("HNSW16", ["--ef-search", "64"]),
+                                             ("IVF32,Flat", ["--nprobe", "8"])])
+def test_ann_benchmarks_angular_file(ray_cluster, angular_hdf5: Path, tmp_path: Path,
+                                     factory: str, params: list[str]) -> None:
+    out = tmp_path / "ang"
+    built = run_cli("build", "--dataset", str(angular_hdf5), "--shards", "3", "--index", factory,
+                    "--out", str(out))
+    assert built.returncode == 0, built.stderr
+    assert read_manifest(Location.parse(str(out))).metric == "cosine"
+    evaluated = run_cli("eval", str(out), "--dataset", str(angular_hdf5), "--json", *params)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["recall"] >= 0.95
+
+
+def test_pq_factory_builds_and_searches(ray_cluster, tmp_path: Path) -> None:
+    build_index("synthetic:8000x32", 2, "IVF32,PQ32x4fs", str(tmp_path / "pq"), backend="ray")
+    result = evaluate(str(tmp_path / "pq"), "synthetic:8000x32", params={"nprobe": 8})
+    assert 0.3 < result["recall"] <= 1.0
+
+
+# --- bad input: one clear line, non-zero exit, nothing half-written --------------------------------
+
+def _assert_clean_failure(result, message: str) -> None:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("shardserve: error:") and message in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset", "nope"], "unknown dataset"),
+    (["--dataset", "synthetic:1000x8", "--index", "IVF12x,Bogus"], "unknown index factory"),
+    (["--dataset", "synthetic:1000x8", "--index", "IVF4096,Flat"], "training vectors"),
+    (["--dataset", "synthetic:1000x8", "--shards", "0"], "--shards must be >= 1"),
+])
+def test_bad_build_inputs(tmp_path: Path, args: list[str], message: str) -> None:
+    base = {"--dataset": "synthetic:1000x8", "--index": "IVF8,Flat", "--shards": "2"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    out = tmp_path / "out"
+    result = run_cli("build", *[x for kv in base.items() for x in kv], "--out", str(out), "--backend", "local")
+    _assert_clean_failure(result, message)
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_unwritable_out(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_cli("build", "--dataset", "synthetic:1000x8", "--shards", "2", "--index", "Flat",
+                     "--out", str(blocker / "idx"))
+    _assert_clean_failure(result, "not writable")
+
+
+def test_nan_dataset_via_cli(tmp_path: Path) -> None:
+    import numpy as np
+
+    matrix = np.ones((200, 4), np.float32)
+    matrix[7, 0] = np.inf
+    np.save(tmp_path / "bad.npy", matrix)
+    result = run_cli("build", "--dataset", str(tmp_path / "bad.npy"), "--shards", "2", "--index",
+                     "Flat", "--out", str(tmp_path / "o"))
+    _assert_clean_failure(result, "NaN/Inf")
+
+
+def test_corrupt_shard_is_refused(synthetic_index: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "corrupt"
+    shutil.copytree(synthetic_index, copy)
+    data = bytearray((copy / "shard-002.faiss").read_bytes())
+    data[-10] ^= 0xFF
+    (copy / "shard-002.faiss").write_bytes(bytes(data))
+    result = run_cli("eval", str(copy), "--dataset", "synthetic:20000x32")
+    _assert_clean_failure(result, "sha256 mismatch")
+
+
+def test_wrong_dimension_is_refused(synthetic_index: Path) -> None:
+    result = run_cli("eval", str(synthetic_index), "--dataset", "synthetic:20000x16")
+    _assert_clean_failure(result, "dim")
+
+
+def test_existing_index_needs_force(synthetic_index: Path) -> None:
+    result = run_cli("build", "--dataset", "synthetic:1000x8", "--shards", "2", "--index", "Flat",
+                     "--out", str(synthetic_index), "--backend", "local")
+    _assert_clean_failure(result, "--force")
+
+
+def test_failure_mid_build_publishes_nothing(tmp_path: Path) -> None:
+    class FailingOnThirdShard(Location):
+        def write_bytes(self, relative: str, data: bytes) -> None:
+            if relative == "shard-002.faiss":
+                raise OSError("disk full (injected)")
+            super().write_bytes(relative, data)
+
+    plain = Location.parse(str(tmp_path / "idx"))
+    location = FailingOnThirdShard(plain.fs, plain.root, plain.uri)
+    location.ensure_writable()
+    with pytest.raises(OSError, match="injected"):
+        build_from_dataset(load_dataset("synthetic:4000x8"), BuildParams("IVF16,Flat", 4, "l2"),
+                           location, backend="local")
+    assert list((tmp_path / "idx").iterdir()) == []

@@ -1,0 +1,44 @@
+"""merge_topk against brute force on seeded data."""
+
+import numpy as np
+import pytest
+
+from serving.merge import merge_topk
+
+
+@pytest.mark.parametrize("higher_is_better", [False, True])
+def test_merge_of_shard_topk_equals_global_topk(higher_is_better: bool) -> None:
+    rng = np.random.default_rng(7)
+    scores = rng.normal(size=(50, 400)).astype(np.float32)  # 50 queries x 400 rows, 4 shards
+    k = 10
+    shard_d, shard_i = [], []
+    for shard in range(4):
+        cols = np.arange(shard, 400, 4)
+        part = scores[:, cols]
+        order = np.argsort(-part if higher_is_better else part, axis=1)[:, :k]
+        shard_d.append(np.take_along_axis(part, order, axis=1))
+        shard_i.append(cols[order])
+    distances, ids = merge_topk(shard_d, shard_i, k, higher_is_better)
+    expected = np.argsort(-scores if higher_is_better else scores, axis=1)[:, :k]
+    np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_array_equal(distances, np.take_along_axis(scores, expected, axis=1))
+
+
+def test_missing_results_sort_last_and_pad() -> None:
+    d = [np.array([[0.5, np.inf]], np.float32), np.array([[0.1, np.inf]], np.float32)]
+    i = [np.array([[3, -1]]), np.array([[8, -1]])]
+    distances, ids = merge_topk(d, i, 3, higher_is_better=False)
+    assert ids.tolist() == [[8, 3, -1]]
+    assert distances[0, :2].tolist() == pytest.approx([0.1, 0.5])
+
+
+def test_k_larger_than_candidates_pads() -> None:
+    distances, ids = merge_topk([np.array([[1.0]], np.float32)], [np.array([[4]])], 3, False)
+    assert ids.tolist() == [[4, -1, -1]]
+    assert np.isinf(distances[0, 1:]).all()
+
+
+def test_ties_keep_shard_order() -> None:
+    d = [np.array([[1.0]], np.float32), np.array([[1.0]], np.float32)]
+    _, ids = merge_topk(d, [np.array([[20]]), np.array([[10]])], 2, False)
+    assert ids.tolist() == [[20, 10]]
