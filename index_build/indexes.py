@@ -93,3 +93,15 @@ def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.Se
     if not isinstance(inner, faiss.IndexHNSW):
         raise ShardserveError("param efSearch needs an HNSW index")
     return faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))
+
+
+def supported_params(factory: str, dim: int, metric: str) -> frozenset[str]:
+    """Which per-request params an index built from `factory` understands."""
+    inner = make_empty_index(factory, dim, metric)
+    if isinstance(inner, faiss.IndexIDMap):
+        inner = faiss.downcast_index(inner.index)
+    if faiss.try_extract_index_ivf(inner) is not None:
+        return frozenset({"nprobe"})
+    if isinstance(inner, faiss.IndexHNSW):
+        return frozenset({"efSearch"})
+    return frozenset()

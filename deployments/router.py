@@ -1,0 +1,172 @@
+"""Router ingress: HTTP API, batching of in-flight queries, one call per shard per batch, merge.
+
+Thin by design: parsing lives in serving.api, fan-out and merge in serving.fanout / serving.merge.
+"""
+
+
+import asyncio
+import time
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppArgs
+from index_build.indexes import prepare_vectors, supported_params
+from index_build.manifest import read_manifest
+from index_build.storage import Location
+from serving.api import ApiError, ParsedQuery, SearchRequest, SearchResponse, parse_search_request
+from serving.fanout import QueryResult, search_batch
+from serving.metrics import RouterMetrics
+
+api = FastAPI(
+    title="shardserve",
+    description="Sharded FAISS vector search on Ray Serve: each query fans out to every shard.",
+    version="1",
+)
+_JSON = "application/json"
+_SEARCH_BODY = {"requestBody": {"required": True, "content": {_JSON: {
+    "schema": SearchRequest.model_json_schema()}}}}
+
+
+def _error_response(error: ApiError) -> Response:
+    """Defined before the ingress class: serve.ingress captures the route functions' globals then."""
+    headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
+    return Response(error.body(), status_code=error.status, media_type=_JSON, headers=headers)
+
+
+@serve.deployment(max_ongoing_requests=512)
+@serve.ingress(api)
+class Router:
+    def __init__(self, shards: list[DeploymentHandle], args: dict):
+        self.args = AppArgs.model_validate(args)
+        self.manifest = read_manifest(Location.parse(self.args.index))
+        self.shards = shards
+        self.supported = supported_params(self.manifest.index_factory, self.manifest.dim,
+                                          self.manifest.metric)
+        self.higher_is_better = self.manifest.metric != "l2"
+        self.metrics = RouterMetrics()
+        self.metrics.shard_names = [s.name for s in self.manifest.shards]
+        self.in_flight = 0
+        self._search_batch.set_max_batch_size(self.args.max_batch_size)
+        self._search_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
+
+    # --- HTTP endpoints ---------------------------------------------------------------------------
+
+    @api.post("/v1/search", response_model=SearchResponse, openapi_extra=_SEARCH_BODY,
+              responses={413: {"description": "body too large"}, 422: {"description": "bad field"},
+                         503: {"description": "overloaded, not ready, or partial with require_full"}})
+    async def search(self, request: Request) -> Response:
+        """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
+        started = time.perf_counter()
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        status = 200
+        try:
+            query = await self._parse(request)
+            result = await self._search_batch(query)
+            self._check_coverage(query, result)
+            body = self._render(query, result, started)
+            return Response(body, media_type=_JSON)
+        except ApiError as error:
+            status = error.status
+            return _error_response(error)
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
+                                            tags={"endpoint": "search", "status": str(status)})
+
+    @api.get("/v1/health")
+    async def health(self) -> Response:
+        """200 when every shard answers, else 503 with Retry-After."""
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*[shard.info.remote() for shard in self.shards]), 5.0)
+        except Exception as exc:  # a shard not (yet) up: not ready
+            return _error_response(ApiError(503, None, f"not ready: {type(exc).__name__}",
+                                            self.args.retry_after_s))
+        return Response(orjson.dumps({"status": "ok", "shards": len(infos),
+                                      "index": self.manifest.index_version}), media_type=_JSON)
+
+    @api.get("/v1/index")
+    async def index(self) -> Response:
+        """Summary of the manifest being served and the request limits."""
+        m = self.manifest
+        return Response(orjson.dumps({
+            "index_version": m.index_version, "index_factory": m.index_factory, "dim": m.dim,
+            "metric": m.metric, "num_vectors": m.num_vectors, "dataset": m.dataset.model_dump(),
+            "created_at": m.created_at,
+            "shards": [{"name": s.name, "num_vectors": s.num_vectors, "bytes": s.bytes} for s in m.shards],
+            "params": sorted(self.supported), "max_k": self.args.max_k,
+            "max_vectors": self.args.max_vectors, "max_body_bytes": self.args.max_body_bytes,
+        }), media_type=_JSON)
+
+    # --- internals --------------------------------------------------------------------------------
+
+    async def _parse(self, request: Request) -> ParsedQuery:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.args.max_body_bytes:
+            raise ApiError(413, "body", f"body of {declared} bytes exceeds {self.args.max_body_bytes}")
+        body = await request.body()
+        if len(body) > self.args.max_body_bytes:
+            raise ApiError(413, "body", f"body of {len(body)} bytes exceeds {self.args.max_body_bytes}")
+        query = parse_search_request(body, self.manifest.dim, self.args.max_k, self.args.max_vectors)
+        for name, _ in query.params:
+            if name not in self.supported:
+                raise ApiError(422, f"params.{name}",
+                               f"param {name!r} does not apply to {self.manifest.index_factory} "
+                               f"(supported: {sorted(self.supported) or 'none'})")
+        if self.manifest.metric == "cosine":
+            query = ParsedQuery(prepare_vectors(query.matrix, "cosine"), query.k, query.params,
+                                query.single, query.require_full)
+        return query
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0005, max_concurrent_batches=4)
+    async def _search_batch(self, queries: list[ParsedQuery]) -> list[QueryResult]:
+        """Whatever is in flight becomes one batch: one call per shard per (k, params) group."""
+        results = await search_batch(queries, self._call_shard, len(self.shards),
+                                     self.higher_is_better, self.args.shard_timeout_s,
+                                     self.metrics.shard_done)
+        self.metrics.batch_size.observe(float(sum(len(q.matrix) for q in queries)))
+        self.metrics.fanout_ms.observe(results[0].fanout_ms)
+        return results
+
+    async def _call_shard(self, shard: int, matrix: np.ndarray, k: int, params: dict):
+        response = self.shards[shard].search.remote(matrix, k, params)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    def _check_coverage(self, query: ParsedQuery, result: QueryResult) -> None:
+        if result.answered == result.shards:
+            self.metrics.coverage.inc(tags={"coverage": "full"})
+            return
+        self.metrics.coverage.inc(tags={"coverage": "partial" if result.answered else "none"})
+        if result.answered == 0:
+            raise ApiError(503, None, "no shard answered in time", self.args.retry_after_s)
+        if query.require_full:
+            raise ApiError(503, "require_full",
+                           f"only {result.answered} of {result.shards} shards answered in time",
+                           self.args.retry_after_s)
+
+    def _render(self, query: ParsedQuery, result: QueryResult, started: float) -> bytes:
+        total_ms = (time.perf_counter() - started) * 1000.0
+        payload: dict = {}
+        if query.single:
+            payload["ids"] = result.ids[0]
+            payload["distances"] = result.distances[0]
+        else:
+            payload["results"] = [{"ids": i, "distances": d}
+                                  for i, d in zip(result.ids, result.distances, strict=True)]
+        payload["coverage"] = {"shards": result.shards, "answered": result.answered}
+        payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
+                                "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
+        payload["index"] = self.manifest.index_version
+        payload["batch"] = result.batch_size
+        return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -1,0 +1,35 @@
+"""Shard deployment: one Serve deployment per shard, each replica holding that shard's index."""
+
+from __future__ import annotations
+
+import asyncio
+
+import faiss
+import numpy as np
+from ray import serve
+
+from index_build.manifest import read_manifest
+from index_build.storage import Location
+from serving.searcher import ShardSearcher
+
+
+@serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
+class ShardDeployment:
+    """Thin: loads a ShardSearcher (sha256-checked) and runs its searches off the event loop."""
+
+    def __init__(self, index: str, shard: int, faiss_threads: int = 1):
+        faiss.omp_set_num_threads(faiss_threads)  # more threads than cores is ~2x slower (DESIGN.md)
+        location = Location.parse(index)
+        self.searcher = ShardSearcher.load(location, read_manifest(location), shard)
+
+    async def search(self, matrix: np.ndarray, k: int, params: dict) -> tuple[np.ndarray, np.ndarray, float]:
+        """Top-k of a (prepared) query matrix; FAISS releases the GIL, so a thread keeps the loop free."""
+        return await asyncio.to_thread(self.searcher.search, matrix, k, params, True)
+
+    def info(self) -> dict:
+        return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),
+                "index_version": self.searcher.index_version}
+
+    def check_health(self) -> None:
+        if self.searcher.index.ntotal < 0:
+            raise RuntimeError("shard index lost")

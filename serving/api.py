@@ -1,0 +1,139 @@
+"""HTTP API: request/response models (for OpenAPI docs) and the fast request parser the router uses.
+
+Why not let FastAPI/pydantic parse the body: a 784-float vector through pydantic costs several times
+what orjson + one numpy conversion does (measured in tests/test_api.py::test_parse_cost and README),
+and the interface must cost well under a millisecond. The pydantic models still document the API at
+/docs and define the field names the parser enforces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+KNOWN_PARAMS = ("nprobe", "efSearch")
+
+
+class SearchRequest(BaseModel):
+    """Exactly one of `vector` (single query) or `vectors` (a batch)."""
+
+    model_config = ConfigDict(extra="forbid")
+    vector: list[float] | None = Field(None, description="one query vector of the index's dim")
+    vectors: list[list[float]] | None = Field(None, description="a batch of query vectors")
+    k: int = Field(10, ge=1, description="neighbours to return (<= max_k)")
+    params: dict[str, int] | None = Field(
+        None, description="per-request search params: nprobe (IVF lists per shard) or efSearch (HNSW)")
+    require_full: bool = Field(False, description="503 instead of a partial answer")
+
+
+class Coverage(BaseModel):
+    shards: int
+    answered: int
+
+
+class Timing(BaseModel):
+    total: float
+    compute: float
+    queue: float
+
+
+class Hits(BaseModel):
+    ids: list[int]
+    distances: list[float]
+
+
+class SearchResponse(BaseModel):
+    ids: list[int] | None = None
+    distances: list[float] | None = None
+    results: list[Hits] | None = None
+    coverage: Coverage
+    timing_ms: Timing
+    index: str
+
+
+class ApiError(Exception):
+    """A client error: HTTP status, the offending field, a message that says how to fix it."""
+
+    def __init__(self, status: int, field: str | None, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.field, self.message, self.retry_after = status, field, message, retry_after
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.message, "field": self.field})
+
+
+@dataclass(frozen=True)
+class ParsedQuery:
+    """A validated request: float32 (n, dim) matrix plus what decides how it is searched."""
+
+    matrix: np.ndarray
+    k: int
+    params: tuple[tuple[str, int], ...]
+    single: bool
+    require_full: bool
+
+    @property
+    def group_key(self) -> tuple:
+        """Requests with the same key can share one scan per shard."""
+        return (self.k, self.params)
+
+
+def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) -> ParsedQuery:
+    """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(422, "body", f"body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise ApiError(422, "body", "body must be a JSON object")
+    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full"}
+    if unknown:
+        raise ApiError(422, sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}")
+    single = "vector" in payload
+    if single == ("vectors" in payload):
+        raise ApiError(422, "vector", "give exactly one of 'vector' or 'vectors'")
+    field = "vector" if single else "vectors"
+    matrix = _matrix(payload[field], field, single, dim, max_vectors)
+    k = payload.get("k", 10)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= max_k:
+        raise ApiError(422, "k", f"k must be an integer in [1, {max_k}], got {k!r}")
+    require_full = payload.get("require_full", False)
+    if not isinstance(require_full, bool):
+        raise ApiError(422, "require_full", "require_full must be true or false")
+    return ParsedQuery(matrix, k, _params(payload.get("params")), single, require_full)
+
+
+def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int) -> np.ndarray:
+    if not isinstance(value, list) or not value:
+        raise ApiError(422, field, f"{field} must be a non-empty list")
+    if not single and len(value) > max_vectors:
+        raise ApiError(422, field, f"too many vectors: {len(value)} > max {max_vectors}")
+    try:
+        matrix = np.array([value] if single else value, dtype=np.float32)
+    except (ValueError, TypeError):
+        raise ApiError(422, field, f"{field} must hold numbers only, all of dim {dim}") from None
+    if matrix.ndim != 2 or matrix.shape[1] != dim:
+        got = matrix.shape[-1] if matrix.ndim == 2 else "ragged"
+        raise ApiError(422, field, f"wrong dimension: expected {dim}, got {got}")
+    if not np.isfinite(matrix).all():
+        row = int(np.flatnonzero(~np.isfinite(matrix).all(axis=1))[0])
+        raise ApiError(422, field, f"{field} contains NaN/Inf (row {row}) or a number out of float32 range")
+    return matrix
+
+
+def _params(value: object) -> tuple[tuple[str, int], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(422, "params", "params must be an object")
+    items = []
+    for name, number in sorted(value.items()):
+        if name not in KNOWN_PARAMS:
+            raise ApiError(422, f"params.{name}", f"unknown param {name!r}: use one of {list(KNOWN_PARAMS)}")
+        if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= 65536:
+            raise ApiError(422, f"params.{name}", f"{name} must be an integer in [1, 65536]")
+        items.append((name, number))
+    return tuple(items)

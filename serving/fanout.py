@@ -1,0 +1,80 @@
+"""Fan a batch of queries out to every shard and merge: the router's core, plain asyncio + numpy.
+
+One call per shard per (k, params) group of the batch; the shard that misses the deadline is left
+out and counted in coverage. Testable with in-process searchers, no Ray needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.api import ParsedQuery
+from serving.merge import merge_topk
+
+# (shard index, matrix, k, params) -> (distances, ids, search ms)
+ShardCall = Callable[[int, np.ndarray, int, dict], Awaitable[tuple[np.ndarray, np.ndarray, float]]]
+
+
+@dataclass
+class QueryResult:
+    distances: np.ndarray
+    ids: np.ndarray
+    answered: int
+    shards: int
+    compute_ms: float
+    fanout_ms: float
+    batch_size: int
+
+
+async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_shards: int,
+                       higher_is_better: bool, timeout_s: float,
+                       on_shard_done: Callable[[int, float], None] | None = None) -> list[QueryResult]:
+    """Answer every query of the batch, grouping those that can share one scan per shard."""
+    groups: dict[tuple, list[int]] = {}
+    for position, query in enumerate(queries):
+        groups.setdefault(query.group_key, []).append(position)
+    results: list[QueryResult | None] = [None] * len(queries)
+    await asyncio.gather(*[
+        _search_group([queries[p] for p in positions], positions, results, call_shard, num_shards,
+                      higher_is_better, timeout_s, on_shard_done)
+        for positions in groups.values()])
+    return results  # type: ignore[return-value]
+
+
+async def _search_group(group: list[ParsedQuery], positions: list[int], results: list,
+                        call_shard: ShardCall, num_shards: int, higher_is_better: bool,
+                        timeout_s: float, on_shard_done) -> None:
+    k, params = group[0].k, dict(group[0].params)
+    matrix = group[0].matrix if len(group) == 1 else np.concatenate([q.matrix for q in group])
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(
+        *[asyncio.wait_for(call_shard(s, matrix, k, params), timeout_s) for s in range(num_shards)],
+        return_exceptions=True)
+    fanout_ms = (time.perf_counter() - started) * 1000.0
+    answered = [o for o in outcomes if not isinstance(o, BaseException)]
+    for shard, outcome in enumerate(outcomes):
+        if on_shard_done is not None and not isinstance(outcome, BaseException):
+            on_shard_done(shard, outcome[2])
+    if answered:
+        distances, ids = merge_topk([o[0] for o in answered], [o[1] for o in answered], k,
+                                    higher_is_better)
+    else:
+        fill = -np.inf if higher_is_better else np.inf
+        distances = np.full((len(matrix), k), fill, np.float32)
+        ids = np.full((len(matrix), k), -1, np.int64)
+    compute_ms = max((o[2] for o in answered), default=0.0)
+    row = 0
+    for query, position in zip(group, positions, strict=True):
+        rows = slice(row, row + len(query.matrix))
+        row += len(query.matrix)
+        results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
+                                        compute_ms, fanout_ms, len(matrix))
+    failures = [o for o in outcomes if isinstance(o, BaseException)
+                and not isinstance(o, asyncio.TimeoutError | asyncio.CancelledError)]
+    if failures and not answered:
+        raise failures[0]

@@ -1,0 +1,40 @@
+"""Application metrics via ray.util.metrics: exported by every Ray node's metrics agent, shown in the
+Ray dashboard's Metrics view (with Ray's Grafana/Prometheus integration) under the `shardserve_` names.
+
+One histogram per stage: request latency (by endpoint, status), shard search (by shard), batch size;
+gauges for in-flight requests; counters for coverage outcomes.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+LATENCY_MS_BOUNDARIES = [0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500]
+BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+class RouterMetrics:
+    """Created inside the router replica (metrics must be created in a Ray worker or driver)."""
+
+    def __init__(self) -> None:
+        self.request_ms = metrics.Histogram(
+            "shardserve_request_latency_ms", "Router time per HTTP request",
+            boundaries=LATENCY_MS_BOUNDARIES, tag_keys=("endpoint", "status"))
+        self.shard_search_ms = metrics.Histogram(
+            "shardserve_shard_search_ms", "FAISS search time per shard call",
+            boundaries=LATENCY_MS_BOUNDARIES, tag_keys=("shard",))
+        self.fanout_ms = metrics.Histogram(
+            "shardserve_fanout_ms", "Router fan-out: first shard call to last answer",
+            boundaries=LATENCY_MS_BOUNDARIES)
+        self.batch_size = metrics.Histogram(
+            "shardserve_batch_queries", "Query vectors per shard call (router batch)",
+            boundaries=BATCH_BOUNDARIES)
+        self.in_flight = metrics.Gauge(
+            "shardserve_in_flight_requests", "Requests inside the router replica")
+        self.coverage = metrics.Counter(
+            "shardserve_answers", "Answers by coverage (full / partial / none)", tag_keys=("coverage",))
+        self.shard_names: list[str] = []
+
+    def shard_done(self, shard: int, search_ms: float) -> None:
+        name = self.shard_names[shard] if shard < len(self.shard_names) else str(shard)
+        self.shard_search_ms.observe(search_ms, tags={"shard": name})
