@@ -20,7 +20,9 @@ def build_app(args: dict) -> Application:
             name=entry.name, num_replicas=app_args.replicas_per_shard,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options={"num_cpus": app_args.shard_num_cpus},
-        ).bind(app_args.index, position, app_args.faiss_threads)
+        ).bind(app_args.index, position, app_args.faiss_threads,
+               app_args.debug_load_delay_s.get(entry.name, 0.0),
+               app_args.debug_search_delay_s.get(entry.name, 0.0))
         for position, entry in enumerate(manifest.shards)
     ]
     return Router.options(

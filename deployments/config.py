@@ -30,6 +30,10 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     shard_timeout_s: float = Field(2.0, gt=0, description="deadline of one shard call")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
+    debug_load_delay_s: dict[str, float] = Field(
+        default_factory=dict, description="TEST ONLY: shard name -> extra seconds before it is loaded")
+    debug_search_delay_s: dict[str, float] = Field(
+        default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call")
 
 
 def serve_config_yaml(index: str, host: str = "127.0.0.1", port: int = 8000,

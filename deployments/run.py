@@ -10,7 +10,8 @@ from serving.errors import ShardserveError
 APP_NAME = "shardserve"
 
 
-def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, **overrides) -> str:
+def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
+           route_prefix: str = "/", **overrides) -> str:
     """Deploy the app on the connected Ray (starting Serve if needed); return its base URL."""
     from ray import serve
 
@@ -19,8 +20,8 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, **overrides) -
 
     args = AppArgs(index=_absolute(index), **overrides)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(args.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    serve.run(build_app(args.model_dump()), name=app_name, route_prefix=route_prefix)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     wait_until_healthy(url)
     return url
 

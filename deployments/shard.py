@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import faiss
 import numpy as np
@@ -17,13 +18,18 @@ from serving.searcher import ShardSearcher
 class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked) and runs its searches off the event loop."""
 
-    def __init__(self, index: str, shard: int, faiss_threads: int = 1):
+    def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
+                 search_delay_s: float = 0.0):
         faiss.omp_set_num_threads(faiss_threads)  # more threads than cores is ~2x slower (DESIGN.md)
+        time.sleep(load_delay_s)  # test-only switch (AppArgs.debug_load_delay_s)
         location = Location.parse(index)
         self.searcher = ShardSearcher.load(location, read_manifest(location), shard)
+        self.search_delay_s = search_delay_s
 
     async def search(self, matrix: np.ndarray, k: int, params: dict) -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k of a (prepared) query matrix; FAISS releases the GIL, so a thread keeps the loop free."""
+        if self.search_delay_s:  # test-only switch (AppArgs.debug_search_delay_s)
+            await asyncio.sleep(self.search_delay_s)
         return await asyncio.to_thread(self.searcher.search, matrix, k, params, True)
 
     def info(self) -> dict:

@@ -157,11 +157,13 @@ def _load_synthetic(spec: str) -> Dataset:
         num_text, dim_text = spec.split(":", 1)[1].lower().split("x")
         num, dim = int(num_text), int(dim_text)
     except ValueError:
-        raise ShardserveError(f"bad synthetic spec {spec!r}: expected synthetic:NxD, e.g. synthetic:20000x64") from None
+        raise ShardserveError(
+            f"bad synthetic spec {spec!r}: expected synthetic:NxD, e.g. synthetic:20000x64") from None
     if num < 1 or dim < 1:
         raise ShardserveError(f"bad synthetic spec {spec!r}: N and D must be >= 1")
     num_queries = max(1, min(1000, num // 10))
-    return Dataset(spec, synthetic_vectors(num, dim, seed=1), synthetic_vectors(num_queries, dim, seed=2), "l2")
+    return Dataset(spec, synthetic_vectors(num, dim, seed=1),
+                   synthetic_vectors(num_queries, dim, seed=2), "l2")
 
 
 # --- GloVe 6B 50d (optional extra) ------------------------------------------------------------------
@@ -227,7 +229,10 @@ def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
 
 
 def read_vecs(path: Path) -> np.ndarray:
-    """Read .fvecs (float32), .bvecs (uint8) or .ivecs (int32): each row is a little-endian int32 dim then values."""
+    """Read .fvecs (float32), .bvecs (uint8) or .ivecs (int32).
+
+    Each row is a little-endian int32 dimension followed by that many values.
+    """
     item = {".fvecs": np.float32, ".bvecs": np.uint8, ".ivecs": np.int32}[path.suffix.lower()]
     raw = np.fromfile(path, dtype=np.uint8)
     if raw.size < 4:

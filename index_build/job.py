@@ -17,7 +17,13 @@ import faiss
 import numpy as np
 
 from index_build.datasets import Dataset, load_dataset
-from index_build.indexes import add_to_copy, index_to_bytes, make_empty_index, prepare_vectors, train_empty_index
+from index_build.indexes import (
+    add_to_copy,
+    index_to_bytes,
+    make_empty_index,
+    prepare_vectors,
+    train_empty_index,
+)
 from index_build.manifest import MANIFEST, BuildInfo, DatasetInfo, Manifest, ShardEntry, write_manifest
 from index_build.storage import Location, sha256_hex
 from serving.errors import ShardserveError

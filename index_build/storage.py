@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import posixpath
 import uuid
@@ -64,10 +65,8 @@ class Location:
             raise
 
     def delete(self, relative: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError, OSError):
             self.fs.delete_file(self.path(relative))
-        except (FileNotFoundError, OSError):
-            pass
 
     def ensure_writable(self) -> None:
         """Create the directory and prove a file can be written there, before any work is done."""

@@ -1,7 +1,7 @@
 """HTTP API: request/response models (for OpenAPI docs) and the fast request parser the router uses.
 
 Why not let FastAPI/pydantic parse the body: a 784-float vector through pydantic costs several times
-what orjson + one numpy conversion does (measured in tests/test_api.py::test_parse_cost and README),
+what orjson + one numpy conversion does (measured by `make bench`, see README),
 and the interface must cost well under a millisecond. The pydantic models still document the API at
 /docs and define the field names the parser enforces.
 """
@@ -86,6 +86,9 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) ->
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        if b"NaN" in body or b"Infinity" in body:
+            field = "vectors" if b'"vectors"' in body else "vector"
+            raise ApiError(422, field, f"{field} contains NaN/Infinity (not valid JSON numbers)") from None
         raise ApiError(422, "body", f"body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ApiError(422, "body", "body must be a JSON object")

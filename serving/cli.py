@@ -62,7 +62,8 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", required=True)
 
     build = sub.add_parser("build", help="build a sharded FAISS index with a Ray Data job")
-    build.add_argument("--dataset", required=True, help="fashion-mnist | synthetic:NxD | glove-50 | file path")
+    build.add_argument("--dataset", required=True,
+                       help="fashion-mnist | synthetic:NxD | glove-50 | file path")
     build.add_argument("--shards", type=int, required=True)
     build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat")
     build.add_argument("--out", required=True, help="local dir or pyarrow URI (s3://bucket/idx)")

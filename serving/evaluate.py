@@ -13,9 +13,8 @@ import numpy as np
 
 from index_build.datasets import Dataset, load_dataset
 from index_build.groundtruth import ground_truth, recall_at_k
-from index_build.indexes import add_to_copy, prepare_vectors
+from index_build.indexes import add_to_copy, prepare_vectors, train_empty_index
 from index_build.job import BuildParams, training_sample
-from index_build.indexes import train_empty_index
 from index_build.manifest import Manifest
 from serving.errors import ShardserveError
 from serving.merge import merge_topk
@@ -82,7 +81,8 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
 
 def _check_compatible(manifest: Manifest, dataset: Dataset) -> None:
     if manifest.dim != dataset.dim:
-        raise ShardserveError(f"dataset {dataset.name} has dim {dataset.dim}, the index has dim {manifest.dim}")
+        raise ShardserveError(
+            f"dataset {dataset.name} has dim {dataset.dim}, the index has dim {manifest.dim}")
     if manifest.num_vectors != len(dataset.base):
         raise ShardserveError(
             f"the index holds {manifest.num_vectors} vectors, dataset {dataset.name} has "

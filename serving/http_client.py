@@ -20,7 +20,8 @@ def search_over_http(url: str, queries: np.ndarray, k: int, params: dict,
             body: dict = {"vectors": chunk, "k": k}
             if params:
                 body["params"] = params
-            response = client.post("/v1/search", content=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+            content = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            response = client.post("/v1/search", content=content,
                                    headers={"content-type": "application/json"})
             if response.status_code != 200:
                 raise ShardserveError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger("shardserve")
 

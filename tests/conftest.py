@@ -27,7 +27,9 @@ def ray_cluster():
 
     os.environ.update(FAST_INGRESS_ENV)
     os.environ.pop("RAY_ADDRESS", None)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # 4 logical CPUs on 2 cores: tests run extra small apps beside the main one (slow shard, late
+    # shard); Serve replicas reserve fractions of a CPU, not cores.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     try:
         from ray import serve

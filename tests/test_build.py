@@ -107,7 +107,8 @@ def test_bad_build_inputs(tmp_path: Path, args: list[str], message: str) -> None
     for flag, value in zip(args[::2], args[1::2], strict=True):
         base[flag] = value
     out = tmp_path / "out"
-    result = run_cli("build", *[x for kv in base.items() for x in kv], "--out", str(out), "--backend", "local")
+    flags = [x for kv in base.items() for x in kv]
+    result = run_cli("build", *flags, "--out", str(out), "--backend", "local")
     _assert_clean_failure(result, message)
     assert not out.exists() or list(out.iterdir()) == []
 

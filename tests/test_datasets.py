@@ -29,7 +29,7 @@ def test_fashion_mnist_is_the_real_dataset() -> None:
     dataset = load_dataset("fashion-mnist")
     assert dataset.base.shape == (60000, 784) and dataset.queries.shape == (10000, 784)
     assert dataset.metric == "l2" and dataset.base.dtype == np.float32
-    assert 0 <= dataset.base.min() and dataset.base.max() <= 255
+    assert dataset.base.min() >= 0 and dataset.base.max() <= 255
 
 
 def test_ann_benchmarks_hdf5_angular_is_cosine(angular_hdf5: Path) -> None:

@@ -1,0 +1,201 @@
+"""Real Ray Serve over HTTP on loopback: recall, single vs batch, every error, concurrency, health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from index_build.datasets import load_dataset
+from index_build.job import build_index
+from serving.evaluate import evaluate
+from serving.searcher import load_all_shards
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+PORT = 18321
+URL = f"http://127.0.0.1:{PORT}"
+LIMIT = "20000"
+
+
+@pytest.fixture(scope="module")
+def fm_index(ray_cluster, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "fm"
+    build_index("fashion-mnist", 4, "IVF256,Flat", str(out), limit=int(LIMIT), backend="ray")
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(fm_index: Path):
+    from ray import serve
+
+    from deployments.run import APP_NAME, deploy
+
+    url = deploy(str(fm_index), port=PORT, max_vectors=256)
+    assert url == URL
+    yield URL
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def queries() -> np.ndarray:
+    return load_dataset("fashion-mnist", num_queries=200).queries
+
+
+def _post(payload: dict | bytes, **kwargs) -> httpx.Response:
+    content = (payload if isinstance(payload, bytes)
+               else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
+    return httpx.post(f"{URL}/v1/search", content=content,
+                      headers={"content-type": "application/json"}, timeout=30, **kwargs)
+
+
+def test_recall_over_http_equals_in_process(served, fm_index: Path) -> None:
+    result = run_cli("eval", str(fm_index), "--dataset", "fashion-mnist", "--limit", LIMIT,
+                     "--nprobe", "16", "--url", served, "--json")
+    assert result.returncode == 0, result.stderr
+    over_http = json.loads(result.stdout)
+    in_process = evaluate(str(fm_index), "fashion-mnist", k=10, params={"nprobe": 16}, limit=int(LIMIT))
+    assert over_http["recall"] >= 0.97
+    assert abs(over_http["recall"] - in_process["recall"]) <= 0.005
+
+
+def test_single_and_batch_agree_with_in_process(served, fm_index: Path, queries: np.ndarray) -> None:
+    from serving.evaluate import sharded_search
+
+    manifest, searchers = load_all_shards(str(fm_index))
+    distances, ids = sharded_search(searchers, queries[:20], 7, {"nprobe": 8}, manifest.metric)
+    batch = _post({"vectors": queries[:20], "k": 7, "params": {"nprobe": 8}})
+    assert batch.status_code == 200, batch.text
+    body = batch.json()
+    assert body["coverage"] == {"shards": 4, "answered": 4}
+    assert body["index"] == manifest.index_version
+    assert {"total", "compute", "queue"} <= set(body["timing_ms"])
+    for row, hits in enumerate(body["results"]):
+        assert hits["ids"] == ids[row].tolist()
+        np.testing.assert_allclose(hits["distances"], distances[row], rtol=1e-6)
+        single = _post({"vector": queries[row], "k": 7, "params": {"nprobe": 8}}).json()
+        assert single["ids"] == hits["ids"]
+
+
+@pytest.mark.parametrize("payload, status, field", [
+    ({"vector": [0.0] * 3}, 422, "vector"),
+    ({"vector": [0.0] * 784, "k": 0}, 422, "k"),
+    ({"vector": [0.0] * 784, "k": 101}, 422, "k"),
+    ({"vectors": []}, 422, "vectors"),
+    ({"vectors": [[0.0] * 784] * 257}, 422, "vectors"),
+    ({"vector": [0.0] * 784, "params": {"efSearch": 5}}, 422, "params.efSearch"),
+    ({"vector": [0.0] * 784, "params": {"bogus": 5}}, 422, "params.bogus"),
+    (b'{"vector": [NaN' + b', 0.0' * 783 + b"]}", 422, "vector"),
+    (b"not json", 422, "body"),
+])
+def test_bad_requests_get_4xx_naming_the_field(served, payload, status: int, field: str) -> None:
+    response = _post(payload)
+    assert response.status_code == status, response.text
+    assert response.json()["field"] == field and response.json()["error"]
+
+
+def test_oversized_body_is_413(served) -> None:
+    response = _post(b"[" + b"0.0," * 5_000_000 + b"0.0]")
+    assert response.status_code == 413
+
+
+def test_health_index_and_docs(served, fm_index: Path) -> None:
+    health = httpx.get(f"{URL}/v1/health", timeout=10)
+    assert health.status_code == 200 and health.json()["shards"] == 4
+    info = httpx.get(f"{URL}/v1/index", timeout=10).json()
+    assert info["num_vectors"] == int(LIMIT) and info["params"] == ["nprobe"]
+    assert [s["name"] for s in info["shards"]] == ["shard-000", "shard-001", "shard-002", "shard-003"]
+    assert httpx.get(f"{URL}/docs", timeout=10).status_code == 200
+    assert "/v1/search" in httpx.get(f"{URL}/openapi.json", timeout=10).json()["paths"]
+
+
+def test_concurrent_mixed_params_get_their_own_answers(served, fm_index: Path, queries: np.ndarray) -> None:
+    """Requests with different k / nprobe batched together each get exactly their in-process answer."""
+    from serving.evaluate import sharded_search
+
+    manifest, searchers = load_all_shards(str(fm_index))
+    cases = [(row, k, nprobe) for row in range(40) for k, nprobe in ((3, 1), (10, 16))]
+    expected = {(row, k, nprobe): sharded_search(searchers, queries[row:row + 1], k, {"nprobe": nprobe},
+                                                 manifest.metric)[1][0].tolist()
+                for row, k, nprobe in cases}
+
+    async def fire() -> list[tuple[tuple, httpx.Response]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(case):
+                row, k, nprobe = case
+                body = orjson.dumps({"vector": queries[row], "k": k, "params": {"nprobe": nprobe}},
+                                    option=orjson.OPT_SERIALIZE_NUMPY)
+                return case, await client.post(f"{URL}/v1/search", content=body)
+            bad = [client.post(f"{URL}/v1/search", content=b'{"vector": [1]}') for _ in range(10)]
+            results = await asyncio.gather(*[one(c) for c in cases], *bad)
+            return [r for r in results if isinstance(r, tuple)]
+
+    answers = asyncio.run(fire())
+    assert len(answers) == len(cases)
+    batched = 0
+    for case, response in answers:
+        assert response.status_code == 200, response.text
+        assert response.json()["ids"] == expected[case]
+        batched += response.json()["batch"] > 1
+    assert batched > 0, "no two in-flight requests were batched"
+
+
+def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_index: Path,
+                                                                 queries: np.ndarray) -> None:
+    """A shard slower than the deadline is left out (coverage says so); require_full turns it into 503."""
+    from ray import serve
+
+    from deployments.run import deploy
+
+    url = deploy(str(fm_index), port=PORT, app_name="slow", route_prefix="/slow",
+                 shard_timeout_s=0.3, debug_search_delay_s={"shard-002": 1.0},
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    try:
+        partial = httpx.post(f"{url}/v1/search", content=orjson.dumps(
+            {"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY), timeout=10)
+        assert partial.status_code == 200, partial.text
+        assert partial.json()["coverage"] == {"shards": 4, "answered": 3}
+        assert partial.json()["timing_ms"]["total"] < 1000
+        full = httpx.post(f"{url}/v1/search", content=orjson.dumps(
+            {"vector": queries[0], "k": 5, "require_full": True}, option=orjson.OPT_SERIALIZE_NUMPY),
+            timeout=10)
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json()["field"] == "require_full"
+    finally:
+        serve.delete("slow")
+
+
+def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> None:
+    import time
+
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import AppArgs
+
+    args = AppArgs(index=str(fm_index), debug_load_delay_s={"shard-001": 12.0},
+                   shard_num_cpus=0.1, router_num_cpus=0.1)
+    serve._run(build_app(args.model_dump()), _blocking=False, name="late", route_prefix="/late")
+    statuses: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.get(f"{URL}/late/v1/health", timeout=10).status_code)
+            except httpx.HTTPError:
+                statuses.append(0)
+            if statuses[-1] == 200:
+                break
+            time.sleep(0.25)
+        assert statuses[-1] == 200, statuses
+        assert 503 in statuses or 404 in statuses, statuses
+        assert all(s != 200 for s in statuses[:-1])
+        # the main app kept serving meanwhile
+        assert httpx.get(f"{URL}/v1/health", timeout=10).status_code == 200
+    finally:
+        serve.delete("late")
