@@ -1,0 +1,71 @@
+"""`shardserve serve-config` output runs unchanged under `serve run`, and answers like in-process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from deployments.config import AppArgs
+from index_build.datasets import load_dataset
+from index_build.job import build_index
+from serving.evaluate import sharded_search
+from serving.searcher import load_all_shards
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+PORT = 18321
+
+
+def test_generated_config_is_valid_serve_schema(tmp_path: Path) -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(run_cli("serve-config", str(tmp_path), "--port", "9001").stdout)
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    assert app["import_path"] == "deployments.app:build_app"
+    AppArgs.model_validate(app["args"])  # every arg is a known field
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 9001}
+
+
+def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="ray")
+    generated = run_cli("serve-config", str(index), "--port", str(PORT))
+    assert generated.returncode == 0, generated.stderr
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(generated.stdout)
+
+    address = ray_cluster.get_runtime_context().gcs_address
+    serve_exe = Path(sys.executable).parent / "serve"
+    process = subprocess.Popen([str(serve_exe), "run", "--address", address, str(config_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        from deployments.run import wait_until_healthy
+
+        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=180)
+        queries = load_dataset("fashion-mnist", num_queries=5).queries
+        manifest, searchers = load_all_shards(str(index))
+        _, expected = sharded_search(searchers, queries, 10, {"nprobe": 4}, manifest.metric)
+        response = httpx.post(f"http://127.0.0.1:{PORT}/v1/search", timeout=30, content=orjson.dumps(
+            {"vectors": queries, "k": 10, "params": {"nprobe": 4}}, option=orjson.OPT_SERIALIZE_NUMPY))
+        assert response.status_code == 200, response.text
+        assert [r["ids"] for r in response.json()["results"]] == expected.tolist()
+        assert response.json()["index"] == manifest.index_version
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        time.sleep(1)
