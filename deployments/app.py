@@ -15,9 +15,11 @@ def build_app(args: dict) -> Application:
     """One deployment per shard (named like the shard, own replicas) bound into the router ingress."""
     app_args = AppArgs.model_validate(args)
     manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
+    scaling = ({"autoscaling_config": app_args.shard_autoscaling} if app_args.shard_autoscaling
+               else {"num_replicas": app_args.replicas_per_shard})
     shards = [
         ShardDeployment.options(
-            name=entry.name, num_replicas=app_args.replicas_per_shard,
+            name=entry.name, **scaling,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options={"num_cpus": app_args.shard_num_cpus},
         ).bind(app_args.index, position, app_args.faiss_threads,

@@ -9,38 +9,36 @@ import time
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
 
-from deployments.config import AppArgs
+from deployments.config import MAX_CONCURRENT_BATCHES, AppArgs
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import read_manifest
 from index_build.storage import Location
-from serving.api import ApiError, ParsedQuery, SearchRequest, SearchResponse, parse_search_request
+from serving.api import ApiError, ParsedQuery, parse_search_request
 from serving.fanout import QueryResult, search_batch
 from serving.metrics import RouterMetrics
+from serving.openapi import docs_page, openapi_document
 
-api = FastAPI(
-    title="shardserve",
-    description="Sharded FAISS vector search on Ray Serve: each query fans out to every shard.",
-    version="1",
-)
 _JSON = "application/json"
-_SEARCH_BODY = {"requestBody": {"required": True, "content": {_JSON: {
-    "schema": SearchRequest.model_json_schema()}}}}
+
+
+def _json(payload: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type=_JSON, headers=headers)
 
 
 def _error_response(error: ApiError) -> Response:
-    """Defined before the ingress class: serve.ingress captures the route functions' globals then."""
     headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
     return Response(error.body(), status_code=error.status, media_type=_JSON, headers=headers)
 
 
 @serve.deployment(max_ongoing_requests=512)
-@serve.ingress(api)
 class Router:
+    """Plain ASGI-request ingress (no per-request FastAPI stack): dispatches on the path suffix."""
+
     def __init__(self, shards: list[DeploymentHandle], args: dict):
         self.args = AppArgs.model_validate(args)
         self.manifest = read_manifest(Location.parse(self.args.index))
@@ -51,14 +49,29 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.shard_names = [s.name for s in self.manifest.shards]
         self.in_flight = 0
+        self.openapi = orjson.dumps(openapi_document())
         self._search_batch.set_max_batch_size(self.args.max_batch_size)
         self._search_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
 
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path.rstrip("/")
+        method = request.method
+        if path.endswith("/v1/search") and method == "POST":
+            return await self.search(request)
+        if method == "GET":
+            if path.endswith("/v1/health"):
+                return await self.health()
+            if path.endswith("/v1/index"):
+                return self.index()
+            if path.endswith("/openapi.json"):
+                return Response(self.openapi, media_type=_JSON)
+            if path.endswith("/docs"):
+                prefix = path[: -len("/docs")]
+                return Response(docs_page(f"{prefix}/openapi.json"), media_type="text/html")
+        return _json({"error": f"no route {method} {request.url.path}", "field": None}, 404)
+
     # --- HTTP endpoints ---------------------------------------------------------------------------
 
-    @api.post("/v1/search", response_model=SearchResponse, openapi_extra=_SEARCH_BODY,
-              responses={413: {"description": "body too large"}, 422: {"description": "bad field"},
-                         503: {"description": "overloaded, not ready, or partial with require_full"}})
     async def search(self, request: Request) -> Response:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
         started = time.perf_counter()
@@ -69,8 +82,7 @@ class Router:
             query = await self._parse(request)
             result = await self._search_batch(query)
             self._check_coverage(query, result)
-            body = self._render(query, result, started)
-            return Response(body, media_type=_JSON)
+            return Response(self._render(query, result, started), media_type=_JSON)
         except ApiError as error:
             status = error.status
             return _error_response(error)
@@ -80,7 +92,6 @@ class Router:
             self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
                                             tags={"endpoint": "search", "status": str(status)})
 
-    @api.get("/v1/health")
     async def health(self) -> Response:
         """200 when every shard answers, else 503 with Retry-After."""
         try:
@@ -89,21 +100,19 @@ class Router:
         except Exception as exc:  # a shard not (yet) up: not ready
             return _error_response(ApiError(503, None, f"not ready: {type(exc).__name__}",
                                             self.args.retry_after_s))
-        return Response(orjson.dumps({"status": "ok", "shards": len(infos),
-                                      "index": self.manifest.index_version}), media_type=_JSON)
+        return _json({"status": "ok", "shards": len(infos), "index": self.manifest.index_version})
 
-    @api.get("/v1/index")
-    async def index(self) -> Response:
+    def index(self) -> Response:
         """Summary of the manifest being served and the request limits."""
         m = self.manifest
-        return Response(orjson.dumps({
+        return _json({
             "index_version": m.index_version, "index_factory": m.index_factory, "dim": m.dim,
             "metric": m.metric, "num_vectors": m.num_vectors, "dataset": m.dataset.model_dump(),
             "created_at": m.created_at,
             "shards": [{"name": s.name, "num_vectors": s.num_vectors, "bytes": s.bytes} for s in m.shards],
             "params": sorted(self.supported), "max_k": self.args.max_k,
             "max_vectors": self.args.max_vectors, "max_body_bytes": self.args.max_body_bytes,
-        }), media_type=_JSON)
+        })
 
     # --- internals --------------------------------------------------------------------------------
 
@@ -125,7 +134,8 @@ class Router:
                                 query.single, query.require_full)
         return query
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0005, max_concurrent_batches=4)
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0005,
+                 max_concurrent_batches=MAX_CONCURRENT_BATCHES)
     async def _search_batch(self, queries: list[ParsedQuery]) -> list[QueryResult]:
         """Whatever is in flight becomes one batch: one call per shard per (k, params) group."""
         results = await search_batch(queries, self._call_shard, len(self.shards),

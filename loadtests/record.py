@@ -1,0 +1,120 @@
+"""Records (DESIGN.md contract): one JSON per run plus a PNG of latency and QPS against load.
+
+CLI used by the shell scripts:
+python -m loadtests.record --name N --url URL --out DIR LEVEL.json [LEVEL.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from loadtests.knee import find_knee
+
+RECORDS = Path(__file__).resolve().parent / "records"
+
+
+def machine() -> dict:
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cores": len(os.sched_getaffinity(0)), "cpu_model": model, "python": platform.python_version()}
+
+
+def index_info(url: str) -> dict:
+    """What the server says it serves (GET /v1/index), so the record names its index."""
+    import httpx
+
+    try:
+        info = httpx.get(url.rstrip("/") + "/v1/index", timeout=5).json()
+    except Exception:
+        return {}
+    return {"version": info.get("index_version"), "factory": info.get("index_factory"),
+            "shards": len(info.get("shards", [])), "num_vectors": info.get("num_vectors")}
+
+
+def new_record(name: str, levels: list[dict], index: dict, tool: dict, **extra) -> dict:
+    record = {"name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), "index": index, "tool": tool, "levels": levels}
+    knee = find_knee(levels) if len({lv["mode"] for lv in levels}) == 1 else None
+    if knee:
+        record["knee"] = knee
+    record.update(extra)
+    return record
+
+
+def save(record: dict, out_dir: Path = RECORDS) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{record['name']}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    if len(record["levels"]) > 1:
+        plot(record, path.with_suffix(".png"))
+    return path
+
+
+def plot(record: dict, png: Path) -> None:
+    """Latency (p50/p99, split into compute and interface+queue) and QPS against load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(record["levels"], key=lambda lv: lv["value"])
+    load = [lv["value"] for lv in levels]
+    fig, (ax_lat, ax_qps) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_lat.plot(load, [lv["p50_ms"] for lv in levels], "o-", label="p50")
+    ax_lat.plot(load, [lv["p99_ms"] for lv in levels], "o-", label="p99")
+    if all(lv.get("compute_p50_ms") is not None for lv in levels):
+        ax_lat.plot(load, [lv["compute_p50_ms"] for lv in levels], "s--", label="compute p50")
+        ax_lat.plot(load, [lv["queue_p50_ms"] for lv in levels], "s--", label="interface+queue p50")
+    ax_qps.plot(load, [lv["qps"] for lv in levels], "o-", color="tab:green", label="QPS")
+    knee = record.get("knee")
+    for ax in (ax_lat, ax_qps):
+        ax.set_xlabel(levels[0]["mode"])
+        ax.set_xscale("log", base=2)
+        if knee:
+            ax.axvline(knee["value"], color="grey", linestyle=":", label=f"knee @ {knee['value']}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    ax_lat.set_ylabel("latency (ms)")
+    ax_lat.set_yscale("log")
+    ax_qps.set_ylabel("requests / s")
+    fig.suptitle(record["name"])
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__)
+    cli.add_argument("--name", required=True)
+    cli.add_argument("--url", required=True)
+    cli.add_argument("--out", default=str(RECORDS))
+    cli.add_argument("--vegeta-version", default="unknown")
+    cli.add_argument("levels", nargs="+", help="level JSON files written by loadtests.level")
+    args = cli.parse_args()
+    levels = [json.loads(Path(p).read_text()) for p in args.levels]
+    record = new_record(args.name, levels, index_info(args.url),
+                        {"name": "vegeta", "version": args.vegeta_version})
+    path = save(record, Path(args.out))
+    knee = record.get("knee")
+    for lv in sorted(levels, key=lambda lv: lv["value"]):
+        print(f"{lv['mode']}={lv['value']:>6}: {lv['qps']:8.1f} QPS  p50 {lv['p50_ms']:7.2f}  "
+              f"p99 {lv['p99_ms']:7.2f} ms  compute p50 {lv['compute_p50_ms']}  "
+              f"interface+queue p50 {lv['queue_p50_ms']}  codes {lv['status_codes']}")
+    if knee:
+        print(f"knee: {knee['mode']} {knee['value']} ({knee['qps']} QPS, p50 {knee['p50_ms']} ms)")
+    print(f"record: {path}")
+
+
+if __name__ == "__main__":
+    main()

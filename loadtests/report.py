@@ -1,0 +1,93 @@
+"""Turn vegeta results into one record level: QPS, status codes, latency percentiles, and the split of
+latency into server compute (from each response's `timing_ms.compute`) and interface + queue.
+
+Reads `vegeta encode` JSON lines (one per request, response body base64) from a file or stdin.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
+              queries_per_request: int = 1) -> dict:
+    """One `levels[]` entry of the records contract."""
+    latencies, computes, server_totals, interface = [], [], [], []
+    codes, errors = Counter(), Counter()
+    first = last = None
+    for line in lines:
+        if not line.strip():
+            continue
+        hit = json.loads(line)
+        codes[str(hit["code"])] += 1
+        if hit.get("error"):
+            errors[hit["error"][:120]] += 1
+        latency_ms = hit["latency"] / 1e6
+        latencies.append(latency_ms)
+        stamp = _ts(hit["timestamp"])
+        first = stamp if first is None else min(first, stamp)
+        last = stamp + latency_ms / 1000 if last is None else max(last, stamp + latency_ms / 1000)
+        if hit["code"] == 200 and hit.get("body"):
+            timing = _timing(hit["body"])
+            if timing:
+                computes.append(timing["compute"])
+                server_totals.append(timing["total"])
+                interface.append(latency_ms - timing["compute"])
+    requests = len(latencies)
+    ok = codes.get("200", 0)
+    wall = max((last - first) if first is not None else 0.0, 1e-9)
+    lat = np.asarray(latencies) if latencies else np.zeros(1)
+    level = {
+        "mode": mode, "value": value, "duration_s": duration_s, "requests": requests,
+        "qps": round(ok / wall, 1), "queries_per_s": round(ok * queries_per_request / wall, 1),
+        "success_ratio": round(ok / requests, 4) if requests else 0.0,
+        "status_codes": dict(codes),
+        "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
+        "max_ms": round(float(lat.max()), 3), "mean_ms": round(float(lat.mean()), 3),
+        "compute_p50_ms": _pct(np.asarray(computes), 50) if computes else None,
+        "compute_p99_ms": _pct(np.asarray(computes), 99) if computes else None,
+        "server_total_p50_ms": _pct(np.asarray(server_totals), 50) if server_totals else None,
+        # interface + queue of each answered request = its client latency - its server compute
+        "queue_p50_ms": _pct(np.asarray(interface), 50) if interface else None,
+        "queue_p99_ms": _pct(np.asarray(interface), 99) if interface else None,
+        "errors": dict(errors.most_common(5)),
+    }
+    return level
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return round(float(np.percentile(values, q)), 3) if values.size else 0.0
+
+
+def _timing(body_b64: str) -> dict | None:
+    try:
+        payload = json.loads(base64.b64decode(body_b64))
+    except (ValueError, json.JSONDecodeError):
+        return None
+    return payload.get("timing_ms") if isinstance(payload, dict) else None
+
+
+def _ts(stamp: str) -> float:
+    """vegeta RFC3339Nano timestamp → seconds (only differences matter)."""
+    import datetime as dt
+
+    head, _, frac = stamp.partition(".")
+    zone = ""
+    if frac:
+        digits = "".join(ch for ch in frac if ch.isdigit())
+        zone = frac[len(digits):]
+        frac_s = float("0." + digits) if digits else 0.0
+    else:
+        for sep in ("Z", "+", "-"):
+            if sep in head[10:]:
+                idx = head.index(sep, 10)
+                head, zone = head[:idx], head[idx:]
+                break
+        frac_s = 0.0
+    zone = "+00:00" if zone in ("Z", "") else zone
+    return dt.datetime.fromisoformat(head + zone).timestamp() + frac_s

@@ -1,0 +1,58 @@
+"""`shardserve tune RECORD`: the knee of a closed-loop sweep → backpressure + autoscaling settings.
+
+Reasoning (the numbers are written into the config as comments):
+- Past the knee concurrency C*, extra in-flight requests only queue. So the router admits C* at once
+  (`router_max_ongoing_requests`) and queues at most C* more (`router_max_queued_requests`); beyond
+  that Serve answers 503 at once instead of growing the queue.
+- All C* in-flight requests should fit into the router's concurrent batches:
+  `max_batch_size = ceil(C* / max_concurrent_batches)`.
+- A shard replica sees at most `max_concurrent_batches` calls per router replica; Serve's autoscaler
+  adds shard replicas when a replica carries more than half of that (`target_ongoing_requests`), i.e.
+  when batches start to wait for a busy shard, and removes them slowly (downscale delay 60 s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from deployments.config import MAX_CONCURRENT_BATCHES, serve_config_yaml
+from serving.errors import ShardserveError
+
+
+def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
+    """AppArgs overrides derived from a knee (see module docstring)."""
+    if knee.get("mode", "concurrency") != "concurrency":
+        raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
+    knee_concurrency = max(1, int(knee["value"]))
+    concurrent_batches = MAX_CONCURRENT_BATCHES
+    return {
+        "router_max_ongoing_requests": max(knee_concurrency, concurrent_batches),
+        "router_max_queued_requests": knee_concurrency,
+        "max_batch_size": max(1, math.ceil(knee_concurrency / concurrent_batches)),
+        "shard_max_ongoing_requests": 2 * concurrent_batches,
+        "shard_autoscaling": {
+            "min_replicas": 1, "max_replicas": max_replicas,
+            "target_ongoing_requests": max(1, concurrent_batches // 2),
+            "upscale_delay_s": 3, "downscale_delay_s": 60,
+        },
+    }
+
+
+def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
+    try:
+        record = json.loads(Path(record_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ShardserveError(f"cannot read record {record_path}: {exc}") from None
+    knee = record.get("knee")
+    if not knee:
+        raise ShardserveError(f"{record_path} has no knee: run a sweep with >= 3 concurrency levels")
+    index = index_dir or (record.get("index") or {}).get("path")
+    if not index:
+        raise ShardserveError("pass --index-dir: the record does not name its index directory")
+    overrides = settings_from_knee(knee)
+    header = (f"# Tuned by `shardserve tune {record_path}`: knee at {knee['mode']} {knee['value']} "
+              f"({knee['qps']} QPS, p50 {knee['p50_ms']} ms, p99 {knee['p99_ms']} ms; "
+              f"peak {knee['peak_qps']} QPS)\n")
+    return header + serve_config_yaml(index, **overrides)

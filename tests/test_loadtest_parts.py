@@ -1,0 +1,86 @@
+"""Knee finder on recorded curves; reporter on vegeta-encoded lines; targets decode to valid bodies."""
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from loadtests.knee import find_knee
+from loadtests.report import summarize
+from loadtests.targets import make_targets
+from serving.api import parse_search_request
+
+SAMPLE = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "sample"
+
+
+def _levels(pairs):
+    return [{"value": c, "qps": q, "p50_ms": c / q * 1000, "p99_ms": 2 * c / q * 1000} for c, q in pairs]
+
+
+def test_knee_on_a_saturating_curve() -> None:
+    knee = find_knee(_levels([(1, 100), (2, 190), (4, 350), (8, 600), (16, 640), (32, 650), (64, 645)]))
+    assert knee["value"] == 8 and knee["saturated"]
+    assert knee["latency_growth"] > 7  # 64 clients: latency is queueing past the knee
+
+
+def test_knee_when_throughput_never_saturates() -> None:
+    knee = find_knee(_levels([(1, 100), (2, 200), (4, 400)]))
+    assert knee["value"] == 4 and not knee["saturated"]
+
+
+def test_knee_needs_three_levels() -> None:
+    assert find_knee(_levels([(1, 100), (2, 200)])) is None
+
+
+def test_knee_on_committed_sweep_record() -> None:
+    record = json.loads((SAMPLE / "sweep-sample.json").read_text())
+    knee = find_knee(record["levels"])
+    assert knee["value"] == record["knee"]["value"]
+
+
+def _hit(code: int, latency_ms: float, compute: float | None, t: str) -> str:
+    body = base64.b64encode(orjson.dumps({"timing_ms": {"total": 1.0, "compute": compute}})).decode() \
+        if compute is not None else ""
+    return json.dumps({"code": code, "latency": int(latency_ms * 1e6), "timestamp": t, "error": "",
+                       "body": body})
+
+
+def test_summarize_splits_compute_and_interface() -> None:
+    lines = [_hit(200, 3.0, 1.0, "2026-11-22T04:00:00.000000000Z"),
+             _hit(200, 5.0, 2.0, "2026-11-22T04:00:00.500000000Z"),
+             _hit(503, 0.5, None, "2026-11-22T04:00:00.999000000Z")]
+    level = summarize(lines, "concurrency", 2, 1.0)
+    assert level["requests"] == 3 and level["status_codes"] == {"200": 2, "503": 1}
+    assert level["success_ratio"] == round(2 / 3, 4)
+    assert level["compute_p50_ms"] == 1.5 and level["queue_p50_ms"] == 2.5
+    assert level["qps"] > 0 and level["max_ms"] == 5.0
+
+
+def test_targets_are_valid_requests() -> None:
+    queries = np.random.default_rng(0).random((5, 8)).astype(np.float32)
+    for batch in (0, 3):
+        lines = make_targets(queries, "http://127.0.0.1:1", k=4, params={"nprobe": 2}, batch=batch, count=7)
+        assert len(lines) == 7
+        for line in lines:
+            target = json.loads(line)
+            assert target["url"] == "http://127.0.0.1:1/v1/search"
+            parsed = parse_search_request(base64.b64decode(target["body"]), 8, 100, 10)
+            assert parsed.k == 4 and parsed.matrix.shape == (1 if batch == 0 else 3, 8)
+
+
+def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path) -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.config import AppArgs
+    from loadtests.tune import tune_from_record
+
+    config = yaml.safe_load(tune_from_record(str(SAMPLE / "sweep-sample.json"), str(tmp_path)))
+    ServeDeploySchema.model_validate(config)
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    knee = json.loads((SAMPLE / "sweep-sample.json").read_text())["knee"]["value"]
+    assert args.router_max_ongoing_requests == knee and args.router_max_queued_requests == knee
+    assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
+    assert args.max_batch_size * 4 >= knee
