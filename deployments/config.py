@@ -27,6 +27,9 @@ class AppArgs(BaseModel):
     router_num_cpus: float = Field(0.25, gt=0)
     max_batch_size: int = Field(64, ge=1, description="router @serve.batch size cap")
     batch_wait_timeout_s: float = Field(0.0005, ge=0, description="wait for more requests per batch")
+    max_in_flight: int = Field(
+        256, ge=1, description="admission control: requests inside a router replica beyond this get an "
+                               "immediate 503 + Retry-After instead of joining a growing queue")
     router_max_ongoing_requests: int = Field(512, ge=1)
     router_max_queued_requests: int = Field(1024, ge=-1, description="beyond this Serve answers 503")
     shard_max_ongoing_requests: int = Field(16, ge=1)

@@ -54,27 +54,34 @@ class Router:
         self._search_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path.rstrip("/")
+        # Serve puts the route prefix in root_path; match the rest exactly.
+        root = request.scope.get("root_path", "")
+        route = request.scope.get("path", "")[len(root):].rstrip("/") or "/"
         method = request.method
-        if path.endswith("/v1/search") and method == "POST":
+        if route == "/v1/search" and method == "POST":
             return await self.search(request)
         if method == "GET":
-            if path.endswith("/v1/health"):
+            if route == "/v1/health":
                 return await self.health()
-            if path.endswith("/v1/index"):
+            if route == "/v1/index":
                 return self.index()
-            if path.endswith("/openapi.json"):
+            if route == "/openapi.json":
                 return Response(self.openapi, media_type=_JSON)
-            if path.endswith("/docs"):
-                prefix = path[: -len("/docs")]
-                return Response(docs_page(f"{prefix}/openapi.json"), media_type="text/html")
-        return _json({"error": f"no route {method} {request.url.path}", "field": None}, 404)
+            if route == "/docs":
+                return Response(docs_page(f"{root}/openapi.json"), media_type="text/html")
+        return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
     # --- HTTP endpoints ---------------------------------------------------------------------------
 
     async def search(self, request: Request) -> Response:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
         started = time.perf_counter()
+        if self.in_flight >= self.args.max_in_flight:  # shed before reading the body: fast 503
+            self.metrics.shed.inc()
+            self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
+                                            tags={"endpoint": "search", "status": "503"})
+            return _error_response(ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
+                                            self.args.retry_after_s))
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         status = 200

@@ -56,9 +56,37 @@ def save(record: dict, out_dir: Path = RECORDS) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{record['name']}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    if len(record["levels"]) > 1:
+    if len({lv.get("label") for lv in record["levels"]}) > 1:
+        plot_comparison(record, path.with_suffix(".png"))
+    elif len(record["levels"]) > 1:
         plot(record, path.with_suffix(".png"))
     return path
+
+
+def plot_comparison(record: dict, png: Path) -> None:
+    """Benchmark records compare systems, not loads: queries/s and p50 per (system, clients)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{lv['label']} c={lv['value']:g}" for lv in record["levels"]]
+    fig, (ax_qps, ax_lat) = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.5))
+    ax_qps.barh(names, [lv["queries_per_s"] for lv in record["levels"]], color="tab:green")
+    ax_qps.set_xlabel("queries / s")
+    ax_lat.barh(names, [lv["p50_ms"] for lv in record["levels"]], label="p50")
+    ax_lat.barh(names, [lv.get("compute_p50_ms") or 0 for lv in record["levels"]], label="compute p50")
+    ax_lat.set_xscale("log")
+    ax_lat.set_xlabel("ms")
+    ax_lat.set_yticklabels([])
+    ax_lat.legend()
+    for ax in (ax_qps, ax_lat):
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(record["name"])
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
 
 
 def plot(record: dict, png: Path) -> None:

@@ -1,9 +1,9 @@
 """`shardserve tune RECORD`: the knee of a closed-loop sweep → backpressure + autoscaling settings.
 
 Reasoning (the numbers are written into the config as comments):
-- Past the knee concurrency C*, extra in-flight requests only queue. So the router admits C* at once
-  (`router_max_ongoing_requests`) and queues at most C* more (`router_max_queued_requests`); beyond
-  that Serve answers 503 at once instead of growing the queue.
+- Past the knee concurrency C*, extra in-flight requests only queue. So a router replica works on at
+  most C* requests (`max_in_flight`, admission control: the next one gets 503 + Retry-After at once),
+  and Serve queues at most C* more before the replica (`router_max_queued_requests`).
 - All C* in-flight requests should fit into the router's concurrent batches:
   `max_batch_size = ceil(C* / max_concurrent_batches)`.
 - A shard replica sees at most `max_concurrent_batches` calls per router replica; Serve's autoscaler
@@ -28,7 +28,8 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
     knee_concurrency = max(1, int(knee["value"]))
     concurrent_batches = MAX_CONCURRENT_BATCHES
     return {
-        "router_max_ongoing_requests": max(knee_concurrency, concurrent_batches),
+        "max_in_flight": knee_concurrency,
+        "router_max_ongoing_requests": max(2 * knee_concurrency, concurrent_batches),
         "router_max_queued_requests": knee_concurrency,
         "max_batch_size": max(1, math.ceil(knee_concurrency / concurrent_batches)),
         "shard_max_ongoing_requests": 2 * concurrent_batches,

@@ -115,7 +115,8 @@ def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int)
     if not single and len(value) > max_vectors:
         raise ApiError(422, field, f"too many vectors: {len(value)} > max {max_vectors}")
     try:
-        matrix = np.array([value] if single else value, dtype=np.float32)
+        with np.errstate(over="ignore"):  # out-of-range numbers become inf and are refused below
+            matrix = np.array([value] if single else value, dtype=np.float32)
     except (ValueError, TypeError):
         raise ApiError(422, field, f"{field} must hold numbers only, all of dim {dim}") from None
     if matrix.ndim != 2 or matrix.shape[1] != dim:

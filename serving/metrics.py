@@ -31,6 +31,8 @@ class RouterMetrics:
             boundaries=BATCH_BOUNDARIES)
         self.in_flight = metrics.Gauge(
             "shardserve_in_flight_requests", "Requests inside the router replica")
+        self.shed = metrics.Counter(
+            "shardserve_shed_requests", "Requests refused with 503 by admission control")
         self.coverage = metrics.Counter(
             "shardserve_answers", "Answers by coverage (full / partial / none)", tag_keys=("coverage",))
         self.shard_names: list[str] = []

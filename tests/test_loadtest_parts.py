@@ -81,6 +81,7 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     ServeDeploySchema.model_validate(config)
     args = AppArgs.model_validate(config["applications"][0]["args"])
     knee = json.loads((SAMPLE / "sweep-sample.json").read_text())["knee"]["value"]
-    assert args.router_max_ongoing_requests == knee and args.router_max_queued_requests == knee
+    assert args.max_in_flight == knee and args.router_max_queued_requests == knee
+    assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
     assert args.max_batch_size * 4 >= knee

@@ -193,9 +193,42 @@ def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> No
                 break
             time.sleep(0.25)
         assert statuses[-1] == 200, statuses
-        assert 503 in statuses or 404 in statuses, statuses
+        assert 503 in statuses, statuses
         assert all(s != 200 for s in statuses[:-1])
         # the main app kept serving meanwhile
         assert httpx.get(f"{URL}/v1/health", timeout=10).status_code == 200
     finally:
         serve.delete("late")
+
+
+def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndarray) -> None:
+    """Admission control: beyond max_in_flight a request gets 503 + Retry-After at once, not a queue."""
+    import time
+
+    from ray import serve
+
+    from deployments.run import deploy
+
+    url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
+                 debug_search_delay_s={"shard-000": 0.5}, shard_num_cpus=0.1, router_num_cpus=0.1)
+    body = orjson.dumps({"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    async def burst() -> list[tuple[int, float, str | None]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def one():
+                start = time.perf_counter()
+                response = await client.post(f"{url}/v1/search", content=body)
+                return (response.status_code, time.perf_counter() - start,
+                        response.headers.get("retry-after"))
+            return await asyncio.gather(*[one() for _ in range(24)])
+
+    try:
+        outcomes = asyncio.run(burst())
+        statuses = [status for status, _, _ in outcomes]
+        assert set(statuses) <= {200, 503}, statuses
+        assert statuses.count(200) >= 4 and statuses.count(503) >= 8, statuses
+        shed = [seconds for status, seconds, retry in outcomes if status == 503 and retry == "1"]
+        assert len(shed) == statuses.count(503)
+        assert max(shed) < 0.4  # answered before the slow shard could have answered anything
+    finally:
+        serve.delete("tight")
