@@ -6,9 +6,10 @@ Reasoning (the numbers are written into the config as comments):
   and Serve queues at most C* more before the replica (`router_max_queued_requests`).
 - All C* in-flight requests should fit into the router's concurrent batches:
   `max_batch_size = ceil(C* / max_concurrent_batches)`.
-- A shard replica sees at most `max_concurrent_batches` calls per router replica; Serve's autoscaler
-  adds shard replicas when a replica carries more than half of that (`target_ongoing_requests`), i.e.
-  when batches start to wait for a busy shard, and removes them slowly (downscale delay 60 s).
+- A shard replica sees at most `max_concurrent_batches` calls per router replica (the router queues
+  the rest). Each shard deployment autoscales (deployments/autoscaling.py) on its own depth with a
+  target of half of them (`knee_depth`): the shard batches wait for is the one that grows, after 3 s;
+  it shrinks after 60 s below target.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import math
 from pathlib import Path
 
+from deployments.autoscaling import autoscaling_config
 from deployments.config import MAX_CONCURRENT_BATCHES, serve_config_yaml
 from serving.errors import ShardserveError
 
@@ -33,11 +35,9 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
         "router_max_queued_requests": knee_concurrency,
         "max_batch_size": max(1, math.ceil(knee_concurrency / concurrent_batches)),
         "shard_max_ongoing_requests": 2 * concurrent_batches,
-        "shard_autoscaling": {
-            "min_replicas": 1, "max_replicas": max_replicas,
-            "target_ongoing_requests": max(1, concurrent_batches // 2),
-            "upscale_delay_s": 3, "downscale_delay_s": 60,
-        },
+        "shard_autoscaling": autoscaling_config(
+            knee_depth=max(1, concurrent_batches // 2), max_replicas=max_replicas,
+            upscale_delay_s=3, downscale_delay_s=60),
     }
 
 

@@ -1,0 +1,80 @@
+"""Shard autoscaling on a real local Serve: the slow shard scales up alone under load, back down after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from deployments.autoscaling import autoscaling_config
+from index_build.datasets import load_dataset
+from index_build.job import build_index
+
+pytestmark = pytest.mark.slow
+PORT = 18321
+
+
+def _running(app: str) -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return {name: status.replica_states.get("RUNNING", 0) for name, status in deployments.items()}
+
+
+def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path) -> None:
+    from ray import serve
+
+    from deployments.run import deploy
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 3, "IVF64,Flat", str(index), limit=6000, backend="ray")
+    scaling = autoscaling_config(knee_depth=1, max_replicas=3, upscale_delay_s=1, downscale_delay_s=4,
+                                 metrics_interval_s=0.5, look_back_period_s=1.5)
+    url = deploy(str(index), port=PORT, app_name="scaling", route_prefix="/scaling",
+                 shard_autoscaling=scaling, debug_search_delay_s={"shard-001": 0.15},
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+    history: list[dict[str, int]] = []
+
+    async def load_until_scaled(deadline_s: float) -> int:
+        """8 closed-loop clients (bounded in time) while watching replica counts every 0.5 s."""
+        stop = time.monotonic() + deadline_s
+        sent = 0
+
+        async def client(http: httpx.AsyncClient) -> None:
+            nonlocal sent
+            while time.monotonic() < stop:
+                response = await http.post(f"{url}/v1/search", content=body)
+                assert response.status_code == 200, response.text
+                sent += 1
+
+        async def watch() -> None:
+            nonlocal stop
+            while time.monotonic() < stop:
+                history.append(await asyncio.to_thread(_running, "scaling"))
+                if history[-1].get("shard-001", 0) >= 2:
+                    stop = time.monotonic()  # scaled: end the load early
+                await asyncio.sleep(0.5)
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            await asyncio.gather(watch(), *[client(http) for _ in range(8)])
+        return sent
+
+    try:
+        sent = asyncio.run(load_until_scaled(60))
+        assert sent > 0
+        peak = max(h.get("shard-001", 0) for h in history)
+        assert peak >= 2, history
+        assert all(h.get(name, 0) <= 1 for h in history for name in ("shard-000", "shard-002")), history
+        assert all(count <= 3 for h in history for count in h.values())
+        deadline = time.monotonic() + 60  # idle now: the slow shard must come back down
+        while time.monotonic() < deadline and _running("scaling").get("shard-001", 0) > 1:
+            time.sleep(1)
+        assert _running("scaling")["shard-001"] == 1
+    finally:
+        serve.delete("scaling")
