@@ -26,7 +26,9 @@ class AppArgs(BaseModel):
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.25, gt=0)
     max_batch_size: int = Field(64, ge=1, description="router @serve.batch size cap")
-    batch_wait_timeout_s: float = Field(0.0005, ge=0, description="wait for more requests per batch")
+    batch_wait_timeout_s: float = Field(
+        0.0, ge=0, description="wait for more requests per batch; 0 = take what is in flight (batches "
+                               "still form while the concurrent batches are busy)")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")

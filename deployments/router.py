@@ -141,7 +141,7 @@ class Router:
                                 query.single, query.require_full)
         return query
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0005,
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0,
                  max_concurrent_batches=MAX_CONCURRENT_BATCHES)
     async def _search_batch(self, queries: list[ParsedQuery]) -> list[QueryResult]:
         """Whatever is in flight becomes one batch: one call per shard per (k, params) group."""

@@ -18,6 +18,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
               queries_per_request: int = 1) -> dict:
     """One `levels[]` entry of the records contract."""
     latencies, computes, server_totals, interface = [], [], [], []
+    by_code: dict[str, list[float]] = {}
     codes, errors = Counter(), Counter()
     first = last = None
     for line in lines:
@@ -29,6 +30,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
             errors[hit["error"][:120]] += 1
         latency_ms = hit["latency"] / 1e6
         latencies.append(latency_ms)
+        by_code.setdefault(str(hit["code"]), []).append(latency_ms)
         stamp = _ts(hit["timestamp"])
         first = stamp if first is None else min(first, stamp)
         last = stamp + latency_ms / 1000 if last is None else max(last, stamp + latency_ms / 1000)
@@ -56,6 +58,8 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         "queue_p50_ms": _pct(np.asarray(interface), 50) if interface else None,
         "queue_p99_ms": _pct(np.asarray(interface), 99) if interface else None,
         "errors": dict(errors.most_common(5)),
+        # accepted and shed requests have different latency stories: report them apart
+        "p99_ms_by_status": {code: _pct(np.asarray(values), 99) for code, values in sorted(by_code.items())},
     }
     return level
 

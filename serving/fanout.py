@@ -33,7 +33,8 @@ class QueryResult:
 
 async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_shards: int,
                        higher_is_better: bool, timeout_s: float,
-                       on_shard_done: Callable[[int, float], None] | None = None) -> list[QueryResult]:
+                       on_shard_done: Callable[[int, float | None], None] | None = None,
+                      ) -> list[QueryResult]:
     """Answer every query of the batch, grouping those that can share one scan per shard."""
     groups: dict[tuple, list[int]] = {}
     for position, query in enumerate(queries):
@@ -57,9 +58,9 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         return_exceptions=True)
     fanout_ms = (time.perf_counter() - started) * 1000.0
     answered = [o for o in outcomes if not isinstance(o, BaseException)]
-    for shard, outcome in enumerate(outcomes):
-        if on_shard_done is not None and not isinstance(outcome, BaseException):
-            on_shard_done(shard, outcome[2])
+    if on_shard_done is not None:
+        for shard, outcome in enumerate(outcomes):
+            on_shard_done(shard, None if isinstance(outcome, BaseException) else outcome[2])
     if answered:
         distances, ids = merge_topk([o[0] for o in answered], [o[1] for o in answered], k,
                                     higher_is_better)

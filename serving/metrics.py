@@ -31,12 +31,19 @@ class RouterMetrics:
             boundaries=BATCH_BOUNDARIES)
         self.in_flight = metrics.Gauge(
             "shardserve_in_flight_requests", "Requests inside the router replica")
+        self.deadline_misses = metrics.Counter(
+            "shardserve_shard_deadline_misses", "Shard calls left out of an answer (late or failed)",
+            tag_keys=("shard",))
         self.shed = metrics.Counter(
             "shardserve_shed_requests", "Requests refused with 503 by admission control")
         self.coverage = metrics.Counter(
             "shardserve_answers", "Answers by coverage (full / partial / none)", tag_keys=("coverage",))
         self.shard_names: list[str] = []
 
-    def shard_done(self, shard: int, search_ms: float) -> None:
+    def shard_done(self, shard: int, search_ms: float | None) -> None:
+        """One shard call finished: its search time, or None when it missed the deadline / failed."""
         name = self.shard_names[shard] if shard < len(self.shard_names) else str(shard)
-        self.shard_search_ms.observe(search_ms, tags={"shard": name})
+        if search_ms is None:
+            self.deadline_misses.inc(tags={"shard": name})
+        else:
+            self.shard_search_ms.observe(search_ms, tags={"shard": name})

@@ -56,6 +56,7 @@ def test_summarize_splits_compute_and_interface() -> None:
     assert level["success_ratio"] == round(2 / 3, 4)
     assert level["compute_p50_ms"] == 1.5 and level["queue_p50_ms"] == 2.5
     assert level["qps"] > 0 and level["max_ms"] == 5.0
+    assert level["p99_ms_by_status"]["503"] == 0.5
 
 
 def test_targets_are_valid_requests() -> None:

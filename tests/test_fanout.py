@@ -1,0 +1,57 @@
+"""Fan-out + merge with in-process shard searchers (no Ray): grouping, deadlines, coverage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from index_build.datasets import load_dataset
+from index_build.indexes import add_to_copy, train_empty_index
+from serving.api import ParsedQuery
+from serving.evaluate import sharded_search
+from serving.fanout import search_batch
+from serving.searcher import ShardSearcher
+
+
+def _shards(num: int = 3):
+    data = load_dataset("synthetic:3000x16")
+    empty = train_empty_index("IVF16,Flat", "l2", data.base, seed=1)
+    ids = np.arange(len(data.base))
+    searchers = [ShardSearcher(add_to_copy(empty, data.base[s::num], ids[s::num]), "l2", f"s{s}", "v")
+                 for s in range(num)]
+    return data, searchers
+
+
+def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
+    async def call(shard: int, matrix: np.ndarray, k: int, params: dict):
+        if shard in slow:
+            await asyncio.sleep(delay)
+        return searchers[shard].search(matrix, k, params, prepared=True)
+    return call
+
+
+def test_mixed_groups_get_their_own_answers() -> None:
+    data, searchers = _shards()
+    queries = [ParsedQuery(data.queries[i:i + 1], k, (("nprobe", p),), True, False)
+               for i, (k, p) in enumerate([(3, 1), (10, 16), (3, 1), (5, 4)])]
+    seen: list[tuple[int, float | None]] = []
+    results = asyncio.run(search_batch(queries, _caller(searchers), 3, False, 5.0,
+                                       lambda s, ms: seen.append((s, ms))))
+    for query, result in zip(queries, results, strict=True):
+        _, expected = sharded_search(searchers, query.matrix, query.k, dict(query.params), "l2")
+        assert result.ids.tolist() == expected.tolist() and result.answered == 3
+    assert results[0].batch_size == 2  # the two (k=3, nprobe=1) requests shared one scan
+    assert len(seen) == 3 * 3 and all(ms is not None for _, ms in seen)
+
+
+def test_late_shard_is_left_out_and_counted() -> None:
+    data, searchers = _shards()
+    query = ParsedQuery(data.queries[:2], 5, (), False, False)
+    seen: list[tuple[int, float | None]] = []
+    (result,) = asyncio.run(search_batch([query], _caller(searchers, {1}, 0.5), 3, False, 0.1,
+                                         lambda s, ms: seen.append((s, ms))))
+    assert result.answered == 2 and result.shards == 3
+    assert (1, None) in seen
+    _, expected = sharded_search([searchers[0], searchers[2]], query.matrix, 5, {}, "l2")
+    assert result.ids.tolist() == expected.tolist()
