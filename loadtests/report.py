@@ -31,7 +31,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         latency_ms = hit["latency"] / 1e6
         latencies.append(latency_ms)
         by_code.setdefault(str(hit["code"]), []).append(latency_ms)
-        stamp = _ts(hit["timestamp"])
+        stamp = parse_timestamp(hit["timestamp"])
         first = stamp if first is None else min(first, stamp)
         last = stamp + latency_ms / 1000 if last is None else max(last, stamp + latency_ms / 1000)
         if hit["code"] == 200 and hit.get("body"):
@@ -76,7 +76,7 @@ def _timing(body_b64: str) -> dict | None:
     return payload.get("timing_ms") if isinstance(payload, dict) else None
 
 
-def _ts(stamp: str) -> float:
+def parse_timestamp(stamp: str) -> float:
     """vegeta RFC3339Nano timestamp → seconds (only differences matter)."""
     import datetime as dt
 

@@ -1,0 +1,157 @@
+"""Autoscaling demonstration: an open-loop vegeta ramp (low → 3x the knee → low) while recording, every
+second, the RUNNING replicas of each deployment (Serve's status API), QPS, p50/p99 and status codes.
+
+python -m loadtests.autoscale --knee-rate 700 [--url http://127.0.0.1:8000] [--app shardserve]
+Needs a running shardserve whose shard deployments autoscale (e.g. a `shardserve tune` config), on
+the Ray cluster this process can join (RAY_ADDRESS or the local one). Loopback targets only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from index_build.datasets import load_dataset
+from loadtests.record import RECORDS, index_info, machine
+from loadtests.report import parse_timestamp
+from loadtests.targets import make_targets, write_targets
+from loadtests.vegeta_run import VEGETA, assert_loopback, vegeta_version
+
+
+def watch_replicas(app: str, stop: threading.Event, samples: list[dict], period_s: float = 1.0) -> None:
+    from ray import serve
+
+    while not stop.is_set():
+        started = time.time()
+        try:
+            deployments = serve.status().applications[app].deployments
+            samples.append({"t": started, "replicas": {
+                name: status.replica_states.get("RUNNING", 0) for name, status in deployments.items()}})
+        except Exception as exc:  # keep watching through transient controller hiccups
+            samples.append({"t": started, "error": type(exc).__name__})
+        stop.wait(max(0.0, period_s - (time.time() - started)))
+
+
+def attack_phase(targets: Path, rate: float, seconds: float, out: Path) -> None:
+    with out.open("wb") as sink:
+        subprocess.run([str(VEGETA), "attack", "-format=json", f"-targets={targets}", f"-rate={rate}/s",
+                        f"-duration={seconds}s", "-timeout=10s", "-workers=16", "-max-workers=512"],
+                       stdout=sink, check=True)
+
+
+def per_second(results: list[Path], start: float) -> list[dict]:
+    """Bin every request by the second it was sent: QPS, latency percentiles, status codes."""
+    bins: dict[int, dict] = {}
+    for path in results:
+        encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(path)], capture_output=True,
+                                 text=True, check=True).stdout
+        for line in encoded.splitlines():
+            hit = json.loads(line)
+            second = int(parse_timestamp(hit["timestamp"]) - start)
+            entry = bins.setdefault(second, {"latencies": [], "codes": {}})
+            entry["latencies"].append(hit["latency"] / 1e6)
+            entry["codes"][str(hit["code"])] = entry["codes"].get(str(hit["code"]), 0) + 1
+    rows = []
+    for second in sorted(bins):
+        lat = np.asarray(bins[second]["latencies"])
+        rows.append({"t": second, "sent": int(lat.size), "ok": bins[second]["codes"].get("200", 0),
+                     "p50_ms": round(float(np.percentile(lat, 50)), 3),
+                     "p99_ms": round(float(np.percentile(lat, 99)), 3),
+                     "status_codes": bins[second]["codes"]})
+    return rows
+
+
+def plot(record: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rep, ax_lat) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    start = record["start"]
+    samples = [s for s in record["replicas"] if "replicas" in s]
+    names = sorted({n for s in samples for n in s["replicas"]})
+    for name in names:
+        ax_rep.step([s["t"] - start for s in samples], [s["replicas"].get(name, 0) for s in samples],
+                    where="post", label=name)
+    ax_rep.set_ylabel("RUNNING replicas")
+    ax_rep.legend(fontsize=8)
+    secs = record["seconds"]
+    ax_lat.plot([r["t"] for r in secs], [r["p50_ms"] for r in secs], label="p50")
+    ax_lat.plot([r["t"] for r in secs], [r["p99_ms"] for r in secs], label="p99")
+    ax_qps = ax_lat.twinx()
+    ax_qps.plot([r["t"] for r in secs], [r["ok"] for r in secs], color="tab:green", alpha=0.5, label="200/s")
+    ax_qps.plot([r["t"] for r in secs], [r["sent"] for r in secs], color="grey", alpha=0.5, label="sent/s")
+    ax_qps.set_ylabel("requests/s")
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("ms")
+    ax_lat.set_xlabel("seconds")
+    ax_lat.legend(loc="upper left")
+    ax_qps.legend(loc="upper right")
+    fig.suptitle(record["name"])
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__)
+    cli.add_argument("--url", default="http://127.0.0.1:8000")
+    cli.add_argument("--app", default="shardserve")
+    cli.add_argument("--knee-rate", type=float, required=True, help="knee throughput (requests/s)")
+    cli.add_argument("--dataset", default="fashion-mnist")
+    cli.add_argument("--nprobe", type=int, default=16)
+    cli.add_argument("--phases", default="0.3:15,3:20,0.3:30", help="multiple-of-knee:seconds,...")
+    cli.add_argument("--name", default="autoscale")
+    args = cli.parse_args()
+    assert_loopback(args.url)
+    import ray
+
+    ray.init(address="auto", log_to_driver=False)
+    queries = load_dataset(args.dataset).queries
+    phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
+    samples: list[dict] = []
+    stop = threading.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
+            queries, args.url, 10, {"nprobe": args.nprobe} if args.nprobe else None, 0, 2000))
+        watcher = threading.Thread(target=watch_replicas, args=(args.app, stop, samples), daemon=True)
+        start = time.time()
+        watcher.start()
+        results = []
+        for number, (multiple, seconds) in enumerate(phases):
+            out = Path(tmp) / f"phase-{number}.bin"
+            rate = multiple * args.knee_rate
+            print(f"phase {number}: {multiple:g} x knee = {rate:.0f}/s for {seconds:g} s", flush=True)
+            attack_phase(targets, round(multiple * args.knee_rate, 1), seconds, out)
+            results.append(out)
+        time.sleep(5)
+        stop.set()
+        watcher.join()
+        seconds_rows = per_second(results, start)
+    record = {"name": args.name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine(), "index": index_info(args.url),
+              "tool": {"name": "vegeta", "version": vegeta_version()}, "knee_rate": args.knee_rate,
+              "phases": [{"multiple_of_knee": m, "seconds": s} for m, s in phases], "start": start,
+              "replicas": samples, "seconds": seconds_rows}
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    path = RECORDS / f"{args.name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, path.with_suffix(".png"))
+    peak = {}
+    for sample in samples:
+        for name, count in sample.get("replicas", {}).items():
+            peak[name] = max(peak.get(name, 0), count)
+    print(f"peak replicas: {peak}")
+    print(f"record: {path}")
+
+
+if __name__ == "__main__":
+    main()
