@@ -9,10 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.ray_local import FAST_INGRESS_ENV
 
-# Batches in flight per router replica. Fixed at class definition by @serve.batch (no runtime setter);
-# measured on 2 cores: 1 → 228 QPS (batches of ~4), 4 → 802 QPS (batches of ~22) in DESIGN.md.
-MAX_CONCURRENT_BATCHES = 4
-
 
 class AppArgs(BaseModel):
     """Arguments of `deployments.app:build_app`; unknown keys fail loudly."""
@@ -25,10 +21,10 @@ class AppArgs(BaseModel):
     faiss_threads: int = Field(1, ge=1, description="OpenMP threads per shard replica (<= its cores)")
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.25, gt=0)
-    max_batch_size: int = Field(64, ge=1, description="router @serve.batch size cap")
-    batch_wait_timeout_s: float = Field(
-        0.0, ge=0, description="wait for more requests per batch; 0 = take what is in flight (batches "
-                               "still form while the concurrent batches are busy)")
+    max_batch_size: int = Field(
+        256, ge=1, description="query vectors per router batch (a batch takes everything queued when a "
+                               "slot frees, up to this)")
+    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per router replica")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")

@@ -14,11 +14,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.config import MAX_CONCURRENT_BATCHES, AppArgs
+from deployments.config import AppArgs
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 from serving.api import ApiError, ParsedQuery, parse_search_request
+from serving.batcher import AdaptiveBatcher
 from serving.fanout import QueryResult, search_batch
 from serving.metrics import RouterMetrics
 from serving.openapi import docs_page, openapi_document
@@ -50,8 +51,8 @@ class Router:
         self.metrics.shard_names = [s.name for s in self.manifest.shards]
         self.in_flight = 0
         self.openapi = orjson.dumps(openapi_document())
-        self._search_batch.set_max_batch_size(self.args.max_batch_size)
-        self._search_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
+        self.batcher = AdaptiveBatcher(self._search_batch, self.args.max_batch_size,
+                                       self.args.max_concurrent_batches, size_of=lambda q: len(q.matrix))
 
     async def __call__(self, request: Request) -> Response:
         # Serve puts the route prefix in root_path; match the rest exactly.
@@ -87,7 +88,7 @@ class Router:
         status = 200
         try:
             query = await self._parse(request)
-            result = await self._search_batch(query)
+            result = await self.batcher.submit(query)
             self._check_coverage(query, result)
             return Response(self._render(query, result, started), media_type=_JSON)
         except ApiError as error:
@@ -141,8 +142,6 @@ class Router:
                                 query.single, query.require_full)
         return query
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0,
-                 max_concurrent_batches=MAX_CONCURRENT_BATCHES)
     async def _search_batch(self, queries: list[ParsedQuery]) -> list[QueryResult]:
         """Whatever is in flight becomes one batch: one call per shard per (k, params) group."""
         results = await search_batch(queries, self._call_shard, len(self.shards),

@@ -39,7 +39,7 @@ def watch_replicas(app: str, stop: threading.Event, samples: list[dict], period_
         stop.wait(max(0.0, period_s - (time.time() - started)))
 
 
-def attack_phase(targets: Path, rate: float, seconds: float, out: Path) -> None:
+def attack_phase(targets: Path, rate: int, seconds: float, out: Path) -> None:
     with out.open("wb") as sink:
         subprocess.run([str(VEGETA), "attack", "-format=json", f"-targets={targets}", f"-rate={rate}/s",
                         f"-duration={seconds}s", "-timeout=10s", "-workers=16", "-max-workers=512"],
@@ -130,7 +130,7 @@ def main() -> None:
             out = Path(tmp) / f"phase-{number}.bin"
             rate = multiple * args.knee_rate
             print(f"phase {number}: {multiple:g} x knee = {rate:.0f}/s for {seconds:g} s", flush=True)
-            attack_phase(targets, round(multiple * args.knee_rate, 1), seconds, out)
+            attack_phase(targets, max(1, round(rate)), seconds, out)
             results.append(out)
         time.sleep(5)
         stop.set()

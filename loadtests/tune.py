@@ -4,8 +4,8 @@ Reasoning (the numbers are written into the config as comments):
 - Past the knee concurrency C*, extra in-flight requests only queue. So a router replica works on at
   most C* requests (`max_in_flight`, admission control: the next one gets 503 + Retry-After at once),
   and Serve queues at most C* more before the replica (`router_max_queued_requests`).
-- All C* in-flight requests should fit into the router's concurrent batches:
-  `max_batch_size = ceil(C* / max_concurrent_batches)`.
+- All C* in-flight requests must fit into the router's concurrent batches:
+  `max_batch_size >= ceil(C* / max_concurrent_batches)`.
 - A shard replica sees at most `max_concurrent_batches` calls per router replica (the router queues
   the rest). Each shard deployment autoscales (deployments/autoscaling.py) on its own depth with a
   target of half of them (`knee_depth`): the shard batches wait for is the one that grows, after 3 s;
@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 
 from deployments.autoscaling import autoscaling_config
-from deployments.config import MAX_CONCURRENT_BATCHES, serve_config_yaml
+from deployments.config import AppArgs, serve_config_yaml
 from serving.errors import ShardserveError
 
 
@@ -28,12 +28,13 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
     if knee.get("mode", "concurrency") != "concurrency":
         raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
     knee_concurrency = max(1, int(knee["value"]))
-    concurrent_batches = MAX_CONCURRENT_BATCHES
+    concurrent_batches = AppArgs.model_fields["max_concurrent_batches"].default
     return {
         "max_in_flight": knee_concurrency,
         "router_max_ongoing_requests": max(2 * knee_concurrency, concurrent_batches),
         "router_max_queued_requests": knee_concurrency,
-        "max_batch_size": max(1, math.ceil(knee_concurrency / concurrent_batches)),
+        "max_batch_size": max(AppArgs.model_fields["max_batch_size"].default,
+                              math.ceil(knee_concurrency / concurrent_batches)),
         "shard_max_ongoing_requests": 2 * concurrent_batches,
         "shard_autoscaling": autoscaling_config(
             knee_depth=max(1, concurrent_batches // 2), max_replicas=max_replicas,

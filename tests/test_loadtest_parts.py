@@ -86,4 +86,4 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
     assert args.shard_autoscaling["target_ongoing_requests"] == 2  # half the router's 4 batches
-    assert args.max_batch_size * 4 >= knee
+    assert args.max_batch_size * args.max_concurrent_batches >= knee

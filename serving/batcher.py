@@ -1,0 +1,70 @@
+"""Adaptive batching: whenever a batch slot is free, take EVERYTHING queued as one batch.
+
+Why not `@serve.batch`: it forms a batch when requests arrive (waiting at most batch_wait_timeout_s)
+and only then waits for a free slot, so under steady open-loop arrivals its batches stay at 1-2
+requests however long the queue grows (measured on 2 cores: 4-shard throughput stuck at ~230 req/s
+open-loop vs ~650 closed-loop). Here the batch is formed when a slot frees, so batch size follows the
+queue: one request at low load (no added latency), everything in flight under a burst.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class AdaptiveBatcher(Generic[Item, Result]):
+    """Runs `handler(batch) -> results` with at most `max_concurrent` batches in flight."""
+
+    def __init__(self, handler: Callable[[list[Item]], Awaitable[list[Result]]], max_batch_size: int,
+                 max_concurrent: int, size_of: Callable[[Item], int] = lambda _: 1):
+        if max_batch_size < 1 or max_concurrent < 1:
+            raise ValueError("max_batch_size and max_concurrent must be >= 1")
+        self.handler = handler
+        self.max_batch_size = max_batch_size
+        self.max_concurrent = max_concurrent
+        self.size_of = size_of
+        self.running = 0
+        self._queue: deque[tuple[Item, asyncio.Future]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, item: Item) -> Result:
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((item, future))
+        self._start_batches()
+        return await future
+
+    def _start_batches(self) -> None:
+        while self.running < self.max_concurrent and self._queue:
+            batch = [self._queue.popleft()]
+            size = self.size_of(batch[0][0])
+            while self._queue and size + self.size_of(self._queue[0][0]) <= self.max_batch_size:
+                size += self.size_of(self._queue[0][0])
+                batch.append(self._queue.popleft())
+            live = [(item, future) for item, future in batch if not future.done()]  # drop cancelled
+            if not live:
+                continue
+            self.running += 1
+            asyncio.get_running_loop().create_task(self._run(live))
+
+    async def _run(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
+        try:
+            results = await self.handler([item for item, _ in batch])
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+        except Exception as exc:  # every request of the batch gets the error
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+        finally:
+            self.running -= 1
+            self._start_batches()
