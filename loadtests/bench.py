@@ -74,6 +74,12 @@ class Bench:
         self.queries, self.k, self.params, self.duration, self.work = queries, k, params, duration, work
         self.levels: list[dict] = []
 
+    def warm_up(self, url: str, seconds: float = 3.0) -> None:
+        """Unrecorded load first: replicas JIT their paths, connections open, old apps finish leaving."""
+        targets = write_targets(self.work / "warm.jsonl", make_targets(
+            self.queries, url, self.k, self.params, 0, count=200))
+        attack(targets, "concurrency", 8, seconds, self.work, "warm-up")
+
     def run(self, url: str, label: str, concurrency: int, batch: int = 0) -> dict:
         targets = write_targets(self.work / f"{label}.jsonl", make_targets(
             self.queries, url, self.k, self.params, batch, count=20 if batch else 1000))
@@ -106,6 +112,7 @@ def run_baseline(bench: Bench, index: str) -> None:
                                 "--port", str(BASELINE_PORT)], start_new_session=True)
     try:
         _wait_http(url + "/v1/health")
+        bench.warm_up(url)
         bench.run(url, "baseline-uvicorn", 1)
         bench.run(url, "baseline-uvicorn", 32)
     finally:
@@ -124,18 +131,19 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     started = ensure_ray(fast_ingress=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-        serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
-        noop_url = f"http://127.0.0.1:{SERVE_PORT}/noop"
-        _wait_http(noop_url + "/v1/health")
-        bench.run(noop_url, "serve-noop", 1)
-        bench.run(noop_url, "serve-noop", 32)
-        serve.delete("noop")
         for shards, index in ((4, index_4), (1, index_1)):
             url = deploy(index, port=SERVE_PORT, app_name=f"shardserve-{shards}")
+            bench.warm_up(url)
             bench.run(url, f"shardserve-{shards}shard", 1)
             bench.run(url, f"shardserve-{shards}shard", 32)
             bench.run(url, f"shardserve-{shards}shard-batch256", 2, batch=256)
             serve.delete(f"shardserve-{shards}")
+        serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
+        noop_url = f"http://127.0.0.1:{SERVE_PORT}/noop"
+        _wait_http(noop_url + "/v1/health")
+        bench.warm_up(noop_url)
+        bench.run(noop_url, "serve-noop", 1)
+        bench.run(noop_url, "serve-noop", 32)
     finally:
         serve.shutdown()
         if started:
@@ -192,7 +200,7 @@ def main() -> None:
         build_index(args.dataset, 1, manifest.index_factory, one_shard,
                     limit=manifest.num_vectors, backend="local",
                     seed=manifest.build.params.get("seed", 1234))
-        print("(c, d) Ray Serve no-op, shardserve 4 and 1 shards", flush=True)
+        print("(d, c) shardserve 4 and 1 shards, then the Ray Serve no-op", flush=True)
         run_serve(bench, os.path.abspath(args.index), one_shard)
     measured = ratios(bench.levels, limit)
     checks = {name: {"value": measured[name], "target": f"{op} {bound}",
