@@ -178,6 +178,9 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--name", default="bench")
     args = cli.parse_args()
+    from serving.ray_local import apply_fast_ingress_env
+
+    apply_fast_ingress_env()  # before ray.serve is imported anywhere in this process
 
     from index_build.job import build_index
     from index_build.manifest import read_manifest

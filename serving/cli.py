@@ -37,6 +37,9 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from serving.ray_local import apply_fast_ingress_env
+
+    apply_fast_ingress_env()  # before anything imports ray.serve: it reads these flags at import
     from deployments.run import serve_blocking
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,

@@ -13,6 +13,9 @@ import pytest
 from serving.ray_local import FAST_INGRESS_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
+# Before any test imports ray.serve: Serve reads these flags at import time (driver and cluster
+# must agree).
+os.environ.update(FAST_INGRESS_ENV)
 
 
 @pytest.fixture(scope="session", autouse=True)
