@@ -38,7 +38,7 @@ def _error_response(error: ApiError) -> Response:
 
 @serve.deployment(max_ongoing_requests=512)
 class Router:
-    """Plain ASGI-request ingress (no per-request FastAPI stack): dispatches on the path suffix."""
+    """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
     def __init__(self, shards: list[DeploymentHandle], args: dict):
         self.args = AppArgs.model_validate(args)
@@ -84,7 +84,6 @@ class Router:
             return _error_response(ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
                                             self.args.retry_after_s))
         self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
         status = 200
         try:
             query = await self._parse(request)
@@ -96,7 +95,6 @@ class Router:
             return _error_response(error)
         finally:
             self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
             self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
                                             tags={"endpoint": "search", "status": str(status)})
 
@@ -148,6 +146,7 @@ class Router:
                                      self.higher_is_better, self.args.shard_timeout_s,
                                      self.metrics.shard_done)
         self.metrics.batch_size.observe(float(sum(len(q.matrix) for q in queries)))
+        self.metrics.in_flight.set(self.in_flight)  # sampled per batch, not per request
         self.metrics.fanout_ms.observe(results[0].fanout_ms)
         return results
 

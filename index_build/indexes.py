@@ -88,8 +88,7 @@ def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.Se
     if "nprobe" in params:
         if ivf is None:
             raise ShardserveError("param nprobe needs an IVF index")
-        result = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
-        return result
+        return faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
     if not isinstance(inner, faiss.IndexHNSW):
         raise ShardserveError("param efSearch needs an HNSW index")
     return faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import faiss
@@ -49,7 +49,6 @@ class BuildParams:
     metric: str
     train_size: int = 0
     seed: int = 1234
-    extra: dict = field(default_factory=dict)
 
 
 def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: str | None = None,
