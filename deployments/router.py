@@ -5,7 +5,10 @@ Thin by design: parsing lives in serving.api, fan-out and merge in serving.fanou
 
 
 import asyncio
+import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import orjson
@@ -14,9 +17,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.config import AppArgs
+from deployments.config import AppArgs, index_app_name
 from index_build.indexes import prepare_vectors, supported_params
-from index_build.manifest import read_manifest
+from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
 from serving.api import ApiError, ParsedQuery, parse_search_request
 from serving.batcher import AdaptiveBatcher
@@ -25,6 +28,7 @@ from serving.metrics import RouterMetrics
 from serving.openapi import docs_page, openapi_document
 
 _JSON = "application/json"
+logger = logging.getLogger("ray.serve")
 
 
 def _json(payload: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -36,23 +40,43 @@ def _error_response(error: ApiError) -> Response:
     return Response(error.body(), status_code=error.status, media_type=_JSON, headers=headers)
 
 
+@dataclass(frozen=True)
+class IndexSet:
+    """One index version as the router sees it: a request is answered by exactly one of these."""
+
+    generation: int
+    app: str
+    manifest: Manifest
+    shards: list[DeploymentHandle]
+    supported: frozenset[str]
+
+    @classmethod
+    def load(cls, generation: int, index: str, app: str) -> "IndexSet":
+        manifest = read_manifest(Location.parse(index))
+        shards = [serve.get_deployment_handle(s.name, app, _check_exists=False) for s in manifest.shards]
+        return cls(generation, app, manifest, shards,
+                   frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
+
+
 @serve.deployment(max_ongoing_requests=512)
 class Router:
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
-    def __init__(self, shards: list[DeploymentHandle], args: dict):
+    def __init__(self, control: DeploymentHandle, args: dict):
         self.args = AppArgs.model_validate(args)
-        self.manifest = read_manifest(Location.parse(self.args.index))
-        self.shards = shards
-        self.supported = supported_params(self.manifest.index_factory, self.manifest.dim,
-                                          self.manifest.metric)
-        self.higher_is_better = self.manifest.metric != "l2"
+        self.control = control
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.active = IndexSet.load(0, self.args.index, index_app_name(context.app_name))
+        self.in_flight_by_generation: Counter[int] = Counter()
         self.metrics = RouterMetrics()
-        self.metrics.shard_names = [s.name for s in self.manifest.shards]
+        self.metrics.shard_names = [s.name for s in self.active.manifest.shards]
         self.in_flight = 0
         self.openapi = orjson.dumps(openapi_document())
         self.batcher = AdaptiveBatcher(self._search_batch, self.args.max_batch_size,
-                                       self.args.max_concurrent_batches, size_of=lambda q: len(q.matrix))
+                                       self.args.max_concurrent_batches,
+                                       size_of=lambda item: len(item[1].matrix))
+        self._poller = asyncio.get_running_loop().create_task(self._follow_pointer())
 
     async def __call__(self, request: Request) -> Response:
         # Serve puts the route prefix in root_path; match the rest exactly.
@@ -84,79 +108,117 @@ class Router:
             return _error_response(ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
                                             self.args.retry_after_s))
         self.in_flight += 1
+        index_set = self.active  # this request is answered by this version only, even mid-swap
+        self.in_flight_by_generation[index_set.generation] += 1
         status = 200
         try:
-            query = await self._parse(request)
-            result = await self.batcher.submit(query)
+            query = await self._parse(request, index_set)
+            result = await self.batcher.submit((index_set, query))
             self._check_coverage(query, result)
-            return Response(self._render(query, result, started), media_type=_JSON)
+            return Response(self._render(query, result, started, index_set), media_type=_JSON)
         except ApiError as error:
             status = error.status
             return _error_response(error)
         finally:
             self.in_flight -= 1
+            self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
                                             tags={"endpoint": "search", "status": str(status)})
 
     async def health(self) -> Response:
-        """200 when every shard answers, else 503 with Retry-After."""
+        """200 when every shard of the served index answers, else 503 with Retry-After."""
+        index_set = self.active
         try:
             infos = await asyncio.wait_for(
-                asyncio.gather(*[shard.info.remote() for shard in self.shards]), 5.0)
+                asyncio.gather(*[shard.info.remote() for shard in index_set.shards]), 5.0)
         except Exception as exc:  # a shard not (yet) up: not ready
             return _error_response(ApiError(503, None, f"not ready: {type(exc).__name__}",
                                             self.args.retry_after_s))
-        return _json({"status": "ok", "shards": len(infos), "index": self.manifest.index_version})
+        return _json({"status": "ok", "shards": len(infos), "index": index_set.manifest.index_version})
 
     def index(self) -> Response:
         """Summary of the manifest being served and the request limits."""
-        m = self.manifest
+        m = self.active.manifest
         return _json({
             "index_version": m.index_version, "index_factory": m.index_factory, "dim": m.dim,
             "metric": m.metric, "num_vectors": m.num_vectors, "dataset": m.dataset.model_dump(),
             "created_at": m.created_at,
             "shards": [{"name": s.name, "num_vectors": s.num_vectors, "bytes": s.bytes} for s in m.shards],
-            "params": sorted(self.supported), "max_k": self.args.max_k,
+            "params": sorted(self.active.supported), "max_k": self.args.max_k,
             "max_vectors": self.args.max_vectors, "max_body_bytes": self.args.max_body_bytes,
         })
 
     # --- internals --------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request) -> ParsedQuery:
+    async def _parse(self, request: Request, index_set: IndexSet) -> ParsedQuery:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.args.max_body_bytes:
             raise ApiError(413, "body", f"body of {declared} bytes exceeds {self.args.max_body_bytes}")
         body = await request.body()
         if len(body) > self.args.max_body_bytes:
             raise ApiError(413, "body", f"body of {len(body)} bytes exceeds {self.args.max_body_bytes}")
-        query = parse_search_request(body, self.manifest.dim, self.args.max_k, self.args.max_vectors)
+        manifest = index_set.manifest
+        query = parse_search_request(body, manifest.dim, self.args.max_k, self.args.max_vectors)
         for name, _ in query.params:
-            if name not in self.supported:
+            if name not in index_set.supported:
                 raise ApiError(422, f"params.{name}",
-                               f"param {name!r} does not apply to {self.manifest.index_factory} "
-                               f"(supported: {sorted(self.supported) or 'none'})")
-        if self.manifest.metric == "cosine":
+                               f"param {name!r} does not apply to {manifest.index_factory} "
+                               f"(supported: {sorted(index_set.supported) or 'none'})")
+        if manifest.metric == "cosine":
             query = ParsedQuery(prepare_vectors(query.matrix, "cosine"), query.k, query.params,
                                 query.single, query.require_full)
         return query
 
-    async def _search_batch(self, queries: list[ParsedQuery]) -> list[QueryResult]:
-        """Whatever is in flight becomes one batch: one call per shard per (k, params) group."""
-        results = await search_batch(queries, self._call_shard, len(self.shards),
-                                     self.higher_is_better, self.args.shard_timeout_s,
-                                     self.metrics.shard_done)
-        self.metrics.batch_size.observe(float(sum(len(q.matrix) for q in queries)))
+    async def _search_batch(self, items: list[tuple[IndexSet, ParsedQuery]]) -> list[QueryResult]:
+        """Whatever is in flight becomes one batch: one call per shard per (k, params) group, per
+        index version (two only in the instant of a swap)."""
+        by_set: dict[int, list[int]] = {}
+        for position, (index_set, _) in enumerate(items):
+            by_set.setdefault(index_set.generation, []).append(position)
+        results: list[QueryResult | None] = [None] * len(items)
+
+        async def run(positions: list[int]) -> None:
+            index_set = items[positions[0]][0]
+
+            async def call_shard(shard: int, matrix: np.ndarray, k: int, params: dict):
+                response = index_set.shards[shard].search.remote(matrix, k, params)
+                try:
+                    return await response
+                except asyncio.CancelledError:
+                    response.cancel()
+                    raise
+
+            answers = await search_batch([items[p][1] for p in positions], call_shard,
+                                         len(index_set.shards), index_set.manifest.metric != "l2",
+                                         self.args.shard_timeout_s, self.metrics.shard_done)
+            for position, answer in zip(positions, answers, strict=True):
+                results[position] = answer
+
+        await asyncio.gather(*[run(positions) for positions in by_set.values()])
+        self.metrics.batch_size.observe(float(sum(len(q.matrix) for _, q in items)))
         self.metrics.in_flight.set(self.in_flight)  # sampled per batch, not per request
         self.metrics.fanout_ms.observe(results[0].fanout_ms)
-        return results
+        return results  # type: ignore[return-value]
 
-    async def _call_shard(self, shard: int, matrix: np.ndarray, k: int, params: dict):
-        response = self.shards[shard].search.remote(matrix, k, params)
-        try:
-            return await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
+    async def _follow_pointer(self) -> None:
+        """Poll IndexControl: switch to a new index version atomically (one attribute), report
+        back what this replica serves and how many requests still hold an older version."""
+        while True:
+            try:
+                current = self.active.generation
+                old = sum(n for g, n in self.in_flight_by_generation.items() if g < current)
+                pointer = await self.control.poll.remote(self.replica_id, current, old)
+                if pointer["generation"] > current:
+                    loaded = await asyncio.to_thread(IndexSet.load, pointer["generation"],
+                                                     pointer["index"], pointer["app"])
+                    self.active = loaded
+                    self.metrics.shard_names = [s.name for s in loaded.manifest.shards]
+                    self.metrics.index_generation.set(loaded.generation)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # control restarting, manifest unreadable: keep serving, retry
+                logger.warning("index pointer poll failed: %s", exc)
+            await asyncio.sleep(self.args.pointer_poll_s)
 
     def _check_coverage(self, query: ParsedQuery, result: QueryResult) -> None:
         if result.answered == result.shards:
@@ -170,7 +232,8 @@ class Router:
                            f"only {result.answered} of {result.shards} shards answered in time",
                            self.args.retry_after_s)
 
-    def _render(self, query: ParsedQuery, result: QueryResult, started: float) -> bytes:
+    def _render(self, query: ParsedQuery, result: QueryResult, started: float,
+                index_set: IndexSet) -> bytes:
         total_ms = (time.perf_counter() - started) * 1000.0
         payload: dict = {}
         if query.single:
@@ -182,6 +245,6 @@ class Router:
         payload["coverage"] = {"shards": result.shards, "answered": result.answered}
         payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
                                 "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
-        payload["index"] = self.manifest.index_version
+        payload["index"] = index_set.manifest.index_version
         payload["batch"] = result.batch_size
         return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)

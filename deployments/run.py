@@ -11,19 +11,55 @@ APP_NAME = "shardserve"
 
 
 def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
-           route_prefix: str = "/", **overrides) -> str:
+           route_prefix: str = "/", wait: bool = True, **overrides) -> str:
     """Deploy the app on the connected Ray (starting Serve if needed); return its base URL."""
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import AppArgs
+    from deployments.config import AppArgs, index_app_name
+    from deployments.index_version import build_index_app
 
-    args = AppArgs(index=_absolute(index), **overrides)
+    args = AppArgs(index=_absolute(index), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(args.model_dump()), name=app_name, route_prefix=route_prefix)
+    # The shards first (their own app, no HTTP route), then the router that finds them by name.
+    serve._run(build_index_app(args), name=index_app_name(app_name), route_prefix=None, _blocking=wait)
+    serve._run(build_app(args), name=app_name, route_prefix=route_prefix, _blocking=wait)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
-    wait_until_healthy(url)
+    if wait:
+        wait_until_healthy(url)
     return url
+
+
+def undeploy(app_name: str = APP_NAME) -> None:
+    """Delete the router app and every index-version app it has served."""
+    from ray import serve
+
+    from deployments.config import index_app_name
+
+    names = [name for name in serve.status().applications
+             if name == app_name or name.startswith(index_app_name(app_name))]
+    for name in names:  # all at once: each ingress replica takes Serve's drain period to stop
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and set(names) & set(serve.status().applications):
+        time.sleep(0.5)
+
+
+def shard_replicas(app_name: str = APP_NAME) -> dict[str, int]:
+    """RUNNING replicas of each shard deployment of the app's index version(s), from Serve's status."""
+    from ray import serve
+
+    from deployments.config import index_app_name
+    from deployments.index_version import INGRESS
+
+    counts: dict[str, int] = {}
+    for name, app in serve.status().applications.items():
+        if not name.startswith(index_app_name(app_name)):
+            continue
+        for deployment, status in app.deployments.items():
+            if deployment != INGRESS:
+                counts[deployment] = counts.get(deployment, 0) + status.replica_states.get("RUNNING", 0)
+    return counts
 
 
 def wait_until_healthy(url: str, timeout_s: float = 180.0) -> None:
@@ -69,6 +105,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     except KeyboardInterrupt:
         pass
     finally:
+        undeploy()
         serve.shutdown()
         if started:
             shutdown_ray()

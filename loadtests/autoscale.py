@@ -26,14 +26,12 @@ from loadtests.vegeta_run import VEGETA, assert_loopback, vegeta_version
 
 
 def watch_replicas(app: str, stop: threading.Event, samples: list[dict], period_s: float = 1.0) -> None:
-    from ray import serve
+    from deployments.run import shard_replicas
 
     while not stop.is_set():
         started = time.time()
         try:
-            deployments = serve.status().applications[app].deployments
-            samples.append({"t": started, "replicas": {
-                name: status.replica_states.get("RUNNING", 0) for name, status in deployments.items()}})
+            samples.append({"t": started, "replicas": shard_replicas(app)})
         except Exception as exc:  # keep watching through transient controller hiccups
             samples.append({"t": started, "error": type(exc).__name__})
         stop.wait(max(0.0, period_s - (time.time() - started)))

@@ -124,7 +124,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     from ray import serve
 
     from deployments.noop import NoopDeployment
-    from deployments.run import deploy
+    from deployments.run import deploy, undeploy
     from serving.ray_local import ensure_ray, shutdown_ray
 
     started = ensure_ray(fast_ingress=True)
@@ -136,7 +136,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
             bench.run(url, f"shardserve-{shards}shard", 1)
             bench.run(url, f"shardserve-{shards}shard", 32)
             bench.run(url, f"shardserve-{shards}shard-batch256", 2, batch=256)
-            serve.delete(f"shardserve-{shards}")
+            undeploy(f"shardserve-{shards}")
         serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
         noop_url = f"http://127.0.0.1:{SERVE_PORT}/noop"
         _wait_http(noop_url + "/v1/health")

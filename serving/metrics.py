@@ -38,6 +38,9 @@ class RouterMetrics:
             "shardserve_shed_requests", "Requests refused with 503 by admission control")
         self.coverage = metrics.Counter(
             "shardserve_answers", "Answers by coverage (full / partial / none)", tag_keys=("coverage",))
+        self.index_generation = metrics.Gauge(
+            "shardserve_index_generation", "Generation of the index version this router serves "
+            "(rises by one per `shardserve swap`)")
         self.shard_names: list[str] = []
 
     def shard_done(self, shard: int, search_ms: float | None) -> None:

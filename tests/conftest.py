@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Before any test imports ray.serve: Serve reads these flags at import time (driver and cluster
 # must agree).
 os.environ.update(FAST_INGRESS_ENV)
+# Serve keeps a deleted app's ingress replica up this long so HAProxy stops routing to it (30 s by
+# default); the tests delete many apps whose routes nobody else uses.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,16 +19,14 @@ PORT = 18321
 
 
 def _running(app: str) -> dict[str, int]:
-    from ray import serve
+    from deployments.run import shard_replicas
 
-    deployments = serve.status().applications[app].deployments
-    return {name: status.replica_states.get("RUNNING", 0) for name, status in deployments.items()}
+    return shard_replicas(app)
 
 
 def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path) -> None:
-    from ray import serve
 
-    from deployments.run import deploy
+    from deployments.run import deploy, undeploy
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 3, "IVF64,Flat", str(index), limit=6000, backend="ray")
@@ -77,4 +75,4 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path) -
             time.sleep(1)
         assert _running("scaling")["shard-001"] == 1
     finally:
-        serve.delete("scaling")
+        undeploy("scaling")

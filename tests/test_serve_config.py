@@ -30,9 +30,13 @@ def test_generated_config_is_valid_serve_schema(tmp_path: Path) -> None:
 
     config = yaml.safe_load(run_cli("serve-config", str(tmp_path), "--port", "9001").stdout)
     ServeDeploySchema.model_validate(config)
-    app = config["applications"][0]
-    assert app["import_path"] == "deployments.app:build_app"
-    AppArgs.model_validate(app["args"])  # every arg is a known field
+    shards, router = config["applications"]
+    assert (shards["name"], shards["import_path"], shards["route_prefix"]) == (
+        "shardserve-index", "deployments.app:build_index_app", None)
+    assert (router["name"], router["import_path"], router["route_prefix"]) == (
+        "shardserve", "deployments.app:build_app", "/")
+    assert shards["args"] == router["args"]
+    AppArgs.model_validate(router["args"])  # every arg is a known field
     assert config["http_options"] == {"host": "127.0.0.1", "port": 9001}
 
 

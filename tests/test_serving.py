@@ -32,14 +32,12 @@ def fm_index(ray_cluster, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(fm_index: Path):
-    from ray import serve
-
-    from deployments.run import APP_NAME, deploy
+    from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, max_vectors=256)
     assert url == URL
     yield URL
-    serve.delete(APP_NAME)
+    undeploy()
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +146,7 @@ def test_concurrent_mixed_params_get_their_own_answers(served, fm_index: Path, q
 def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_index: Path,
                                                                  queries: np.ndarray) -> None:
     """A shard slower than the deadline is left out (coverage says so); require_full turns it into 503."""
-    from ray import serve
-
-    from deployments.run import deploy
+    from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, app_name="slow", route_prefix="/slow",
                  shard_timeout_s=0.3, debug_search_delay_s={"shard-002": 1.0},
@@ -167,20 +163,16 @@ def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_ind
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         assert full.json()["field"] == "require_full"
     finally:
-        serve.delete("slow")
+        undeploy("slow")
 
 
 def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> None:
     import time
 
-    from ray import serve
+    from deployments.run import deploy, undeploy
 
-    from deployments.app import build_app
-    from deployments.config import AppArgs
-
-    args = AppArgs(index=str(fm_index), debug_load_delay_s={"shard-001": 12.0},
-                   shard_num_cpus=0.1, router_num_cpus=0.1)
-    serve._run(build_app(args.model_dump()), _blocking=False, name="late", route_prefix="/late")
+    deploy(str(fm_index), port=PORT, app_name="late", route_prefix="/late", wait=False,
+           debug_load_delay_s={"shard-001": 12.0}, shard_num_cpus=0.1, router_num_cpus=0.1)
     statuses: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -198,16 +190,14 @@ def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> No
         # the main app kept serving meanwhile
         assert httpx.get(f"{URL}/v1/health", timeout=10).status_code == 200
     finally:
-        serve.delete("late")
+        undeploy("late")
 
 
 def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndarray) -> None:
     """Admission control: beyond max_in_flight a request gets 503 + Retry-After at once, not a queue."""
     import time
 
-    from ray import serve
-
-    from deployments.run import deploy
+    from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
                  debug_search_delay_s={"shard-000": 0.5}, shard_num_cpus=0.1, router_num_cpus=0.1)
@@ -231,4 +221,4 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
         assert len(shed) == statuses.count(503)
         assert max(shed) < 0.4  # answered before the slow shard could have answered anything
     finally:
-        serve.delete("tight")
+        undeploy("tight")

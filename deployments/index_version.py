@@ -1,0 +1,79 @@
+"""One index version = one Serve application: a deployment per shard plus a small ingress.
+
+Versions live in their own applications so that a new one can be deployed beside the serving one,
+checked, switched to, and the old one deleted as a whole (`shardserve swap`). The ingress is not on
+the query path (routers call the shard deployments directly); it answers readiness and the swap's
+recall gate, with the same fan-out and merge code as the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppArgs
+from deployments.shard import ShardDeployment
+from index_build.indexes import prepare_vectors
+from index_build.manifest import read_manifest
+from index_build.storage import Location
+from serving.api import ParsedQuery
+from serving.fanout import search_batch
+
+INGRESS = "IndexVersion"
+
+
+# Not on the query path: nothing to drain, so do not hold a swap up for the default 20 s.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, graceful_shutdown_timeout_s=2)
+class IndexVersion:
+    """Readiness and gate searches of one index version (not on the query path)."""
+
+    def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float):
+        self.manifest = read_manifest(Location.parse(index))
+        self.shards = shards
+        self.shard_timeout_s = shard_timeout_s
+
+    async def info(self) -> dict:
+        """The manifest's version and each shard's (raises until every shard is loaded)."""
+        infos = await asyncio.gather(*[shard.info.remote() for shard in self.shards])
+        return {"index_version": self.manifest.index_version, "dim": self.manifest.dim,
+                "metric": self.manifest.metric, "shards": infos}
+
+    async def search(self, matrix: np.ndarray, k: int, params: dict) -> np.ndarray:
+        """Merged top-k ids of every shard, as the router computes them; shards must all answer."""
+        query = ParsedQuery(prepare_vectors(matrix, self.manifest.metric), k,
+                            tuple(sorted(params.items())), False, True)
+
+        async def call(shard: int, m: np.ndarray, kk: int, p: dict):
+            return await self.shards[shard].search.remote(m, kk, p)
+
+        [result] = await search_batch([query], call, len(self.shards), self.manifest.metric != "l2",
+                                      self.shard_timeout_s * 10)
+        if result.answered != result.shards:
+            raise RuntimeError(f"only {result.answered} of {result.shards} shards answered")
+        return result.ids
+
+
+def build_index_app(args: dict) -> Application:
+    """The shard deployments of `args['index']` (named like the shards) bound into their ingress."""
+    app_args = AppArgs.model_validate(args)
+    manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
+    scaling = ({"autoscaling_config": app_args.shard_autoscaling} if app_args.shard_autoscaling
+               else {"num_replicas": app_args.replicas_per_shard})
+    actor_options: dict = {"num_cpus": app_args.shard_num_cpus}
+    if app_args.shard_resources:
+        actor_options["resources"] = dict(app_args.shard_resources)
+    shards = [
+        ShardDeployment.options(
+            name=entry.name, **scaling,
+            max_ongoing_requests=app_args.shard_max_ongoing_requests,
+            ray_actor_options=actor_options,
+        ).bind(app_args.index, position, app_args.faiss_threads,
+               app_args.debug_load_delay_s.get(entry.name, 0.0),
+               app_args.debug_search_delay_s.get(entry.name, 0.0))
+        for position, entry in enumerate(manifest.shards)
+    ]
+    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

@@ -1,0 +1,174 @@
+"""`shardserve swap`: replace the served index with no failed request.
+
+1. deploy the new version as its own Serve application beside the serving one (no HTTP route);
+2. recall gate: held-out queries through the new version's shards (same fan-out and merge as the
+   router) against exact ground truth; below `gate_min_recall` the new app is deleted and the old
+   one never stopped serving;
+3. switch: IndexControl's pointer moves one generation; each router replica picks it up on its next
+   poll (one attribute assignment, so a request is answered by one version, never a mix);
+4. drain: wait until every live router serves the new generation with no request on the old one,
+   then delete the old application (unless kept for `--rollback`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from deployments.config import AppArgs, index_app_name
+from index_build.datasets import load_dataset
+from index_build.groundtruth import ground_truth, recall_at_k
+from index_build.manifest import Manifest, read_manifest
+from index_build.storage import Location
+from serving.errors import ShardserveError
+
+logger = logging.getLogger(__name__)
+CONTROL = "IndexControl"
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _run(coroutine):
+    """Run on one long-lived loop: Serve caches handles per process and binds them to the loop they
+    were first used on (a closed `asyncio.run` loop breaks later calls and serve.shutdown)."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="shardserve-swap", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result()
+
+
+class GateFailed(ShardserveError):
+    """The new index's recall is below the configured threshold; the old one keeps serving."""
+
+
+def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int, k: int
+                ) -> tuple[np.ndarray, object, np.ndarray]:
+    """Held-out queries and exact ground truth of the data the index was built from (checked by
+    fingerprint, so a gate can never grade an index against the wrong data)."""
+    dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=manifest.num_vectors)
+    if dataset.fingerprint() != manifest.dataset.fingerprint:
+        raise ShardserveError(
+            f"the recall gate needs the dataset the index was built from ({manifest.dataset.name}, "
+            f"{manifest.num_vectors} vectors): pass it with --dataset")
+    truth = ground_truth(dataset)[:queries]
+    held_out = dataclasses.replace(dataset, queries=dataset.queries[:queries])
+    return held_out.queries, held_out, truth
+
+
+async def _wait_ready(app: str, timeout_s: float) -> dict:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            handle = serve.get_deployment_handle("IndexVersion", app)
+            return await asyncio.wait_for(handle.info.remote(), 10.0)
+        except Exception as exc:  # shards still loading
+            last = exc
+            await asyncio.sleep(0.5)
+    raise ShardserveError(f"index app {app} not ready after {timeout_s:.0f} s ({last})")
+
+
+async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str | None) -> float:
+    from ray import serve
+
+    queries, held_out, truth = await asyncio.to_thread(gate_recall, manifest, dataset_spec,
+                                                       args.gate_queries, args.gate_k)
+    handle = serve.get_deployment_handle("IndexVersion", app)
+    found = []
+    for start in range(0, len(queries), 100):
+        found.append(await handle.search.remote(queries[start:start + 100], args.gate_k, args.gate_params))
+    return recall_at_k(np.concatenate(found), held_out, args.gate_k, truth)
+
+
+async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_recall: float | None,
+                keep_previous: bool, skip_gate: bool, timeout_s: float) -> dict:
+    from ray import serve
+
+    from deployments.index_version import build_index_app
+
+    timings: dict[str, float] = {}
+    control = serve.get_deployment_handle(CONTROL, app_name)
+    state = await control.describe.remote()
+    args = AppArgs.model_validate({**state["args"], "index": new_index})
+    active = state["active"]
+    old = read_manifest(Location.parse(active["index"]))
+    new = read_manifest(Location.parse(new_index))
+    if (new.dim, new.metric) != (old.dim, old.metric):
+        raise ShardserveError(f"the new index takes dim {new.dim} {new.metric} vectors, clients send "
+                              f"dim {old.dim} {old.metric}: not swappable")
+    if new.index_version == old.index_version and new_index == active["index"]:
+        raise ShardserveError(f"index {new.index_version} at {new_index} is already being served")
+    new_app = index_app_name(app_name, new.index_version)
+    if new_app == active["app"]:
+        new_app = index_app_name(app_name, f"{new.index_version}-{active['generation'] + 1}")
+
+    started = time.perf_counter()
+    deployed = await asyncio.to_thread(serve.run, build_index_app(args.model_dump()), name=new_app,
+                                       route_prefix=None)
+    del deployed
+    await _wait_ready(new_app, timeout_s)
+    timings["deploy_s"] = round(time.perf_counter() - started, 2)
+
+    recall = None
+    threshold = args.gate_min_recall if min_recall is None else min_recall
+    if not skip_gate:
+        started = time.perf_counter()
+        recall = round(await _gate(new_app, new, args, dataset_spec), 5)
+        timings["gate_s"] = round(time.perf_counter() - started, 2)
+        if recall < threshold:
+            await asyncio.to_thread(serve.delete, new_app, False)
+            raise GateFailed(f"recall@{args.gate_k} of {new.index_version} is {recall:.4f} < "
+                             f"{threshold} on {args.gate_queries} held-out queries: rolled back "
+                             f"(deleted {new_app}); {old.index_version} still serving")
+
+    started = time.perf_counter()
+    pointer = await control.activate.remote(new_index, new_app, new.index_version)
+    while not await control.drained.remote(pointer["generation"]):
+        if time.perf_counter() - started > timeout_s:
+            raise ShardserveError(f"routers did not drain generation {active['generation']} within "
+                                  f"{timeout_s:.0f} s; both versions left deployed")
+        await asyncio.sleep(0.1)
+    timings["switch_and_drain_s"] = round(time.perf_counter() - started, 2)
+    if not keep_previous:
+        # Routers no longer send it anything (drained above); do not wait out Serve's teardown
+        # (an ingress replica lingers RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s).
+        await asyncio.to_thread(serve.delete, active["app"], False)
+    return {"old_version": old.index_version, "new_version": new.index_version,
+            "old_app": active["app"], "new_app": new_app, "generation": pointer["generation"],
+            "recall": recall, "min_recall": None if skip_gate else threshold, "k": args.gate_k,
+            "gate_queries": None if skip_gate else args.gate_queries,
+            "removed_old": not keep_previous, "seconds": timings}
+
+
+def swap_index(new_index: str, app_name: str = "shardserve", dataset_spec: str | None = None,
+               min_recall: float | None = None, keep_previous: bool = False, skip_gate: bool = False,
+               timeout_s: float = 300.0) -> dict:
+    """Swap the index `app_name` serves to `new_index` (see the module docstring); a report dict."""
+    if "://" not in new_index:
+        import os
+
+        new_index = os.path.abspath(new_index)
+    return _run(_swap(new_index, app_name, dataset_spec, min_recall, keep_previous, skip_gate,
+                      timeout_s))
+
+
+def rollback(app_name: str = "shardserve", timeout_s: float = 300.0) -> dict:
+    """Serve the index that was active before the last swap again (no gate: it served before)."""
+    from ray import serve
+
+    async def previous() -> dict | None:
+        return (await serve.get_deployment_handle(CONTROL, app_name).describe.remote())["previous"]
+
+    before = _run(previous())
+    if before is None:
+        raise ShardserveError(f"{app_name} has not been swapped: nothing to roll back to")
+    return swap_index(before["index"], app_name, skip_gate=True, timeout_s=timeout_s)

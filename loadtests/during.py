@@ -1,0 +1,86 @@
+"""A bounded open-loop vegeta load running while something happens (an index swap, a node kill),
+and a per-request account of it: every status code, every answer's index version and coverage.
+
+"0 errors" alone says little: the tally also states what it did not see (requests vegeta never sent
+are not counted; the load is one rate, one query shape, loopback only).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from loadtests.report import parse_timestamp
+from loadtests.targets import make_targets, write_targets
+from loadtests.vegeta_run import VEGETA, assert_loopback
+
+
+class BackgroundLoad:
+    """`with BackgroundLoad(...) as load: <event>`; then `load.results()` → decoded vegeta hits."""
+
+    def __init__(self, url: str, queries, rate: float, duration_s: float, work: Path,
+                 params: dict | None = None, timeout_s: float = 10.0):
+        assert_loopback(url)
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        self.targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, params,
+                                                                          count=1000))
+        self.output = work / "results.bin"
+        self.flags = [f"-rate={rate}/s", f"-duration={duration_s}s", f"-timeout={timeout_s}s",
+                      "-format=json", f"-targets={self.targets}", "-workers=16", "-max-workers=256",
+                      f"-output={self.output}"]
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> BackgroundLoad:
+        self.process = subprocess.Popen([str(VEGETA), "attack", *self.flags])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self.process is not None
+        if exc[0] is not None:  # the event failed: do not wait out the load
+            self.process.terminate()
+        self.process.wait(timeout=600)
+
+    def results(self) -> list[dict]:
+        encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(self.output)],
+                                 capture_output=True, text=True, check=True).stdout
+        return [json.loads(line) for line in encoded.splitlines() if line.strip()]
+
+
+def tally(hits: list[dict], events: dict[str, float] | None = None) -> dict:
+    """Status codes, versions and coverage over all requests, plus a per-second timeline.
+
+    `events`: name → wall-clock seconds (time.time()) of what happened during the load.
+    """
+    codes, versions, coverage, errors = Counter(), Counter(), Counter(), Counter()
+    timeline: dict[int, Counter] = {}
+    start = min((parse_timestamp(h["timestamp"]) for h in hits), default=0.0)
+    for hit in hits:
+        code = str(hit["code"])
+        codes[code] += 1
+        if hit.get("error"):
+            errors[hit["error"][:120]] += 1
+        second = int(parse_timestamp(hit["timestamp"]) - start)
+        slot = timeline.setdefault(second, Counter())
+        slot[code] += 1
+        if hit["code"] != 200:
+            continue
+        payload = json.loads(base64.b64decode(hit["body"]))
+        versions[payload["index"]] += 1
+        cov = payload["coverage"]
+        full = cov["answered"] == cov["shards"]
+        coverage["full" if full else "partial"] += 1
+        slot["partial" if not full else "full"] += 1
+        slot[f"v:{payload['index'][:8]}"] += 1
+    return {
+        "requests": len(hits), "status_codes": dict(codes),
+        "non_2xx": sum(n for c, n in codes.items() if not c.startswith("2")),
+        "lost": codes.get("0", 0),  # vegeta code 0: no HTTP answer (timeout, connection error)
+        "index_versions": dict(versions), "coverage": dict(coverage),
+        "errors": dict(errors.most_common(5)),
+        "events_s": {name: round(t - start, 2) for name, t in (events or {}).items()},
+        "timeline": [{"second": s, **dict(timeline[s])} for s in sorted(timeline)],
+    }

@@ -1,0 +1,45 @@
+"""The swap protocol's bookkeeping (IndexPointer), without Ray."""
+
+from __future__ import annotations
+
+from serving.index_pointer import ActiveIndex, IndexPointer
+
+
+def _pointer() -> IndexPointer:
+    return IndexPointer(ActiveIndex(0, "/idx/a", "app-index", "aaaa"), stale_after_s=5.0)
+
+
+def test_activate_moves_generation_and_keeps_previous_for_rollback() -> None:
+    pointer = _pointer()
+    new = pointer.activate("/idx/b", "app-index-bbbb", "bbbb")
+    assert (new.generation, new.index, new.app) == (1, "/idx/b", "app-index-bbbb")
+    assert pointer.previous == ActiveIndex(0, "/idx/a", "app-index", "aaaa")
+    assert pointer.activate("/idx/c", "app-index-cccc", "cccc").generation == 2
+    assert pointer.previous.index == "/idx/b"
+
+
+def test_drained_only_when_every_live_router_serves_new_generation_with_nothing_old() -> None:
+    pointer = _pointer()
+    pointer.report("r1", 0, 0, now=100.0)
+    pointer.report("r2", 0, 0, now=100.0)
+    generation = pointer.activate("/idx/b", "app-index-bbbb", "bbbb").generation
+    assert not pointer.drained(generation, now=100.5)  # nobody switched yet
+    pointer.report("r1", 1, 0, now=101.0)
+    assert not pointer.drained(generation, now=101.0)  # r2 still on generation 0
+    pointer.report("r2", 1, 3, now=101.0)
+    assert not pointer.drained(generation, now=101.0)  # r2 switched but holds 3 old requests
+    pointer.report("r2", 1, 0, now=101.2)
+    assert pointer.drained(generation, now=101.2)
+
+
+def test_a_router_that_stopped_reporting_does_not_block_the_drain() -> None:
+    pointer = _pointer()
+    pointer.report("gone", 0, 2, now=100.0)
+    pointer.report("live", 1, 0, now=110.0)
+    assert set(pointer.live_routers(now=110.0)) == {"live"}
+    assert pointer.drained(1, now=110.0)
+
+
+def test_no_live_router_is_not_drained() -> None:
+    """Nothing heard yet means nothing is known: the swap must wait, not delete the old index."""
+    assert not _pointer().drained(1, now=0.0)

@@ -1,0 +1,70 @@
+"""Zero-downtime index swap on real Serve under a real vegeta load; the recall gate refuses a bad index."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from index_build.datasets import load_dataset
+from index_build.job import build_index
+from index_build.manifest import read_manifest
+from index_build.storage import Location
+
+pytestmark = pytest.mark.slow
+PORT = 18321
+APP = "swap"
+LIMIT = 5000
+
+
+def _version(index: Path) -> str:
+    return read_manifest(Location.parse(str(index))).index_version
+
+
+def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
+    from deployments.run import deploy, shard_replicas, undeploy
+    from deployments.swap import GateFailed, swap_index
+    from loadtests.swap import swap_under_load
+
+    old, new, bad = tmp_path / "old", tmp_path / "new", tmp_path / "bad"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(old), limit=LIMIT, backend="local")
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(new), limit=LIMIT, backend="local", seed=99)
+    build_index("fashion-mnist", 2, "IVF64,PQ4", str(bad), limit=LIMIT, backend="local")
+    versions = {_version(old), _version(new)}
+    assert len(versions) == 2
+
+    url = deploy(str(old), port=PORT, app_name=APP, route_prefix=f"/{APP}", gate_params={"nprobe": 16},
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    try:
+        record = swap_under_load(url, str(new), rate=80, duration_s=15, lead_s=3,
+                                 params={"nprobe": 16}, app_name=APP)
+        result = record["result"]
+        assert result["requests"] >= 80 * 15 * 0.95
+        assert result["non_2xx"] == 0 and result["lost"] == 0, result["status_codes"]
+        assert set(result["index_versions"]) == versions  # both served, nothing else
+        assert record["swap"]["recall"] >= 0.9 and record["swap"]["removed_old"]
+        done = result["events_s"]["swap_done"]
+        after = [s for s in result["timeline"] if s["second"] > done + 1]
+        assert after and all(f"v:{_version(old)[:8]}" not in s for s in after)
+        assert record["index_after"]["version"] == _version(new)
+
+        with pytest.raises(GateFailed, match="still serving"):
+            swap_index(str(bad), app_name=APP)
+        body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        answer = httpx.post(f"{url}/v1/search", content=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["index"] == _version(new)
+        from ray import serve
+
+        deadline = time.monotonic() + 60  # both refused and replaced versions' apps are deleted
+        while time.monotonic() < deadline and len([a for a in serve.status().applications
+                                                   if a.startswith(APP)]) > 2:
+            time.sleep(0.5)
+        assert sorted(a for a in serve.status().applications if a.startswith(APP)) == [
+            APP, f"{APP}-index-{_version(new)[:12]}"]
+        assert set(shard_replicas(APP)) == {"shard-000", "shard-001"}
+    finally:
+        undeploy(APP)
