@@ -42,7 +42,9 @@ class AppArgs(BaseModel):
                                                                 "whose recall@gate_k is below this")
     gate_queries: int = Field(500, ge=1, description="held-out queries the swap gate searches")
     gate_k: int = Field(10, ge=1)
-    gate_params: dict[str, int] = Field(default_factory=dict, description="search params of the gate")
+    gate_params: dict[str, int] = Field(
+        default_factory=lambda: {"nprobe": 16, "efSearch": 64},
+        description="search params of the gate queries (those the new index does not take are dropped)")
     max_k: int = Field(100, ge=1)
     max_vectors: int = Field(1024, ge=1, description="vectors per batch request")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")

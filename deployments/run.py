@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from serving.errors import ShardserveError
@@ -80,7 +81,7 @@ def wait_until_healthy(url: str, timeout_s: float = 180.0) -> None:
 
 
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
-                   replicas_per_shard: int = 1) -> None:
+                   replicas_per_shard: int = 1, num_cpus: float | None = None) -> None:
     """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
     from ray import serve
 
@@ -90,7 +91,11 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     from serving.ray_local import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
-    started = ensure_ray(fast_ingress=True, dashboard=True)
+    # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
+    # (a non-interactive shell starts background jobs with SIGINT ignored).
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
     try:
         url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
@@ -109,6 +114,10 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
         serve.shutdown()
         if started:
             shutdown_ray()
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _absolute(index: str) -> str:

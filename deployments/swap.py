@@ -23,6 +23,7 @@ import numpy as np
 from deployments.config import AppArgs, index_app_name
 from index_build.datasets import load_dataset
 from index_build.groundtruth import ground_truth, recall_at_k
+from index_build.indexes import supported_params
 from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
 from serving.errors import ShardserveError
@@ -62,6 +63,20 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int, k: i
     return held_out.queries, held_out, truth
 
 
+def _check_headroom(args: AppArgs, manifest: Manifest) -> None:
+    """The new version runs beside the old until the switch: refuse early if it cannot be placed,
+    rather than leave its replicas pending forever."""
+    import ray
+
+    replicas = (args.shard_autoscaling or {}).get("min_replicas", args.replicas_per_shard)
+    need = len(manifest.shards) * max(replicas, 1) * args.shard_num_cpus
+    free = ray.available_resources().get("CPU", 0.0)
+    if need > free + 1e-9:
+        raise ShardserveError(
+            f"the new version needs {need:g} CPUs beside the serving one, the cluster has {free:g} "
+            "free: add a node (or start Ray with more --num-cpus), or lower shard_num_cpus")
+
+
 async def _wait_ready(app: str, timeout_s: float) -> dict:
     from ray import serve
 
@@ -82,10 +97,12 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
 
     queries, held_out, truth = await asyncio.to_thread(gate_recall, manifest, dataset_spec,
                                                        args.gate_queries, args.gate_k)
+    supported = supported_params(manifest.index_factory, manifest.dim, manifest.metric)
+    params = {name: value for name, value in args.gate_params.items() if name in supported}
     handle = serve.get_deployment_handle("IndexVersion", app)
     found = []
     for start in range(0, len(queries), 100):
-        found.append(await handle.search.remote(queries[start:start + 100], args.gate_k, args.gate_params))
+        found.append(await handle.search.remote(queries[start:start + 100], args.gate_k, params))
     return recall_at_k(np.concatenate(found), held_out, args.gate_k, truth)
 
 
@@ -111,11 +128,15 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
     if new_app == active["app"]:
         new_app = index_app_name(app_name, f"{new.index_version}-{active['generation'] + 1}")
 
+    _check_headroom(args, new)
     started = time.perf_counter()
-    deployed = await asyncio.to_thread(serve.run, build_index_app(args.model_dump()), name=new_app,
-                                       route_prefix=None)
-    del deployed
-    await _wait_ready(new_app, timeout_s)
+    await asyncio.to_thread(serve._run, build_index_app(args.model_dump()), name=new_app,
+                            route_prefix=None, _blocking=False)
+    try:
+        await _wait_ready(new_app, timeout_s)
+    except ShardserveError:
+        await asyncio.to_thread(serve.delete, new_app, False)
+        raise
     timings["deploy_s"] = round(time.perf_counter() - started, 2)
 
     recall = None

