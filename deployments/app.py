@@ -17,10 +17,11 @@ def build_app(args: dict) -> Application:
     """The router ingress and the index pointer; the shards live in the index version's own app."""
     app_args = AppArgs.model_validate(args)
     read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
-    control = IndexControl.bind(app_args.model_dump())
+    pinned = {"resources": dict(app_args.router_resources)} if app_args.router_resources else {}
+    control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())
     return Router.options(
         num_replicas=app_args.router_replicas,
         max_ongoing_requests=app_args.router_max_ongoing_requests,
         max_queued_requests=app_args.router_max_queued_requests,
-        ray_actor_options={"num_cpus": app_args.router_num_cpus},
+        ray_actor_options={"num_cpus": app_args.router_num_cpus, **pinned},
     ).bind(control, app_args.model_dump())

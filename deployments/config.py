@@ -37,6 +37,9 @@ class AppArgs(BaseModel):
     shard_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each shard replica needs, e.g. "
                                           "{shard_host: 0.01} to keep shards on nodes started with it")
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources of the router and index-pointer "
+                                          "replicas, e.g. {shardserve_head: 0.01} to keep them on the head")
     pointer_poll_s: float = Field(0.25, gt=0, description="how often routers ask which index to serve")
     gate_min_recall: float = Field(0.9, ge=0, le=1, description="`shardserve swap` refuses an index "
                                                                 "whose recall@gate_k is below this")

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import numpy as np
+import ray
 from ray import serve
 
 from index_build.manifest import read_manifest
@@ -30,6 +31,7 @@ class ShardDeployment:
         location = Location.parse(index)
         self.searcher = ShardSearcher.load(location, read_manifest(location), shard)
         self.search_delay_s = search_delay_s
+        self.node_id = ray.get_runtime_context().get_node_id()
 
     async def search(self, matrix: np.ndarray, k: int, params: dict) -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k of a (prepared) query matrix, in the search thread (FAISS releases the GIL)."""
@@ -40,7 +42,7 @@ class ShardDeployment:
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),
-                "index_version": self.searcher.index_version}
+                "index_version": self.searcher.index_version, "node_id": self.node_id}
 
     def check_health(self) -> None:
         if self.searcher.index.ntotal < 0:

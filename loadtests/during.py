@@ -55,7 +55,8 @@ class BackgroundLoad:
 
 
 def tally(hits: list[dict], events: dict[str, float] | None = None) -> dict:
-    """Status codes, versions and coverage over all requests, plus a per-second timeline.
+    """Status codes, versions and coverage over all requests, plus a per-second timeline keyed by
+    when each answer ARRIVED (send time + latency), with the slowest answer of each second.
 
     `events`: name → wall-clock seconds (time.time()) of what happened during the load.
     """
@@ -67,9 +68,10 @@ def tally(hits: list[dict], events: dict[str, float] | None = None) -> dict:
         codes[code] += 1
         if hit.get("error"):
             errors[hit["error"][:120]] += 1
-        second = int(parse_timestamp(hit["timestamp"]) - start)
+        second = int(parse_timestamp(hit["timestamp"]) + hit["latency"] / 1e9 - start)
         slot = timeline.setdefault(second, Counter())
         slot[code] += 1
+        slot["max_ms"] = max(slot["max_ms"], round(hit["latency"] / 1e6))
         if hit["code"] != 200:
             continue
         payload = json.loads(base64.b64decode(hit["body"]))

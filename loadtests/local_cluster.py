@@ -1,0 +1,162 @@
+"""A real multi-node Ray cluster on one machine: a head and worker raylets started with `ray start`,
+the way an on-prem cluster is started, each node with its own resources; nodes can be killed.
+
+Everything it starts lives under its own --temp-dir and ports, so it runs beside another local Ray
+(the test session's) and stops only its own processes, found by that temp dir and by parentage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from serving.ray_local import FAST_INGRESS_ENV
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+class LocalCluster:
+    """`with LocalCluster(workers=[{"shard_host": 2}, ...]) as cluster:` → cluster.address."""
+
+    def __init__(self, workers: list[dict[str, float]], worker_cpus: float = 2, head_cpus: float = 1,
+                 port: int = 26380, port_base: int = 27000, detect_death_s: float = 3.0):
+        self.workers = workers
+        self.worker_cpus = worker_cpus
+        self.head_cpus = head_cpus
+        self.port = port
+        self.port_base = port_base  # per-node agent/metrics ports: no clash with another local Ray
+        self.temp_dir = tempfile.mkdtemp(prefix="rmn", dir="/tmp")  # short: unix socket paths
+        self.worker_raylets: list[int] = []
+        self.object_store_bytes = 512 * 1024 * 1024  # per node; the default (30% of RAM) x 3 nodes
+        period_ms = 500
+        self.env = {
+            **os.environ, **FAST_INGRESS_ENV,
+            # one token for every node and driver of this cluster (Ray 2.60 token auth)
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+            # its own HAProxy stats/metrics ports, beside another local Serve
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(port_base + 404),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(port_base + 101),
+            # notice a dead node in ~detect_death_s instead of Ray's default ~30 s
+            "RAY_health_check_period_ms": str(period_ms),
+            "RAY_health_check_timeout_ms": str(period_ms),
+            "RAY_health_check_failure_threshold": str(max(1, int(detect_death_s * 1000 / period_ms))),
+        }
+        self.env.pop("RAY_ADDRESS", None)
+
+    def driver_env(self) -> dict[str, str]:
+        """What a driver process needs in its environment to join this cluster."""
+        return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *FAST_INGRESS_ENV)}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self._ray_start("--head", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
+                            f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
+                            f"--ray-client-server-port={self.port_base + 1}",
+                            "--resources", json.dumps({"shardserve_head": 1}), node=0)
+            for number, resources in enumerate(self.workers, start=1):
+                before = set(self._raylets())
+                self._ray_start(f"--address={self.address}", f"--num-cpus={self.worker_cpus}",
+                                "--resources", json.dumps(resources), node=number)
+                started = set(self._raylets()) - before
+                if len(started) != 1:
+                    raise RuntimeError(f"could not tell worker {number}'s raylet apart: {started}")
+                self.worker_raylets.append(started.pop())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def kill_worker(self, number: int) -> None:
+        """Node failure: SIGKILL worker `number`'s raylet and every process under it, at once."""
+        raylet = self.worker_raylets[number - 1]
+        for pid in [*_descendants(raylet), raylet]:
+            _signal(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop every process of this cluster (and nothing else): SIGTERM, then SIGKILL stragglers."""
+        roots = self._own_processes()
+        victims = set(roots)
+        for pid in roots:
+            victims.update(_descendants(pid))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in victims:
+                _signal(pid, sig)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(_alive(p) for p in victims):
+                time.sleep(0.2)
+
+    def _ray_start(self, *args: str, node: int) -> None:
+        ports = [f"--dashboard-agent-listen-port={self.port_base + 10 + node * 10}",
+                 f"--dashboard-agent-grpc-port={self.port_base + 11 + node * 10}",
+                 f"--metrics-export-port={self.port_base + 12 + node * 10}",
+                 f"--runtime-env-agent-port={self.port_base + 13 + node * 10}"]
+        done = subprocess.run([RAY, "start", *args, *ports, "--disable-usage-stats",
+                               f"--object-store-memory={self.object_store_bytes}"], env=self.env,
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")
+
+    def _raylets(self) -> list[int]:
+        return [pid for pid in self._own_processes() if b"raylet/raylet" in _cmdline(pid)]
+
+    def _own_processes(self) -> list[int]:
+        """Processes whose command line names this cluster's temp dir (GCS, raylets, agents)."""
+        marker = self.temp_dir.encode()
+        return [int(e) for e in os.listdir("/proc") if e.isdigit() and marker in _cmdline(int(e))]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            children.setdefault(_parent(int(entry)), []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
