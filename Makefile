@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta demo serve test test-fast lint bench bench-build clean
+.PHONY: install data vegeta ssh-tools demo serve test test-cluster test-fast lint bench bench-build clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -24,6 +24,13 @@ $(FMNIST):
 	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist \
 	  || { echo "error: could not apt-get install dataset-fashion-mnist (need root or sudo)" >&2; exit 1; }
+
+# `make test-cluster` drives `ray up` over SSH on loopback: it needs sshd and rsync (Debian packages).
+ssh-tools:
+	@if ! [ -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq openssh-server openssh-client rsync \
+	  || { echo "error: could not apt-get install openssh-server rsync (need root or sudo)" >&2; exit 1; }; fi
 
 vegeta: $(VEGETA)
 # Pinned by loadtests/vegeta/go.mod + go.sum (`go install ...@latest` is refused by the module proxy).
@@ -42,10 +49,15 @@ demo: install data $(INDEX)/manifest.json
 
 test: install data vegeta
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster"
+
+# ray up / ray exec / ray down of configs/cluster.local.yaml against this machine (own sshd on
+# 127.0.0.1:22). `ray down` stops every Ray on the machine, so the test refuses to run beside one.
+test-cluster: install data ssh-tools
+	$(BIN)/python -m pytest -q -ra -m cluster
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not cluster"
 
 lint: install
 	$(BIN)/ruff check .

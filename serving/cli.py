@@ -46,6 +46,24 @@ def _serve(args: argparse.Namespace) -> None:
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus)
 
 
+def _deploy(args: argparse.Namespace) -> None:
+    """Deploy onto a running cluster and return (Serve keeps the apps after this driver exits)."""
+    from serving.ray_local import apply_fast_ingress_env
+
+    apply_fast_ingress_env()
+    import ray
+
+    from deployments.run import deploy
+    from index_build.manifest import read_manifest
+    from index_build.storage import Location
+
+    read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
+    ray.init(address=args.address or "auto", log_to_driver=False, configure_logging=False)
+    url = deploy(args.index_dir, host=args.host, port=args.port,
+                 replicas_per_shard=args.replicas_per_shard)
+    print(f"deployed {args.index_dir} at {url}")
+
+
 def _serve_config(args: argparse.Namespace) -> None:
     from deployments.config import serve_config_yaml
 
@@ -116,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     for name, func, text in (("serve", _serve, "serve an index over HTTP on a local Ray"),
+                             ("deploy", _deploy, "deploy onto a running Ray cluster and exit"),
                              ("serve-config", _serve_config, "print a Ray Serve config YAML")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("index_dir")
@@ -123,6 +142,8 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("--port", type=int, default=8000)
         cmd.add_argument("--replicas-per-shard", type=int, default=1)
         cmd.set_defaults(func=func)
+        if name == "deploy":
+            cmd.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")
