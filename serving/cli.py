@@ -95,6 +95,40 @@ def _swap(args: argparse.Namespace) -> None:
           f"(generation {report['generation']}, {gate}, {report['seconds']})")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from serving.capacity import Layout, check, fit, plan, scaled_cpu_ms
+
+    try:
+        with open(args.record) as handle:
+            record = json.load(handle)
+        measured = [(Layout(lay["shards"], lay["replicas_per_shard"], record["machine"]["cores"],
+                            lay["knee"]["qps"], lay["knee"]["p99_ms"]), lay) for lay in record["layouts"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ShardserveError(f"{args.record}: not a layouts record ({type(exc).__name__}: {exc})") from None
+    fitted = [layout for layout, _ in measured if layout.replicas_per_shard == 1]
+    model = fit(fitted)
+    print(f"model: cpu_ms(S) = {model.fixed_ms:.3f} + {model.per_shard_ms:.3f} x S  "
+          f"(fitted on {len(fitted)} one-replica layouts of {args.record}, "
+          f"{record['machine']['cores']} cores)")
+    print(f"{'layout':>7} {'measured':>9} {'predicted':>10} {'error':>7}  role   p99@knee")
+    for row, (layout, _) in zip(check(model, [m for m, _ in measured],
+                                      {(f.shards, f.replicas_per_shard) for f in fitted}), measured,
+                                strict=True):
+        print(f"{row['layout']:>7} {row['measured_qps']:>9.0f} {row['predicted_qps']:>10.0f} "
+              f"{row['error']:>+7.1%}  {row['role']:<5}  {layout.p99_ms:.1f} ms")
+    if args.target_qps:
+        base = next(lay for layout, lay in measured if layout.shards == max(m.shards for m, _ in measured))
+        faiss_ms = next(lv["compute_p50_ms"] for lv in base["levels"] if lv["value"] == 1)
+        cpu_ms = scaled_cpu_ms(model, faiss_ms, base["vectors"], args.vectors or base["vectors"], args.dim,
+                               record["load"]["params"].get("nprobe", 16))
+        print(f"\nfor {args.target_qps:.0f} req/s at {args.vectors or base['vectors']} vectors, "
+              f"{args.cores_per_node:g}-core nodes, 80% of the knee:")
+        for option in plan(cpu_ms, args.target_qps, args.cores_per_node):
+            print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>3} replicas: "
+                  f"{option['cores']:>8.1f} cores = {option['nodes']:>4} nodes  "
+                  f"({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
+
+
 def _tune(args: argparse.Namespace) -> None:
     from loadtests.tune import tune_from_record
 
@@ -157,6 +191,15 @@ def parser() -> argparse.ArgumentParser:
     swap.add_argument("--keep-previous", action="store_true", help="keep the old version deployed")
     swap.add_argument("--rollback", action="store_true", help="serve the previous index again")
     swap.set_defaults(func=_swap)
+
+    pl = sub.add_parser("plan", help="capacity model from a layouts record: knee QPS per layout, "
+                                     "layout for a target QPS")
+    pl.add_argument("record", nargs="?", default="loadtests/records/layouts.json")
+    pl.add_argument("--target-qps", type=float)
+    pl.add_argument("--vectors", type=int, help="plan for this many vectors (default: the record's)")
+    pl.add_argument("--dim", type=int, default=784)
+    pl.add_argument("--cores-per-node", type=float, default=16)
+    pl.set_defaults(func=_plan)
 
     tune = sub.add_parser("tune", help="knee of a sweep record → autoscaling settings in a serve config")
     tune.add_argument("record")

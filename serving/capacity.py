@@ -1,0 +1,113 @@
+"""Capacity model (`shardserve plan`): the knee throughput of a layout from the CPU one request costs.
+
+Past the knee the machine is CPU-bound (DESIGN.md: knee near concurrency = cores), so
+
+    knee_qps(S shards, R replicas, C cores) = usable_cores x 1000 / cpu_ms(S)
+    cpu_ms(S) = fixed_ms + per_shard_ms x S
+    usable_cores = min(C, S x R x faiss_threads + router_replicas)
+
+`fixed_ms` is what a request costs whatever the shard count (HTTP ingress, parsing, the router's
+batching, merge, rendering); `per_shard_ms` is what each shard adds (one Serve handle call per batch,
+the shard's Python, its FAISS scan: for IVF, the coarse quantizer over nlist centroids plus nprobe
+lists). Both are fitted by least squares on measured layouts with one replica per shard; layouts
+with more replicas are predicted, not fitted, and their error is the model's test.
+
+Scaling to N vectors (on paper): the FAISS part of per_shard_ms scales with the work per query of
+an IVF shard, d x (nlist + nprobe x N_shard / nlist); the Serve/Python part does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    shards: int
+    replicas_per_shard: int
+    cores: float
+    knee_qps: float | None = None  # measured, when known
+    p99_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class CapacityModel:
+    fixed_ms: float
+    per_shard_ms: float
+    faiss_threads: int = 1
+    router_replicas: int = 1
+
+    def usable_cores(self, layout: Layout) -> float:
+        return min(layout.cores, layout.shards * layout.replicas_per_shard * self.faiss_threads
+                   + self.router_replicas)
+
+    def cpu_ms(self, shards: int) -> float:
+        return self.fixed_ms + self.per_shard_ms * shards
+
+    def knee_qps(self, layout: Layout) -> float:
+        return self.usable_cores(layout) * 1000.0 / self.cpu_ms(layout.shards)
+
+
+def fit(layouts: list[Layout]) -> CapacityModel:
+    """Least-squares fit of cpu_ms = fixed + per_shard x S on measured layouts (>= 2 shard counts)."""
+    shard_counts = {layout.shards for layout in layouts}
+    if len(shard_counts) < 2:
+        raise ValueError("fitting needs measured layouts with at least two different shard counts")
+    probe = CapacityModel(0.0, 0.0)
+    design = np.array([[1.0, layout.shards] for layout in layouts])
+    cpu = np.array([probe.usable_cores(layout) * 1000.0 / layout.knee_qps for layout in layouts])
+    (fixed, per_shard), *_ = np.linalg.lstsq(design, cpu, rcond=None)
+    return CapacityModel(float(fixed), float(per_shard))
+
+
+def check(model: CapacityModel, layouts: list[Layout], fitted: set[tuple[int, int]]) -> list[dict]:
+    """Predicted vs measured knee of every measured layout, with the relative error of each."""
+    rows = []
+    for layout in layouts:
+        predicted = model.knee_qps(layout)
+        rows.append({"layout": f"{layout.shards}x{layout.replicas_per_shard}",
+                     "measured_qps": round(layout.knee_qps, 1), "predicted_qps": round(predicted, 1),
+                     "error": round(predicted / layout.knee_qps - 1.0, 3),
+                     "role": "fit" if (layout.shards, layout.replicas_per_shard) in fitted else "test"})
+    return rows
+
+
+def plan(cpu_ms: Callable[[int], float], target_qps: float, cores_per_node: float,
+         shard_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32), headroom: float = 0.8) -> list[dict]:
+    """Layouts that reach `target_qps` at `headroom` of their knee (so p99 stays near the knee's),
+    fewest cores first: shards trade CPU per request for memory per node."""
+    options = []
+    for shards in shard_counts:
+        per_core = headroom * 1000.0 / cpu_ms(shards)
+        cores = target_qps / per_core
+        nodes = int(np.ceil(cores / cores_per_node))
+        options.append({"shards": shards, "cores": round(cores, 1), "nodes": nodes,
+                        "replicas_per_shard": max(1, int(np.ceil((nodes * cores_per_node - 1) / shards))),
+                        "cpu_ms_per_request": round(cpu_ms(shards), 3)})
+    return sorted(options, key=lambda o: o["cores"])
+
+
+def ivf_work(vectors_per_shard: float, nlist: int, nprobe: int, dim: int) -> float:
+    """Relative work of one IVF shard search: quantizer + scanned lists (distance computations x d)."""
+    return dim * (nlist + nprobe * vectors_per_shard / nlist)
+
+
+def scaled_cpu_ms(model: CapacityModel, faiss_ms_per_shard: float, measured_vectors: int, vectors: int,
+                  dim: int, nprobe: int) -> Callable[[int], float]:
+    """cpu_ms(S) at `vectors` instead of `measured_vectors`: only the FAISS part of the per-shard
+    cost scales, by the IVF work ratio, with nlist ~ 4 sqrt(vectors per shard) (FAISS wiki)."""
+    def nlist(per_shard: float) -> int:
+        return max(16, int(4 * np.sqrt(per_shard)))
+
+    def cpu_ms(shards: int) -> float:
+        measured = measured_vectors / shards
+        target = vectors / shards
+        ratio = (ivf_work(target, nlist(target), nprobe, dim)
+                 / ivf_work(measured, nlist(measured), nprobe, dim))
+        overhead = max(model.per_shard_ms - faiss_ms_per_shard, 0.0)
+        return model.fixed_ms + shards * (overhead + faiss_ms_per_shard * ratio)
+
+    return cpu_ms

@@ -1,0 +1,42 @@
+"""The capacity model on constructed layouts (no Ray): fit recovers known costs, predictions scale."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.capacity import CapacityModel, Layout, check, fit, ivf_work, plan, scaled_cpu_ms
+
+
+def _measured(model: CapacityModel, shards: int, replicas: int, cores: float = 2) -> Layout:
+    return Layout(shards, replicas, cores, model.knee_qps(Layout(shards, replicas, cores)))
+
+
+def test_fit_recovers_fixed_and_per_shard_cost() -> None:
+    truth = CapacityModel(fixed_ms=1.2, per_shard_ms=0.4)
+    model = fit([_measured(truth, s, 1) for s in (1, 2, 4)])
+    assert model.fixed_ms == pytest.approx(1.2) and model.per_shard_ms == pytest.approx(0.4)
+    rows = check(model, [_measured(truth, 2, 2)], fitted=set())
+    assert rows[0]["role"] == "test" and abs(rows[0]["error"]) < 1e-9
+
+
+def test_fit_needs_two_shard_counts() -> None:
+    with pytest.raises(ValueError, match="two different shard counts"):
+        fit([Layout(4, 1, 2, 600.0), Layout(4, 1, 2, 620.0)])
+
+
+def test_usable_cores_are_capped_by_replicas_then_by_the_machine() -> None:
+    model = CapacityModel(1.0, 0.5)
+    assert model.usable_cores(Layout(1, 1, 64)) == 2  # one shard replica + the router
+    assert model.usable_cores(Layout(4, 4, 8)) == 8
+    assert model.knee_qps(Layout(4, 4, 8)) == pytest.approx(8 * 1000 / 3.0)
+
+
+def test_plan_needs_more_cores_for_more_traffic_and_more_data() -> None:
+    model = CapacityModel(1.0, 0.5)
+    small = plan(model.cpu_ms, 1000, cores_per_node=16)
+    big = plan(model.cpu_ms, 10_000, cores_per_node=16)
+    assert small[0]["cores"] * 10 == pytest.approx(big[0]["cores"], rel=1e-3)
+    more_data = scaled_cpu_ms(model, faiss_ms_per_shard=0.3, measured_vectors=60_000,
+                              vectors=6_000_000, dim=784, nprobe=16)
+    assert more_data(4) > model.cpu_ms(4)
+    assert ivf_work(1e6, 4000, 16, 100) > ivf_work(1e4, 400, 16, 100)
