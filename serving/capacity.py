@@ -76,18 +76,24 @@ def check(model: CapacityModel, layouts: list[Layout], fitted: set[tuple[int, in
 
 
 def plan(cpu_ms: Callable[[int], float], target_qps: float, cores_per_node: float,
-         shard_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32), headroom: float = 0.8) -> list[dict]:
+         index_bytes: float = 0.0, memory_per_node_gb: float = 64.0,
+         shard_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), headroom: float = 0.8) -> list[dict]:
     """Layouts that reach `target_qps` at `headroom` of their knee (so p99 stays near the knee's),
-    fewest cores first: shards trade CPU per request for memory per node."""
+    fewest nodes first among those whose replicas fit in memory: fewer shards cost less CPU per
+    request (each shard adds a call and a quantizer scan), more shards make replicas small enough."""
     options = []
     for shards in shard_counts:
         per_core = headroom * 1000.0 / cpu_ms(shards)
         cores = target_qps / per_core
-        nodes = int(np.ceil(cores / cores_per_node))
-        options.append({"shards": shards, "cores": round(cores, 1), "nodes": nodes,
-                        "replicas_per_shard": max(1, int(np.ceil((nodes * cores_per_node - 1) / shards))),
+        replicas = max(1, int(np.ceil(cores / shards)))  # one core per single-threaded shard replica
+        replica_gb = index_bytes / shards / 1e9
+        per_node = min(cores_per_node, np.floor(0.7 * memory_per_node_gb / replica_gb)
+                       if replica_gb else cores_per_node)
+        nodes = int(np.ceil(shards * replicas / per_node)) if per_node >= 1 else None
+        options.append({"shards": shards, "replicas_per_shard": replicas, "cores": round(cores, 1),
+                        "nodes": nodes, "gb_per_replica": round(replica_gb, 2),
                         "cpu_ms_per_request": round(cpu_ms(shards), 3)})
-    return sorted(options, key=lambda o: o["cores"])
+    return sorted(options, key=lambda o: (o["nodes"] is None, o["nodes"] or 0, o["cores"]))
 
 
 def ivf_work(vectors_per_shard: float, nlist: int, nprobe: int, dim: int) -> float:
@@ -95,19 +101,36 @@ def ivf_work(vectors_per_shard: float, nlist: int, nprobe: int, dim: int) -> flo
     return dim * (nlist + nprobe * vectors_per_shard / nlist)
 
 
-def scaled_cpu_ms(model: CapacityModel, faiss_ms_per_shard: float, measured_vectors: int, vectors: int,
-                  dim: int, nprobe: int) -> Callable[[int], float]:
-    """cpu_ms(S) at `vectors` instead of `measured_vectors`: only the FAISS part of the per-shard
-    cost scales, by the IVF work ratio, with nlist ~ 4 sqrt(vectors per shard) (FAISS wiki)."""
-    def nlist(per_shard: float) -> int:
-        return max(16, int(4 * np.sqrt(per_shard)))
+def scaled_cpu_ms(model: CapacityModel, faiss_ms_per_shard: float | None, measured_vectors: int,
+                  vectors: int, nlist: int, nprobe: int) -> Callable[[int], float]:
+    """cpu_ms(S) at `vectors` instead of `measured_vectors`. Only the FAISS part of the per-shard cost
+    scales, by the IVF work ratio with nlist ~ sqrt(vectors per shard) (FAISS wiki guideline);
+    `faiss_ms_per_shard=None` (not measured) scales the whole per-shard cost: an upper bound."""
+    faiss_ms = model.per_shard_ms if faiss_ms_per_shard is None else min(faiss_ms_per_shard,
+                                                                         model.per_shard_ms)
 
     def cpu_ms(shards: int) -> float:
         measured = measured_vectors / shards
         target = vectors / shards
-        ratio = (ivf_work(target, nlist(target), nprobe, dim)
-                 / ivf_work(measured, nlist(measured), nprobe, dim))
-        overhead = max(model.per_shard_ms - faiss_ms_per_shard, 0.0)
-        return model.fixed_ms + shards * (overhead + faiss_ms_per_shard * ratio)
+        ratio = (ivf_work(target, max(1, int(nlist * np.sqrt(target / measured))), nprobe, 1)
+                 / ivf_work(measured, nlist, nprobe, 1))
+        return model.fixed_ms + shards * (model.per_shard_ms - faiss_ms + faiss_ms * ratio)
 
     return cpu_ms
+
+
+def faiss_ms_per_query(index_dir: str, queries, params: dict, batch: int = 32) -> float:
+    """Measured here, in-process: FAISS milliseconds per query per shard at a router-sized batch."""
+    import time
+
+    from serving.searcher import load_all_shards
+
+    _, searchers = load_all_shards(index_dir)
+    matrix = queries[:batch]
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for searcher in searchers:
+            searcher.search(matrix, 10, params)
+        best = min(best, (time.perf_counter() - start) * 1000.0 / (len(searchers) * len(matrix)))
+    return best

@@ -117,16 +117,30 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"{row['layout']:>7} {row['measured_qps']:>9.0f} {row['predicted_qps']:>10.0f} "
               f"{row['error']:>+7.1%}  {row['role']:<5}  {layout.p99_ms:.1f} ms")
     if args.target_qps:
-        base = next(lay for layout, lay in measured if layout.shards == max(m.shards for m, _ in measured))
-        faiss_ms = next(lv["compute_p50_ms"] for lv in base["levels"] if lv["value"] == 1)
-        cpu_ms = scaled_cpu_ms(model, faiss_ms, base["vectors"], args.vectors or base["vectors"], args.dim,
-                               record["load"]["params"].get("nprobe", 16))
-        print(f"\nfor {args.target_qps:.0f} req/s at {args.vectors or base['vectors']} vectors, "
-              f"{args.cores_per_node:g}-core nodes, 80% of the knee:")
-        for option in plan(cpu_ms, args.target_qps, args.cores_per_node):
-            print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>3} replicas: "
-                  f"{option['cores']:>8.1f} cores = {option['nodes']:>4} nodes  "
-                  f"({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
+        base = max((lay for _, lay in measured), key=lambda lay: lay["shards"])
+        params = record["load"]["params"]
+        faiss_ms = None
+        if args.index_dir:
+            from index_build.datasets import load_dataset
+            from serving.capacity import faiss_ms_per_query
+
+            faiss_ms = faiss_ms_per_query(args.index_dir, load_dataset("fashion-mnist", num_queries=64)
+                                          .queries, params)
+        nlist = int(base["factory"].split(",")[0].removeprefix("IVF") or 1)
+        vectors = args.vectors or base["vectors"]
+        cpu_ms = scaled_cpu_ms(model, faiss_ms, base["vectors"], vectors, nlist, params.get("nprobe", 1))
+        share = (f"FAISS {faiss_ms:.3f} ms/query/shard measured in-process on {args.index_dir}"
+                 if faiss_ms is not None else "whole per-shard cost scaled (no --index-dir: upper bound)")
+        print(f"\nfor {args.target_qps:.0f} req/s at {vectors} vectors on {args.cores_per_node:g}-core "
+              f"{args.memory_per_node_gb:g} GB nodes, 80% of the knee; {share}:")
+        index_bytes = base["index_bytes"] * vectors / base["vectors"] if "index_bytes" in base else \
+            vectors * args.bytes_per_vector
+        for option in plan(cpu_ms, args.target_qps, args.cores_per_node, index_bytes,
+                           args.memory_per_node_gb)[:args.top]:
+            nodes = "does not fit" if option["nodes"] is None else f"{option['nodes']:>4} nodes"
+            print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>4} replicas: "
+                  f"{option['cores']:>8.1f} cores, {option['gb_per_replica']:>6.2f} GB/replica, {nodes}"
+                  f"  ({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -197,7 +211,11 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("record", nargs="?", default="loadtests/records/layouts.json")
     pl.add_argument("--target-qps", type=float)
     pl.add_argument("--vectors", type=int, help="plan for this many vectors (default: the record's)")
-    pl.add_argument("--dim", type=int, default=784)
+    pl.add_argument("--index-dir", help="the record's largest-layout index: measure its FAISS share")
+    pl.add_argument("--memory-per-node-gb", type=float, default=64)
+    pl.add_argument("--bytes-per-vector", type=float, default=784 * 4 + 8,
+                    help="index bytes per vector (IVF,Flat: 4 x dim + 8 for the id)")
+    pl.add_argument("--top", type=int, default=4, help="how many layouts to print")
     pl.add_argument("--cores-per-node", type=float, default=16)
     pl.set_defaults(func=_plan)
 
