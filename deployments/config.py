@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import yaml
@@ -53,10 +54,17 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     shard_timeout_s: float = Field(2.0, gt=0, description="deadline of one shard call")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
+    hedge_after_ms: float = Field(
+        0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
+                               "(Serve routes it by queue length, so with >= 2 replicas usually to "
+                               "another one); the first answer wins, the other call is cancelled")
     debug_load_delay_s: dict[str, float] = Field(
         default_factory=dict, description="TEST ONLY: shard name -> extra seconds before it is loaded")
     debug_search_delay_s: dict[str, float] = Field(
         default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call")
+    debug_rank0_delay_s: dict[str, float] = Field(
+        default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call in "
+                                          "that shard's rank-0 replica only (one slow replica)")
 
 
 def index_app_name(main_app: str, version: str | None = None) -> str:
@@ -76,7 +84,7 @@ def serve_config_yaml(index: str, host: str = "127.0.0.1", port: int = 8000,
         "applications": [
             # The index version's shards: no HTTP route, found by name by the router.
             {"name": index_app_name(app_name), "route_prefix": None,
-             "import_path": "deployments.app:build_index_app", "args": dict(args)},
+             "import_path": "deployments.app:build_index_app", "args": copy.deepcopy(args)},
             {"name": app_name, "route_prefix": "/", "import_path": "deployments.app:build_app",
              "args": args},
         ],

@@ -73,7 +73,8 @@ def build_index_app(args: dict) -> Application:
             ray_actor_options=actor_options,
         ).bind(app_args.index, position, app_args.faiss_threads,
                app_args.debug_load_delay_s.get(entry.name, 0.0),
-               app_args.debug_search_delay_s.get(entry.name, 0.0))
+               app_args.debug_search_delay_s.get(entry.name, 0.0),
+               app_args.debug_rank0_delay_s.get(entry.name, 0.0))
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

@@ -35,6 +35,10 @@ def _json(payload: object, status: int = 200, headers: dict | None = None) -> Re
     return Response(orjson.dumps(payload), status_code=status, media_type=_JSON, headers=headers)
 
 
+async def _awaited(response):
+    return await response
+
+
 def _error_response(error: ApiError) -> Response:
     headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
     return Response(error.body(), status_code=error.status, media_type=_JSON, headers=headers)
@@ -181,12 +185,7 @@ class Router:
             index_set = items[positions[0]][0]
 
             async def call_shard(shard: int, matrix: np.ndarray, k: int, params: dict):
-                response = index_set.shards[shard].search.remote(matrix, k, params)
-                try:
-                    return await response
-                except asyncio.CancelledError:
-                    response.cancel()
-                    raise
+                return await self._call_shard(index_set.shards[shard], matrix, k, params)
 
             answers = await search_batch([items[p][1] for p in positions], call_shard,
                                          len(index_set.shards), index_set.manifest.metric != "l2",
@@ -199,6 +198,32 @@ class Router:
         self.metrics.in_flight.set(self.in_flight)  # sampled per batch, not per request
         self.metrics.fanout_ms.observe(results[0].fanout_ms)
         return results  # type: ignore[return-value]
+
+    async def _call_shard(self, handle: DeploymentHandle, matrix: np.ndarray, k: int, params: dict):
+        """One shard call; hedged (sent again after hedge_after_ms, first answer wins) when set."""
+        calls = [handle.search.remote(matrix, k, params)]
+        tasks = [asyncio.ensure_future(_awaited(calls[0]))]
+        try:
+            if self.args.hedge_after_ms:
+                done, _ = await asyncio.wait(tasks, timeout=self.args.hedge_after_ms / 1000.0)
+                if not done:
+                    self.metrics.hedged.inc()
+                    calls.append(handle.search.remote(matrix, k, params))
+                    tasks.append(asyncio.ensure_future(_awaited(calls[1])))
+            failure: BaseException | None = None
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+                    failure = task.exception()
+            raise failure  # every call failed
+        finally:
+            for call, task in zip(calls, tasks, strict=True):
+                if not task.done():
+                    call.cancel()
+                    task.cancel()
 
     async def _follow_pointer(self) -> None:
         """Poll IndexControl: switch to a new index version atomically (one attribute), report

@@ -21,7 +21,7 @@ class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked) and runs its searches off the event loop."""
 
     def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
-                 search_delay_s: float = 0.0):
+                 search_delay_s: float = 0.0, rank0_delay_s: float = 0.0):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
@@ -31,11 +31,13 @@ class ShardDeployment:
         location = Location.parse(index)
         self.searcher = ShardSearcher.load(location, read_manifest(location), shard)
         self.search_delay_s = search_delay_s
+        if rank0_delay_s and serve.get_replica_context().rank.rank == 0:  # test-only: one slow replica
+            self.search_delay_s += rank0_delay_s
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def search(self, matrix: np.ndarray, k: int, params: dict) -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k of a (prepared) query matrix, in the search thread (FAISS releases the GIL)."""
-        if self.search_delay_s:  # test-only switch (AppArgs.debug_search_delay_s)
+        if self.search_delay_s:  # test-only switches (AppArgs.debug_*delay_s)
             await asyncio.sleep(self.search_delay_s)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.searcher.search, matrix, k, params, True)

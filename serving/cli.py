@@ -60,7 +60,7 @@ def _deploy(args: argparse.Namespace) -> None:
     read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
     ray.init(address=args.address or "auto", log_to_driver=False, configure_logging=False)
     url = deploy(args.index_dir, host=args.host, port=args.port,
-                 replicas_per_shard=args.replicas_per_shard)
+                 replicas_per_shard=args.replicas_per_shard, **_app_args(args.arg))
     print(f"deployed {args.index_dir} at {url}")
 
 
@@ -68,7 +68,30 @@ def _serve_config(args: argparse.Namespace) -> None:
     from deployments.config import serve_config_yaml
 
     sys.stdout.write(serve_config_yaml(args.index_dir, host=args.host, port=args.port,
-                                       replicas_per_shard=args.replicas_per_shard))
+                                       replicas_per_shard=args.replicas_per_shard, **_app_args(args.arg)))
+
+
+def _app_args(pairs: list[str]) -> dict:
+    """`--arg shard_resources='{"shard_host": 1}'` → AppArgs overrides (values are JSON, else str)."""
+    from pydantic import ValidationError
+
+    from deployments.config import AppArgs
+
+    overrides: dict = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise ShardserveError(f"--arg {pair!r}: expected KEY=VALUE")
+        try:
+            overrides[key] = json.loads(raw)
+        except ValueError:
+            overrides[key] = raw
+    try:
+        AppArgs(index="-", **overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ShardserveError(f"--arg {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    return overrides
 
 
 def _swap(args: argparse.Namespace) -> None:
@@ -192,6 +215,9 @@ def parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
         if name == "deploy":
             cmd.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+        if name in ("deploy", "serve-config"):
+            cmd.add_argument("--arg", action="append", metavar="KEY=JSON",
+                             help="an application setting (deployments/config.py AppArgs), repeatable")
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")

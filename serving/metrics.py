@@ -38,6 +38,8 @@ class RouterMetrics:
             "shardserve_shed_requests", "Requests refused with 503 by admission control")
         self.coverage = metrics.Counter(
             "shardserve_answers", "Answers by coverage (full / partial / none)", tag_keys=("coverage",))
+        self.hedged = metrics.Counter(
+            "shardserve_hedged_shard_calls", "Shard calls sent a second time after hedge_after_ms")
         self.index_generation = metrics.Gauge(
             "shardserve_index_generation", "Generation of the index version this router serves "
             "(rises by one per `shardserve swap`)")
