@@ -24,14 +24,15 @@ def _running(app: str) -> dict[str, int]:
     return shard_replicas(app)
 
 
-def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("knee_policy", [False, True], ids=["serve-policy", "knee-policy"])
+def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, knee_policy: bool) -> None:
 
     from deployments.run import deploy, undeploy
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 3, "IVF64,Flat", str(index), limit=6000, backend="ray")
     scaling = autoscaling_config(knee_depth=1, max_replicas=3, upscale_delay_s=1, downscale_delay_s=4,
-                                 metrics_interval_s=0.5, look_back_period_s=1.5)
+                                 metrics_interval_s=0.5, look_back_period_s=1.5, knee_policy=knee_policy)
     url = deploy(str(index), port=PORT, app_name="scaling", route_prefix="/scaling",
                  shard_autoscaling=scaling, debug_search_delay_s={"shard-001": 0.15},
                  shard_num_cpus=0.1, router_num_cpus=0.1)
@@ -76,3 +77,21 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path) -
         assert _running("scaling")["shard-001"] == 1
     finally:
         undeploy("scaling")
+
+
+def test_knee_policy_decisions() -> None:
+    """Pure decision logic of the custom policy, on constructed values."""
+    from deployments.autoscaling import decide, knee_policy
+
+    assert decide(current=1, depth=7, knee_depth=2, min_replicas=1, max_replicas=8) == 4  # up at once
+    assert decide(current=1, depth=70, knee_depth=2, min_replicas=1, max_replicas=3) == 3  # capped
+    assert decide(current=4, depth=0, knee_depth=2, min_replicas=1, max_replicas=8) == 3  # one step down
+    assert decide(current=1, depth=0, knee_depth=2, min_replicas=1, max_replicas=8) == 1  # floor
+    assert decide(current=3, depth=6, knee_depth=2, min_replicas=1, max_replicas=8) == 3  # steady
+
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(current_num_replicas=2, total_num_requests=9.0,
+                          config=SimpleNamespace(target_ongoing_requests=3),
+                          capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=5)
+    assert knee_policy(ctx) == (3, {})
