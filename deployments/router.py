@@ -66,12 +66,20 @@ class IndexSet:
 class Router:
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
-    def __init__(self, control: DeploymentHandle, args: dict):
+    async def __init__(self, control: DeploymentHandle, args: dict):  # Serve awaits async constructors
         self.args = AppArgs.model_validate(args)
         self.control = control
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        self.active = IndexSet.load(0, self.args.index, index_app_name(context.app_name))
+        # A replica started after a swap (restart, scale-up) must serve the current version, not the
+        # config's: ask the pointer first; the config's index only if it does not answer.
+        try:
+            pointer = await asyncio.wait_for(self.control.poll.remote(self.replica_id, -1, 0), 10.0)
+            self.active = await asyncio.to_thread(IndexSet.load, pointer["generation"],
+                                                  pointer["index"], pointer["app"])
+        except Exception as exc:
+            logger.warning("index pointer not reachable (%s): serving the configured index", exc)
+            self.active = IndexSet.load(0, self.args.index, index_app_name(context.app_name))
         self.in_flight_by_generation: Counter[int] = Counter()
         self.metrics = RouterMetrics()
         self.metrics.shard_names = [s.name for s in self.active.manifest.shards]

@@ -24,6 +24,22 @@ def _version(index: Path) -> str:
     return read_manifest(Location.parse(str(index))).index_version
 
 
+def _restart_router(app: str) -> None:
+    """Kill the router's replica actor; wait until Serve has replaced it and it is healthy."""
+    import ray
+
+    from deployments.run import wait_until_healthy
+
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(f"SERVE_REPLICA::{app}#Router#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True)):
+        time.sleep(0.5)
+    wait_until_healthy(f"http://127.0.0.1:{PORT}/{app}", timeout_s=120)
+
+
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
     from deployments.run import deploy, shard_replicas, undeploy
     from deployments.swap import GateFailed, swap_index
@@ -51,10 +67,14 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         assert after and all(f"v:{_version(old)[:8]}" not in s for s in after)
         assert record["index_after"]["version"] == _version(new)
 
-        with pytest.raises(GateFailed, match="still serving"):
-            swap_index(str(bad), app_name=APP)
+        _restart_router(APP)  # a router replica started after the swap serves the new version
         body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                             option=orjson.OPT_SERIALIZE_NUMPY)
+        answer = httpx.post(f"{url}/v1/search", content=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["index"] == _version(new)
+
+        with pytest.raises(GateFailed, match="still serving"):
+            swap_index(str(bad), app_name=APP)
         answer = httpx.post(f"{url}/v1/search", content=body, timeout=10)
         assert answer.status_code == 200 and answer.json()["index"] == _version(new)
         from ray import serve
