@@ -23,6 +23,8 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     args = AppArgs(index=_absolute(index), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
+    # serve._run: serve.run's own implementation, whose _blocking=False lets a caller watch an app
+    # come up (tests of health during start-up); serve.run itself always blocks.
     serve._run(build_index_app(args), name=index_app_name(app_name), route_prefix=None, _blocking=wait)
     serve._run(build_app(args), name=app_name, route_prefix=route_prefix, _blocking=wait)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
@@ -110,8 +112,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     except KeyboardInterrupt:
         pass
     finally:
-        undeploy()
-        serve.shutdown()
+        serve.shutdown()  # deletes every app (ours, and any swapped-in index version)
         if started:
             shutdown_ray()
 
