@@ -124,26 +124,35 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
                               f"dim {old.dim} {old.metric}: not swappable")
     if new.index_version == old.index_version and new_index == active["index"]:
         raise ShardserveError(f"index {new.index_version} at {new_index} is already being served")
-    new_app = index_app_name(app_name, new.index_version)
-    if new_app == active["app"]:
-        new_app = index_app_name(app_name, f"{new.index_version}-{active['generation'] + 1}")
-
-    _check_headroom(args, new)
+    previous = state["previous"]
     started = time.perf_counter()
-    await asyncio.to_thread(serve._run, build_index_app(args.model_dump()), name=new_app,
-                            route_prefix=None, _blocking=False)
-    try:
+    if (previous and previous["index"] == new_index
+            and previous["app"] in await asyncio.to_thread(lambda: serve.status().applications)):
+        new_app = previous["app"]  # rollback to a version kept deployed (--keep-previous): reuse it
         await _wait_ready(new_app, timeout_s)
-    except ShardserveError:
-        await asyncio.to_thread(serve.delete, new_app, False)
-        raise
+    else:
+        new_app = index_app_name(app_name, new.index_version)
+        if new_app == active["app"]:
+            new_app = index_app_name(app_name, f"{new.index_version}-{active['generation'] + 1}")
+        _check_headroom(args, new)
+        await asyncio.to_thread(serve._run, build_index_app(args.model_dump()), name=new_app,
+                                route_prefix=None, _blocking=False)
+        try:
+            await _wait_ready(new_app, timeout_s)
+        except ShardserveError:
+            await asyncio.to_thread(serve.delete, new_app, False)
+            raise
     timings["deploy_s"] = round(time.perf_counter() - started, 2)
 
     recall = None
     threshold = args.gate_min_recall if min_recall is None else min_recall
     if not skip_gate:
         started = time.perf_counter()
-        recall = round(await _gate(new_app, new, args, dataset_spec), 5)
+        try:
+            recall = round(await _gate(new_app, new, args, dataset_spec), 5)
+        except BaseException:  # the gate could not run: the new version must not linger
+            await asyncio.to_thread(serve.delete, new_app, False)
+            raise
         timings["gate_s"] = round(time.perf_counter() - started, 2)
         if recall < threshold:
             await asyncio.to_thread(serve.delete, new_app, False)

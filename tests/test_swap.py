@@ -42,7 +42,7 @@ def _restart_router(app: str) -> None:
 
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
     from deployments.run import deploy, shard_replicas, undeploy
-    from deployments.swap import GateFailed, swap_index
+    from deployments.swap import GateFailed, rollback, swap_index
     from loadtests.swap import swap_under_load
 
     old, new, bad = tmp_path / "old", tmp_path / "new", tmp_path / "bad"
@@ -86,5 +86,13 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         assert sorted(a for a in serve.status().applications if a.startswith(APP)) == [
             APP, f"{APP}-index-{_version(new)[:12]}"]
         assert set(shard_replicas(APP)) == {"shard-000", "shard-001"}
+
+        # --keep-previous, then rollback on command: back to the kept version, reusing its app
+        back = swap_index(str(old), app_name=APP, keep_previous=True)
+        assert back["new_version"] == _version(old) and not back["removed_old"]
+        undo = rollback(APP)
+        assert undo["new_app"] == back["old_app"] and undo["new_version"] == _version(new)
+        answer = httpx.post(f"{url}/v1/search", content=body, timeout=10)
+        assert answer.status_code == 200 and answer.json()["index"] == _version(new)
     finally:
         undeploy(APP)
