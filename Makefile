@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta ssh-tools demo serve test test-cluster test-fast lint bench bench-build clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -24,6 +24,13 @@ $(FMNIST):
 	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist \
 	  || { echo "error: could not apt-get install dataset-fashion-mnist (need root or sudo)" >&2; exit 1; }
+
+# The shedding edge (serving/edge.py, its tests and the overload run) uses Debian's haproxy.
+haproxy:
+	@if ! [ -x /usr/sbin/haproxy ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq haproxy \
+	  || { echo "error: could not apt-get install haproxy (need root or sudo)" >&2; exit 1; }; fi
 
 # `make test-cluster` drives `ray up` over SSH on loopback: it needs sshd and rsync (Debian packages).
 ssh-tools:
@@ -47,7 +54,7 @@ demo: install data $(INDEX)/manifest.json
 	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
 	$(BIN)/shardserve serve $(INDEX) --port 8000
 
-test: install data vegeta
+test: install data vegeta haproxy
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster"
 

@@ -43,7 +43,7 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
     if mode == "concurrency":
         flags += ["-rate=0", f"-workers={int(value)}", f"-max-workers={int(value)}"]
     else:
-        flags += [f"-rate={value}/s", "-workers=16", "-max-workers=1024"]
+        flags += [f"-rate={value:g}/s", "-workers=16", "-max-workers=1024"]
     with results.open("wb") as sink:
         subprocess.run([str(VEGETA), "attack", *flags], stdout=sink, check=True)
     encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,

@@ -166,6 +166,16 @@ def _plan(args: argparse.Namespace) -> None:
                   f"  ({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
 
 
+def _edge_config(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from serving.edge import write_edge
+
+    config = write_edge(Path(args.dir), args.backend, args.listen, args.max_in_flight,
+                        args.queue_timeout_ms)
+    print(f"wrote {config} (run: haproxy -f {config})")
+
+
 def _tune(args: argparse.Namespace) -> None:
     from loadtests.tune import tune_from_record
 
@@ -244,6 +254,15 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=4, help="how many layouts to print")
     pl.add_argument("--cores-per-node", type=float, default=16)
     pl.set_defaults(func=_plan)
+
+    edge = sub.add_parser("edge-config", help="HAProxy config that sheds load with a fast 503 "
+                                               "before Serve (max in flight = the knee concurrency)")
+    edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
+    edge.add_argument("--listen", default="127.0.0.1:8080")
+    edge.add_argument("--max-in-flight", type=int, required=True, help="the knee's concurrency")
+    edge.add_argument("--queue-timeout-ms", type=int, default=5)
+    edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
+    edge.set_defaults(func=_edge_config)
 
     tune = sub.add_parser("tune", help="knee of a sweep record → autoscaling settings in a serve config")
     tune.add_argument("record")

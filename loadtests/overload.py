@@ -1,0 +1,91 @@
+"""2x the knee, open loop, side by side: straight into Serve vs through the shedding edge HAProxy.
+
+python -m loadtests.overload --knee-rate 887 --knee-concurrency 64 [--url http://127.0.0.1:8000]
+(a running shardserve; `haproxy` from Debian). Writes loadtests/records/overload-edge.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from index_build.datasets import load_dataset
+from loadtests.record import RECORDS, index_info, machine
+from loadtests.targets import make_targets, write_targets
+from loadtests.vegeta_run import assert_loopback, attack, vegeta_version
+from serving.edge import write_edge
+
+
+def start_edge(work: Path, backend_url: str, listen_port: int, max_in_flight: int,
+               queue_timeout_ms: int) -> subprocess.Popen:
+    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    parsed = urlparse(backend_url)
+    config = write_edge(work, f"{parsed.hostname}:{parsed.port or 80}", f"127.0.0.1:{listen_port}",
+                        max_in_flight, queue_timeout_ms)
+    process = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    if process.poll() is not None:
+        raise RuntimeError(f"edge haproxy exited: {process.stderr.read().decode()[-500:]}")
+    return process
+
+
+def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_flight: int,
+                          queue_timeout_ms: int = 5, edge_port: int = 18080,
+                          params: dict | None = None) -> dict:
+    assert_loopback(url)
+    queries = load_dataset("fashion-mnist", num_queries=1000).queries
+    levels = {}
+    with tempfile.TemporaryDirectory() as work_dir:
+        work = Path(work_dir)
+        edge = start_edge(work, url, edge_port, max_in_flight, queue_timeout_ms)
+        try:
+            for label, target_url in (("direct", url), ("edge", f"http://127.0.0.1:{edge_port}")):
+                targets = write_targets(work / f"{label}.jsonl", make_targets(queries, target_url, 10,
+                                                                              params))
+                attack(targets, "concurrency", 8, 3, work, f"{label}-warm")
+                levels[label] = attack(targets, "rate", rate, duration_s, work, label)
+                time.sleep(5)  # let the queue of the first run drain before the second
+        finally:
+            edge.terminate()
+            edge.wait(timeout=10)
+    return {"name": "overload-edge", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine(), "index": index_info(url),
+            "tool": {"name": "vegeta", "version": vegeta_version()},
+            "edge": {"max_in_flight": max_in_flight, "queue_timeout_ms": queue_timeout_ms},
+            "not_covered": "one open-loop rate, single-vector queries, loopback, vegeta on the same "
+                           "2 cores as the server",
+            "levels": [levels["direct"], levels["edge"]]}
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__)
+    cli.add_argument("--url", default="http://127.0.0.1:8000")
+    cli.add_argument("--knee-rate", type=float, required=True)
+    cli.add_argument("--knee-concurrency", type=int, required=True, help="edge max_in_flight")
+    cli.add_argument("--multiple", type=float, default=2.0)
+    cli.add_argument("--duration", type=float, default=30.0)
+    cli.add_argument("--queue-timeout-ms", type=int, default=5)
+    cli.add_argument("--nprobe", type=int, default=16)
+    cli.add_argument("--out", default=str(RECORDS))
+    args = cli.parse_args()
+    record = overload_side_by_side(args.url, args.multiple * args.knee_rate, args.duration,
+                                   args.knee_concurrency, args.queue_timeout_ms,
+                                   params={"nprobe": args.nprobe})
+    out = Path(args.out) / "overload-edge.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    for level in record["levels"]:
+        print(f"{level['label']:>6}: {level['requests']} requests, goodput {level['qps']} req/s, "
+              f"codes {level['status_codes']}, p99 by status {level['p99_ms_by_status']}, "
+              f"errors {level['errors']}")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
