@@ -38,7 +38,7 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
         "shard_max_ongoing_requests": 2 * concurrent_batches,
         "shard_autoscaling": autoscaling_config(
             knee_depth=max(1, concurrent_batches // 2), max_replicas=max_replicas,
-            upscale_delay_s=3, downscale_delay_s=60),
+            upscale_delay_s=3, downscale_delay_s=60, knee_policy=True),
     }
 
 
