@@ -184,40 +184,53 @@ class Router:
     async def _search_batch(self, items: list[tuple[IndexSet, ParsedQuery]]) -> list[QueryResult]:
         """Whatever is in flight becomes one batch: one call per shard per (k, params) group, per
         index version (two only in the instant of a swap)."""
-        by_set: dict[int, list[int]] = {}
-        for position, (index_set, _) in enumerate(items):
-            by_set.setdefault(index_set.generation, []).append(position)
-        results: list[QueryResult | None] = [None] * len(items)
-
-        async def run(positions: list[int]) -> None:
-            index_set = items[positions[0]][0]
-
-            async def call_shard(shard: int, matrix: np.ndarray, k: int, params: dict):
-                return await self._call_shard(index_set.shards[shard], matrix, k, params)
-
-            answers = await search_batch([items[p][1] for p in positions], call_shard,
-                                         len(index_set.shards), index_set.manifest.metric != "l2",
-                                         self.args.shard_timeout_s, self.metrics.shard_done)
-            for position, answer in zip(positions, answers, strict=True):
-                results[position] = answer
-
-        await asyncio.gather(*[run(positions) for positions in by_set.values()])
+        first = items[0][0]
+        if all(index_set is first for index_set, _ in items):  # the steady state: one version
+            results = await self._search_version(first, [query for _, query in items])
+        else:
+            by_set: dict[int, list[int]] = {}
+            for position, (index_set, _) in enumerate(items):
+                by_set.setdefault(index_set.generation, []).append(position)
+            groups = list(by_set.values())
+            answers = await asyncio.gather(*[
+                self._search_version(items[g[0]][0], [items[p][1] for p in g]) for g in groups])
+            results = [None] * len(items)
+            for positions, group_answers in zip(groups, answers, strict=True):
+                for position, answer in zip(positions, group_answers, strict=True):
+                    results[position] = answer
         self.metrics.batch_size.observe(float(sum(len(q.matrix) for _, q in items)))
         self.metrics.in_flight.set(self.in_flight)  # sampled per batch, not per request
         self.metrics.fanout_ms.observe(results[0].fanout_ms)
         return results  # type: ignore[return-value]
 
-    async def _call_shard(self, handle: DeploymentHandle, matrix: np.ndarray, k: int, params: dict):
-        """One shard call; hedged (sent again after hedge_after_ms, first answer wins) when set."""
+    def _search_version(self, index_set: IndexSet, queries: list[ParsedQuery]):
+        shards = index_set.shards
+        call = self._call_shard_hedged if self.args.hedge_after_ms else self._call_shard
+        return search_batch(queries, lambda shard, matrix, k, params: call(shards[shard], matrix, k, params),
+                            len(shards), index_set.manifest.metric != "l2", self.args.shard_timeout_s,
+                            self.metrics.shard_done)
+
+    @staticmethod
+    async def _call_shard(handle: DeploymentHandle, matrix: np.ndarray, k: int, params: dict):
+        response = handle.search.remote(matrix, k, params)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    async def _call_shard_hedged(self, handle: DeploymentHandle, matrix: np.ndarray, k: int,
+                                 params: dict):
+        """Sent again after hedge_after_ms if not answered; the first answer wins, the other is
+        cancelled."""
         calls = [handle.search.remote(matrix, k, params)]
         tasks = [asyncio.ensure_future(_awaited(calls[0]))]
         try:
-            if self.args.hedge_after_ms:
-                done, _ = await asyncio.wait(tasks, timeout=self.args.hedge_after_ms / 1000.0)
-                if not done:
-                    self.metrics.hedged.inc()
-                    calls.append(handle.search.remote(matrix, k, params))
-                    tasks.append(asyncio.ensure_future(_awaited(calls[1])))
+            done, _ = await asyncio.wait(tasks, timeout=self.args.hedge_after_ms / 1000.0)
+            if not done:
+                self.metrics.hedged.inc()
+                calls.append(handle.search.remote(matrix, k, params))
+                tasks.append(asyncio.ensure_future(_awaited(calls[1])))
             failure: BaseException | None = None
             pending = set(tasks)
             while pending:
