@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from serving import processes
 from serving.ray_local import FAST_INGRESS_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -84,7 +85,7 @@ class LocalCluster:
     def kill_worker(self, number: int) -> None:
         """Node failure: SIGKILL worker `number`'s raylet and every process under it, at once."""
         raylet = self.worker_raylets[number - 1]
-        for pid in [*_descendants(raylet), raylet]:
+        for pid in [*processes.descendants(raylet), raylet]:
             _signal(pid, signal.SIGKILL)
 
     def stop(self) -> None:
@@ -92,12 +93,12 @@ class LocalCluster:
         roots = self._own_processes()
         victims = set(roots)
         for pid in roots:
-            victims.update(_descendants(pid))
+            victims.update(processes.descendants(pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in victims:
                 _signal(pid, sig)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(_alive(p) for p in victims):
+            while time.monotonic() < deadline and any(processes.alive(p) for p in victims):
                 time.sleep(0.2)
 
     def _ray_start(self, *args: str, node: int) -> None:
@@ -112,49 +113,11 @@ class LocalCluster:
             raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")
 
     def _raylets(self) -> list[int]:
-        return [pid for pid in self._own_processes() if b"raylet/raylet" in _cmdline(pid)]
+        return [pid for pid in self._own_processes() if b"raylet/raylet" in processes.cmdline(pid)]
 
     def _own_processes(self) -> list[int]:
         """Processes whose command line names this cluster's temp dir (GCS, raylets, agents)."""
-        marker = self.temp_dir.encode()
-        return [int(e) for e in os.listdir("/proc") if e.isdigit() and marker in _cmdline(int(e))]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read()
-    except OSError:
-        return b""
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            children.setdefault(_parent(int(entry)), []).append(int(entry))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        return processes.pids_matching(self.temp_dir.encode())
 
 
 def _signal(pid: int, sig: int) -> None:

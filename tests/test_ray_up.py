@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from index_build.datasets import load_dataset
+from serving import processes
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.cluster
@@ -29,16 +30,7 @@ HTTP_PORT = 18600
 
 
 def _pids(pattern: bytes) -> set[int]:
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    if pattern in handle.read():
-                        found.add(int(entry))
-            except OSError:
-                pass
-    return found
+    return set(processes.pids_matching(pattern))
 
 
 @pytest.fixture
