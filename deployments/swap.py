@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from deployments.config import AppArgs, index_app_name
-from index_build.datasets import load_dataset
+from index_build.datasets import Dataset, load_dataset
 from index_build.groundtruth import ground_truth, recall_at_k
 from index_build.indexes import supported_params
 from index_build.manifest import Manifest, read_manifest
@@ -49,8 +49,8 @@ class GateFailed(ShardserveError):
     """The new index's recall is below the configured threshold; the old one keeps serving."""
 
 
-def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int, k: int
-                ) -> tuple[np.ndarray, object, np.ndarray]:
+def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
+                ) -> tuple[np.ndarray, Dataset, np.ndarray]:
     """Held-out queries and exact ground truth of the data the index was built from (checked by
     fingerprint, so a gate can never grade an index against the wrong data)."""
     dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=manifest.num_vectors)
@@ -96,7 +96,7 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
     from ray import serve
 
     queries, held_out, truth = await asyncio.to_thread(gate_recall, manifest, dataset_spec,
-                                                       args.gate_queries, args.gate_k)
+                                                       args.gate_queries)
     supported = supported_params(manifest.index_factory, manifest.dim, manifest.metric)
     params = {name: value for name, value in args.gate_params.items() if name in supported}
     handle = serve.get_deployment_handle("IndexVersion", app)

@@ -7,7 +7,6 @@ python -m loadtests.layouts --index-1 DIR --index-2 DIR --index-4 DIR [--out loa
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from index_build.datasets import load_dataset
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 from loadtests.knee import find_knee
-from loadtests.record import RECORDS, machine
+from loadtests.record import RECORDS, machine, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack, vegeta_version
 
@@ -76,8 +75,7 @@ def main() -> None:
               "load": {"mode": "concurrency", "levels": list(LEVELS), "duration_s": args.duration,
                        "params": {"nprobe": args.nprobe}, "query": "single vector, k=10"},
               "layouts": layouts}
-    out = Path(args.out) / "layouts.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = save(record, Path(args.out))
     print(out)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import threading
@@ -26,7 +25,7 @@ import orjson
 from index_build.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
 from loadtests.local_cluster import LocalCluster
-from loadtests.record import RECORDS, index_info, machine
+from loadtests.record import RECORDS, index_info, machine, save
 
 HTTP_PORT = 18500
 WORKERS = [{"shard_host": 4, "node_w1": 1}, {"shard_host": 4, "node_w2": 1}]
@@ -160,9 +159,7 @@ def main() -> None:
     args = cli.parse_args()
     record = node_kill_run(os.path.abspath(args.index), args.rate, args.duration,
                            params={"nprobe": args.nprobe})
-    out = Path(args.out) / "node-kill.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = save(record, Path(args.out))
     r = record["result"]
     print(f"{out}: {r['requests']} requests, status {r['status_codes']}, coverage {r['coverage']}, "
           f"lost {r['lost']}, full coverage restored {record['restored_s']} s after the kill; "

@@ -7,7 +7,6 @@ python -m loadtests.overload --knee-rate 887 --knee-concurrency 64 [--url http:/
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from index_build.datasets import load_dataset
-from loadtests.record import RECORDS, index_info, machine
+from loadtests.record import RECORDS, index_info, machine, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import assert_loopback, attack, vegeta_version
 from serving.edge import write_edge
@@ -78,8 +77,7 @@ def main() -> None:
     record = overload_side_by_side(args.url, args.multiple * args.knee_rate, args.duration,
                                    args.knee_concurrency, args.queue_timeout_ms,
                                    params={"nprobe": args.nprobe})
-    out = Path(args.out) / "overload-edge.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = save(record, Path(args.out), plot_levels=False)
     for level in record["levels"]:
         print(f"{level['label']:>6}: {level['requests']} requests, goodput {level['qps']} req/s, "
               f"codes {level['status_codes']}, p99 by status {level['p99_ms_by_status']}, "

@@ -52,13 +52,15 @@ def new_record(name: str, levels: list[dict], index: dict, tool: dict, **extra) 
     return record
 
 
-def save(record: dict, out_dir: Path = RECORDS) -> Path:
+def save(record: dict, out_dir: Path = RECORDS, plot_levels: bool = True) -> Path:
+    """`out_dir/<name>.json` (+ a PNG of its levels, when it has several and `plot_levels`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{record['name']}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    if len({lv.get("label") for lv in record["levels"]}) > 1:
+    levels = record.get("levels", []) if plot_levels else []
+    if len({lv.get("label") for lv in levels}) > 1:
         plot_comparison(record, path.with_suffix(".png"))
-    elif len(record["levels"]) > 1:
+    elif len(levels) > 1:
         plot(record, path.with_suffix(".png"))
     return path
 

@@ -7,14 +7,13 @@ python -m loadtests.swap --url http://127.0.0.1:8000 --new-index DIR [--rate 100
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 from index_build.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
-from loadtests.record import RECORDS, index_info, machine
+from loadtests.record import RECORDS, index_info, machine, save
 
 
 def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: float = 20.0,
@@ -58,8 +57,7 @@ def main() -> None:
     ray.init(address="auto", log_to_driver=False)
     record = swap_under_load(args.url, args.new_index, args.rate, args.duration,
                              params={"nprobe": args.nprobe})
-    out = Path(args.out) / "swap.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = save(record, Path(args.out))
     result = record["result"]
     print(f"{out}: {result['requests']} requests, status {result['status_codes']}, "
           f"versions {result['index_versions']}, non-2xx {result['non_2xx']}")
