@@ -17,11 +17,14 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppArgs
 from deployments.shard import ShardDeployment
+from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 from serving.api import ParsedQuery
-from serving.fanout import search_batch
+from serving.fanout import plain_query, search_batch
+from serving.searcher import CoarseAssigner
+from serving.shard_wire import ShardQuery
 
 INGRESS = "IndexVersion"
 
@@ -32,8 +35,11 @@ class IndexVersion:
     """Readiness and gate searches of one index version (not on the query path)."""
 
     def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float):
-        self.manifest = read_manifest(Location.parse(index))
+        location = Location.parse(index)
+        self.manifest = read_manifest(location)
         self.shards = shards
+        self.calls = [shard_handle(shard) for shard in shards]
+        self.assigner = CoarseAssigner.load(location, self.manifest)
         self.shard_timeout_s = shard_timeout_s
 
     async def info(self) -> dict:
@@ -47,11 +53,15 @@ class IndexVersion:
         query = ParsedQuery(prepare_vectors(matrix, self.manifest.metric), k,
                             tuple(sorted(params.items())), False, True)
 
-        async def call(shard: int, m: np.ndarray, kk: int, p: dict):
-            return await self.shards[shard].search.remote(m, kk, p)
+        async def call(shard: int, shard_query: ShardQuery):
+            return await call_shard(self.calls[shard], shard_query)
+
+        async def prepare(m: np.ndarray, kk: int, p: dict) -> ShardQuery:
+            return await asyncio.to_thread(self.assigner.query, m, kk, p)
 
         [result] = await search_batch([query], call, len(self.shards), self.manifest.metric != "l2",
-                                      self.shard_timeout_s * 10)
+                                      self.shard_timeout_s * 10,
+                                      prepare=prepare if self.assigner else plain_query)
         if result.answered != result.shards:
             raise RuntimeError(f"only {result.answered} of {result.shards} shards answered")
         return result.ids

@@ -8,8 +8,10 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 import orjson
 from ray import serve
@@ -18,14 +20,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from deployments.config import AppArgs, index_app_name
+from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
-from serving.api import ApiError, ParsedQuery, parse_search_request
+from serving.api import ApiError, ParsedQuery, hits, parse_search_request
 from serving.batcher import AdaptiveBatcher
-from serving.fanout import QueryResult, search_batch
+from serving.fanout import QueryResult, plain_query, search_batch
 from serving.metrics import RouterMetrics
 from serving.openapi import docs_page, openapi_document
+from serving.searcher import CoarseAssigner
+from serving.shard_wire import ShardQuery
 
 _JSON = "application/json"
 logger = logging.getLogger("ray.serve")
@@ -33,10 +38,6 @@ logger = logging.getLogger("ray.serve")
 
 def _json(payload: object, status: int = 200, headers: dict | None = None) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type=_JSON, headers=headers)
-
-
-async def _awaited(response):
-    return await response
 
 
 def _error_response(error: ApiError) -> Response:
@@ -51,15 +52,25 @@ class IndexSet:
     generation: int
     app: str
     manifest: Manifest
-    shards: list[DeploymentHandle]
+    shards: list[DeploymentHandle]  # with the shard-call options (deployments.shard_calls)
     supported: frozenset[str]
+    assigner: CoarseAssigner | None  # IVF: the coarse quantizer, run once per batch here
 
     @classmethod
-    def load(cls, generation: int, index: str, app: str) -> "IndexSet":
-        manifest = read_manifest(Location.parse(index))
-        shards = [serve.get_deployment_handle(s.name, app, _check_exists=False) for s in manifest.shards]
-        return cls(generation, app, manifest, shards,
-                   frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
+    async def load(cls, generation: int, index: str, app: str) -> "IndexSet":
+        """Files are read in a thread; handles are made on the replica's event loop (Serve's
+        throughput-optimised handles refuse to be set up outside it)."""
+        manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
+        shards = [shard_handle(serve.get_deployment_handle(s.name, app, _check_exists=False))
+                  for s in manifest.shards]
+        return cls(generation, app, manifest, shards, supported, assigner)
+
+    @staticmethod
+    def _read(index: str) -> tuple[Manifest, CoarseAssigner | None, frozenset[str]]:
+        location = Location.parse(index)
+        manifest = read_manifest(location)
+        return (manifest, CoarseAssigner.load(location, manifest),
+                frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -75,16 +86,18 @@ class Router:
         # config's: ask the pointer first; the config's index only if it does not answer.
         try:
             pointer = await asyncio.wait_for(self.control.poll.remote(self.replica_id, -1, 0), 10.0)
-            self.active = await asyncio.to_thread(IndexSet.load, pointer["generation"],
-                                                  pointer["index"], pointer["app"])
+            self.active = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"])
         except Exception as exc:
             logger.warning("index pointer not reachable (%s): serving the configured index", exc)
-            self.active = IndexSet.load(0, self.args.index, index_app_name(context.app_name))
+            self.active = await IndexSet.load(0, self.args.index, index_app_name(context.app_name))
         self.in_flight_by_generation: Counter[int] = Counter()
         self.metrics = RouterMetrics()
         self.metrics.shard_names = [s.name for s in self.active.manifest.shards]
         self.in_flight = 0
         self.openapi = orjson.dumps(openapi_document())
+        # The coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantizer",
+                                           initializer=faiss.omp_set_num_threads, initargs=(1,))
         self.batcher = AdaptiveBatcher(self._search_batch, self.args.max_batch_size,
                                        self.args.max_concurrent_batches,
                                        size_of=lambda item: len(item[1].matrix))
@@ -131,6 +144,9 @@ class Router:
         except ApiError as error:
             status = error.status
             return _error_response(error)
+        except BaseException:
+            status = 500
+            raise
         finally:
             self.in_flight -= 1
             self.in_flight_by_generation[index_set.generation] -= 1
@@ -205,32 +221,30 @@ class Router:
 
     def _search_version(self, index_set: IndexSet, queries: list[ParsedQuery]):
         shards = index_set.shards
-        call = self._call_shard_hedged if self.args.hedge_after_ms else self._call_shard
-        return search_batch(queries, lambda shard, matrix, k, params: call(shards[shard], matrix, k, params),
-                            len(shards), index_set.manifest.metric != "l2", self.args.shard_timeout_s,
-                            self.metrics.shard_done)
+        if self.args.hedge_after_ms:
+            async def call(shard: int, query: ShardQuery):
+                return await self._call_shard_hedged(shards[shard], query)
+        else:
+            async def call(shard: int, query: ShardQuery):
+                return await call_shard(shards[shard], query)
+        prepare = plain_query
+        if index_set.assigner is not None:
+            assigner, loop, executor = index_set.assigner, asyncio.get_running_loop(), self.executor
 
-    @staticmethod
-    async def _call_shard(handle: DeploymentHandle, matrix: np.ndarray, k: int, params: dict):
-        response = handle.search.remote(matrix, k, params)
-        try:
-            return await response
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
+            def prepare(matrix: np.ndarray, k: int, params: dict):
+                return loop.run_in_executor(executor, assigner.query, matrix, k, params)
+        return search_batch(queries, call, len(shards), index_set.manifest.metric != "l2",
+                            self.args.shard_timeout_s, self.metrics.shard_done, prepare)
 
-    async def _call_shard_hedged(self, handle: DeploymentHandle, matrix: np.ndarray, k: int,
-                                 params: dict):
+    async def _call_shard_hedged(self, handle: DeploymentHandle, query: ShardQuery):
         """Sent again after hedge_after_ms if not answered; the first answer wins, the other is
         cancelled."""
-        calls = [handle.search.remote(matrix, k, params)]
-        tasks = [asyncio.ensure_future(_awaited(calls[0]))]
+        tasks = [asyncio.ensure_future(call_shard(handle, query))]
         try:
             done, _ = await asyncio.wait(tasks, timeout=self.args.hedge_after_ms / 1000.0)
             if not done:
                 self.metrics.hedged.inc()
-                calls.append(handle.search.remote(matrix, k, params))
-                tasks.append(asyncio.ensure_future(_awaited(calls[1])))
+                tasks.append(asyncio.ensure_future(call_shard(handle, query)))
             failure: BaseException | None = None
             pending = set(tasks)
             while pending:
@@ -241,10 +255,9 @@ class Router:
                     failure = task.exception()
             raise failure  # every call failed
         finally:
-            for call, task in zip(calls, tasks, strict=True):
+            for task in tasks:
                 if not task.done():
-                    call.cancel()
-                    task.cancel()
+                    task.cancel()  # call_shard cancels its Serve request
 
     async def _follow_pointer(self) -> None:
         """Poll IndexControl: switch to a new index version atomically (one attribute), report
@@ -255,8 +268,7 @@ class Router:
                 old = sum(n for g, n in self.in_flight_by_generation.items() if g < current)
                 pointer = await self.control.poll.remote(self.replica_id, current, old)
                 if pointer["generation"] > current:
-                    loaded = await asyncio.to_thread(IndexSet.load, pointer["generation"],
-                                                     pointer["index"], pointer["app"])
+                    loaded = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"])
                     self.active = loaded
                     self.metrics.shard_names = [s.name for s in loaded.manifest.shards]
                     self.metrics.index_generation.set(loaded.generation)
@@ -272,6 +284,8 @@ class Router:
             return
         self.metrics.coverage.inc(tags={"coverage": "partial" if result.answered else "none"})
         if result.answered == 0:
+            if result.error:
+                logger.warning("no shard answered: %s", result.error)
             raise ApiError(503, None, "no shard answered in time", self.args.retry_after_s)
         if query.require_full:
             raise ApiError(503, "require_full",
@@ -283,11 +297,9 @@ class Router:
         total_ms = (time.perf_counter() - started) * 1000.0
         payload: dict = {}
         if query.single:
-            payload["ids"] = result.ids[0]
-            payload["distances"] = result.distances[0]
+            payload.update(hits(result.ids[0], result.distances[0]))
         else:
-            payload["results"] = [{"ids": i, "distances": d}
-                                  for i, d in zip(result.ids, result.distances, strict=True)]
+            payload["results"] = [hits(i, d) for i, d in zip(result.ids, result.distances, strict=True)]
         payload["coverage"] = {"shards": result.shards, "answered": result.answered}
         payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
                                 "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}

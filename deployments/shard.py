@@ -7,13 +7,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
-import numpy as np
 import ray
 from ray import serve
 
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 from serving.searcher import ShardSearcher
+from serving.shard_wire import ShardQuery, encode_answer
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
@@ -35,12 +35,16 @@ class ShardDeployment:
             self.search_delay_s += rank0_delay_s
         self.node_id = ray.get_runtime_context().get_node_id()
 
-    async def search(self, matrix: np.ndarray, k: int, params: dict) -> tuple[np.ndarray, np.ndarray, float]:
-        """Top-k of a (prepared) query matrix, in the search thread (FAISS releases the GIL)."""
+    async def search(self, query: bytes) -> bytes:
+        """A router batch (serving.shard_wire bytes) → its top-k answer bytes, computed in the search
+        thread (FAISS releases the GIL, the replica's event loop stays free)."""
         if self.search_delay_s:  # test-only switches (AppArgs.debug_*delay_s)
             await asyncio.sleep(self.search_delay_s)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.searcher.search, matrix, k, params, True)
+        return await loop.run_in_executor(self.executor, self._answer, query)
+
+    def _answer(self, query: bytes) -> bytes:
+        return encode_answer(*self.searcher.answer(ShardQuery.decode(query)))
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),

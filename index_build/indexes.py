@@ -23,6 +23,11 @@ def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
     return prepared
 
 
+# A refine step re-ranks this many times k candidates of the compressed index with exact distances:
+# IVF-PQ fast-scan codes alone reach ~0.66 recall@10 on Fashion-MNIST, re-ranking 4k of them > 0.95.
+REFINE_K_FACTOR = 4.0
+
+
 def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
     """Build the untrained index; ids are stored explicitly so shards return global row ids."""
     if metric not in FAISS_METRIC:
@@ -32,9 +37,12 @@ def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
     except RuntimeError as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "rejected by FAISS"
         raise ShardserveError(f"unknown index factory {factory!r} for dim {dim}: {reason}") from None
-    if faiss.try_extract_index_ivf(index) is None:
-        # Flat / HNSW / PQ keep sequential ids only: an IDMap makes add_with_ids possible.
+    if not isinstance(faiss.downcast_index(index), faiss.IndexIVF):
+        # Flat / HNSW / PQ / refined IVF keep sequential ids only: an IDMap makes add_with_ids possible.
         index = faiss.IndexIDMap2(index)
+    refine = unwrap_id_map(index)
+    if isinstance(refine, faiss.IndexRefine):
+        refine.k_factor = REFINE_K_FACTOR  # stored in the index file; the factory's RFlat means 1
     return index
 
 
@@ -72,6 +80,17 @@ def index_from_bytes(data: bytes) -> faiss.Index:
     return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
 
 
+def unwrap_id_map(index: faiss.Index) -> faiss.Index:
+    """The index inside an IndexIDMap(2) wrapper, downcast; `index` itself otherwise.
+
+    The returned proxy does not own its C++ object: the caller must keep `index` referenced while
+    it uses the result (dropping the wrapper first frees the inner index: a segfault under HNSW/Flat).
+    """
+    if isinstance(index, faiss.IndexIDMap):
+        return faiss.downcast_index(index.index)
+    return faiss.downcast_index(index)
+
+
 def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.SearchParameters | None:
     """Per-request parameters as a FAISS SearchParameters object (never mutate a shared index).
 
@@ -82,23 +101,31 @@ def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.Se
     unknown = set(params) - {"nprobe", "efSearch"}
     if unknown:
         raise ShardserveError(f"unknown search param(s) {sorted(unknown)}: use nprobe or efSearch")
-    inner = index.index if isinstance(index, faiss.IndexIDMap) else index
-    inner = faiss.downcast_index(inner)
-    ivf = faiss.try_extract_index_ivf(inner)
+    inner = unwrap_id_map(index)
+    refine = inner if isinstance(inner, faiss.IndexRefine) else None
+    base = faiss.downcast_index(refine.base_index) if refine is not None else inner
     if "nprobe" in params:
-        if ivf is None:
+        if faiss.try_extract_index_ivf(base) is None:
             raise ShardserveError("param nprobe needs an IVF index")
-        return faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
-    if not isinstance(inner, faiss.IndexHNSW):
+        chosen: faiss.SearchParameters = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
+    elif isinstance(base, faiss.IndexHNSW):
+        chosen = faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))
+    else:
         raise ShardserveError("param efSearch needs an HNSW index")
-    return faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))
+    if refine is None:
+        return chosen
+    # IndexRefine takes its own parameter type, carrying the base index's; keep the stored k_factor.
+    wrapped = faiss.IndexRefineSearchParameters(k_factor=refine.k_factor, base_index_params=chosen)
+    wrapped.referenced_objects = [chosen]  # SWIG holds a raw pointer to `chosen`
+    return wrapped
 
 
 def supported_params(factory: str, dim: int, metric: str) -> frozenset[str]:
     """Which per-request params an index built from `factory` understands."""
-    inner = make_empty_index(factory, dim, metric)
-    if isinstance(inner, faiss.IndexIDMap):
-        inner = faiss.downcast_index(inner.index)
+    index = make_empty_index(factory, dim, metric)  # keep the owner alive while `inner` is used
+    inner = unwrap_id_map(index)
+    if isinstance(inner, faiss.IndexRefine):
+        inner = faiss.downcast_index(inner.base_index)
     if faiss.try_extract_index_ivf(inner) is not None:
         return frozenset({"nprobe"})
     if isinstance(inner, faiss.IndexHNSW):

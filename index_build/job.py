@@ -88,10 +88,11 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
             add = add_shards_ray if backend == "ray" else add_shards_local
             entries = add(vectors, empty, params.shards, location)
         entries = sorted(entries, key=lambda e: e.name)
+        trained = write_file(location, TRAINED_FILE, empty, 0)
         manifest = Manifest(
             index_version=Manifest.content_version(entries, params.factory, params.metric),
             dim=dataset.dim, metric=params.metric, index_factory=params.factory,
-            num_vectors=len(vectors), shards=entries,
+            num_vectors=len(vectors), shards=entries, trained=trained,
             dataset=DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint()),
             build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings},
                             seconds=round(time.perf_counter() - started, 3),
@@ -100,8 +101,8 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
         )
         write_manifest(location, manifest)  # published only now, after every shard was checked
     except BaseException:
-        for shard in range(params.shards):
-            location.delete(shard_file_name(shard))
+        for name in [*(shard_file_name(s) for s in range(params.shards)), TRAINED_FILE]:
+            location.delete(name)
         raise
     return manifest
 
@@ -123,15 +124,21 @@ def shard_file_name(shard: int) -> str:
     return f"shard-{shard:03d}.faiss"
 
 
+TRAINED_FILE = "trained.faiss"
+
+
 def write_shard(location: Location, shard: int, index: faiss.Index) -> ShardEntry:
     """Write one shard file, read it back and return its manifest entry (sha256 of what is stored)."""
-    data = index_to_bytes(index)
-    name = shard_file_name(shard)
+    return write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
+
+
+def write_file(location: Location, name: str, data: bytes, num_vectors: int) -> ShardEntry:
+    """Write an index file, read it back, and return its manifest entry (sha256 of what is stored)."""
     location.write_bytes(name, data)
     stored = location.read_bytes(name)
     if stored != data:
         raise ShardserveError(f"shard {name}: read-back differs from what was written")
-    return ShardEntry(name=name.removesuffix(".faiss"), path=name, num_vectors=int(index.ntotal),
+    return ShardEntry(name=name.removesuffix(".faiss"), path=name, num_vectors=num_vectors,
                       sha256=sha256_hex(data), bytes=len(data))
 
 

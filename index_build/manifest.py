@@ -46,6 +46,9 @@ class Manifest(_Strict):
     index_factory: str
     num_vectors: int
     shards: list[ShardEntry]
+    # The trained, still-empty index every shard was copied from: the router runs its IVF coarse
+    # quantizer once per batch for all shards. None in indexes built before it was written.
+    trained: ShardEntry | None = None
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str
@@ -73,7 +76,7 @@ def read_manifest(location: Location) -> Manifest:
         raise ShardserveError(f"{location.uri}/{MANIFEST}: invalid manifest ({first})") from None
     if manifest.format_version != FORMAT_VERSION:
         raise ShardserveError(f"{location.uri}: manifest format {manifest.format_version} is not supported")
-    for shard in manifest.shards:
+    for shard in [*manifest.shards, *([manifest.trained] if manifest.trained else [])]:
         location.path(shard.path)  # confine every shard path to the index directory
     return manifest
 

@@ -42,9 +42,6 @@ class LocalCluster:
             **os.environ, **FAST_INGRESS_ENV,
             # one token for every node and driver of this cluster (Ray 2.60 token auth)
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-            # its own HAProxy stats/metrics ports, beside another local Serve
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(port_base + 404),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(port_base + 101),
             # notice a dead node in ~detect_death_s instead of Ray's default ~30 s
             "RAY_health_check_period_ms": str(period_ms),
             "RAY_health_check_timeout_ms": str(period_ms),
@@ -106,8 +103,11 @@ class LocalCluster:
                  f"--dashboard-agent-grpc-port={self.port_base + 11 + node * 10}",
                  f"--metrics-export-port={self.port_base + 12 + node * 10}",
                  f"--runtime-env-agent-port={self.port_base + 13 + node * 10}"]
+        # each node its own HAProxy stats/metrics ports: every node of this cluster is on this machine
+        env = {**self.env, "RAY_SERVE_HAPROXY_STATS_PORT": str(self.port_base + 404 + node),
+               "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.port_base + 101 + node)}
         done = subprocess.run([RAY, "start", *args, *ports, "--disable-usage-stats",
-                               f"--object-store-memory={self.object_store_bytes}"], env=self.env,
+                               f"--object-store-memory={self.object_store_bytes}"], env=env,
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from loadtests.report import summarize
+from serving.processes import CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
 VEGETA = Path(os.environ.get("VEGETA", ROOT / ".bin" / "vegeta"))
@@ -34,8 +35,11 @@ def vegeta_version() -> str:
 
 
 def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: Path, label: str,
-           queries_per_request: int = 1, timeout_s: float = 10.0) -> dict:
-    """One bounded level: closed loop (`concurrency`) or open loop (`rate`) → a records level."""
+           queries_per_request: int = 1, timeout_s: float = 10.0, meter: CpuMeter | None = None) -> dict:
+    """One bounded level: closed loop (`concurrency`) or open loop (`rate`) → a records level.
+
+    With a `meter`, the level also carries `cpu_ms_per_request` by process class over the attack.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"{label}.bin"
     flags = [f"-duration={duration_s}s", f"-timeout={timeout_s}s", "-format=json",
@@ -44,11 +48,19 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         flags += ["-rate=0", f"-workers={int(value)}", f"-max-workers={int(value)}"]
     else:
         flags += [f"-rate={value:g}/s", "-workers=16", "-max-workers=1024"]
+    if meter is not None:
+        meter.start()
     with results.open("wb") as sink:
         subprocess.run([str(VEGETA), "attack", *flags], stdout=sink, check=True)
+    cpu = meter.stop() if meter is not None else None
     encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,
                              text=True, check=True).stdout
     level = summarize(encoded.splitlines(), mode, value, duration_s, queries_per_request)
     level["label"] = label
+    if cpu is not None and level["requests"]:
+        per_request = {name: round(seconds * 1000 / level["requests"], 3) for name, seconds in cpu.items()}
+        per_request["total (servers)"] = round(sum(
+            v for name, v in per_request.items() if name != "load generator"), 3)
+        level["cpu_ms_per_request"] = dict(sorted(per_request.items()))
     results.unlink()  # the record keeps the summary; raw results are large
     return level

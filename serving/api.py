@@ -81,6 +81,15 @@ class ParsedQuery:
         return (self.k, self.params)
 
 
+def hits(ids: np.ndarray, distances: np.ndarray) -> dict:
+    """One query's answer: real hits only. FAISS pads with id -1 (and +-3.4e38 distances) when
+    fewer than k candidates were found (small nprobe, few vectors): those never leave the server."""
+    real = ids >= 0
+    if not real.all():
+        ids, distances = ids[real], distances[real]
+    return {"ids": ids, "distances": distances}  # numpy: orjson writes float32 at its own precision
+
+
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) -> ParsedQuery:
     """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault."""
     try:

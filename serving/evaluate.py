@@ -18,7 +18,8 @@ from index_build.job import BuildParams, training_sample
 from index_build.manifest import Manifest
 from serving.errors import ShardserveError
 from serving.merge import merge_topk
-from serving.searcher import ShardSearcher, load_all_shards
+from serving.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
+from serving.shard_wire import ShardQuery
 
 
 @dataclass
@@ -43,10 +44,12 @@ def search_params_from_flags(nprobe: int | None, ef_search: int | None) -> dict:
 
 
 def sharded_search(searchers: list[ShardSearcher], queries: np.ndarray, k: int, params: dict,
-                   metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """What the router does, in-process: search every shard, merge with the one merge_topk."""
+                   metric: str, assigner: CoarseAssigner | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What the router does, in-process: assign IVF lists once (when `assigner` is given), search
+    every shard, merge with the one merge_topk."""
     prepared = prepare_vectors(queries, metric)
-    results = [s.search(prepared, k, params, prepared=True) for s in searchers]
+    query = assigner.query(prepared, k, params) if assigner else ShardQuery(prepared, k, params)
+    results = [s.answer(query) for s in searchers]
     return merge_topk([r[0] for r in results], [r[1] for r in results], k, metric != "l2")
 
 
@@ -56,6 +59,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     """Recall@k against exact ground truth and QPS; optionally also the unsharded index's."""
     params = params or {}
     manifest, searchers = load_all_shards(index_uri)
+    assigner = load_assigner(index_uri)
     dataset = load_dataset(dataset_spec, limit=limit)
     _check_compatible(manifest, dataset)
     truth = ground_truth(dataset)
@@ -67,7 +71,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
         mode = f"http {url}"
     else:
         start = time.perf_counter()
-        _, ids = sharded_search(searchers, dataset.queries, k, params, manifest.metric)
+        _, ids = sharded_search(searchers, dataset.queries, k, params, manifest.metric, assigner)
         mode = "in-process"
     elapsed = time.perf_counter() - start
     result = asdict(EvalResult(

@@ -1,7 +1,8 @@
 """Fan a batch of queries out to every shard and merge: the router's core, plain asyncio + numpy.
 
-One call per shard per (k, params) group of the batch; the shard that misses the deadline is left
-out and counted in coverage. Testable with in-process searchers, no Ray needed.
+One call per shard per (k, params) group of the batch, the same encoded query bytes to every shard;
+the shard that misses the deadline is left out and counted in coverage. Testable with in-process
+searchers, no Ray needed.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ import numpy as np
 
 from serving.api import ParsedQuery
 from serving.merge import merge_topk
+from serving.shard_wire import ShardQuery
 
-# (shard index, matrix, k, params) -> (distances, ids, search ms)
-ShardCall = Callable[[int, np.ndarray, int, dict], Awaitable[tuple[np.ndarray, np.ndarray, float]]]
+# (shard index, the group's query) -> (distances, ids, search ms)
+ShardCall = Callable[[int, ShardQuery], Awaitable[tuple[np.ndarray, np.ndarray, float]]]
+# (prepared matrix, k, params) -> the query every shard gets (e.g. with IVF lists assigned once)
+Prepare = Callable[[np.ndarray, int, dict], Awaitable[ShardQuery]]
+
+
+async def plain_query(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
+    """No router-side work: each shard searches its whole index (non-IVF indexes)."""
+    return ShardQuery(matrix, k, params)
 
 
 @dataclass
@@ -29,38 +38,46 @@ class QueryResult:
     compute_ms: float
     fanout_ms: float
     batch_size: int
+    error: str | None = None  # the first shard failure when no shard answered
 
 
 async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_shards: int,
                        higher_is_better: bool, timeout_s: float,
                        on_shard_done: Callable[[int, float | None], None] | None = None,
-                      ) -> list[QueryResult]:
+                       prepare: Prepare = plain_query) -> list[QueryResult]:
     """Answer every query of the batch, grouping those that can share one scan per shard."""
     groups: dict[tuple, list[int]] = {}
     for position, query in enumerate(queries):
         groups.setdefault(query.group_key, []).append(position)
     results: list[QueryResult | None] = [None] * len(queries)
+    if len(groups) == 1:  # the steady state: no extra task per batch
+        await _search_group(queries, list(range(len(queries))), results, call_shard, num_shards,
+                            higher_is_better, timeout_s, on_shard_done, prepare)
+        return results  # type: ignore[return-value]
     await asyncio.gather(*[
         _search_group([queries[p] for p in positions], positions, results, call_shard, num_shards,
-                      higher_is_better, timeout_s, on_shard_done)
+                      higher_is_better, timeout_s, on_shard_done, prepare)
         for positions in groups.values()])
     return results  # type: ignore[return-value]
 
 
 async def _search_group(group: list[ParsedQuery], positions: list[int], results: list,
                         call_shard: ShardCall, num_shards: int, higher_is_better: bool,
-                        timeout_s: float, on_shard_done) -> None:
+                        timeout_s: float, on_shard_done, prepare: Prepare) -> None:
     k, params = group[0].k, dict(group[0].params)
     matrix = group[0].matrix if len(group) == 1 else np.concatenate([q.matrix for q in group])
     started = time.perf_counter()
+    shard_query = await prepare(matrix, k, params)
+    prepare_ms = (time.perf_counter() - started) * 1000.0
     outcomes = await asyncio.gather(
-        *[asyncio.wait_for(call_shard(s, matrix, k, params), timeout_s) for s in range(num_shards)],
+        *[asyncio.wait_for(call_shard(s, shard_query), timeout_s) for s in range(num_shards)],
         return_exceptions=True)
     fanout_ms = (time.perf_counter() - started) * 1000.0
     answered = [o for o in outcomes if not isinstance(o, BaseException)]
     if on_shard_done is not None:
         for shard, outcome in enumerate(outcomes):
             on_shard_done(shard, None if isinstance(outcome, BaseException) else outcome[2])
+    error = None
     if answered:
         distances, ids = merge_topk([o[0] for o in answered], [o[1] for o in answered], k,
                                     higher_is_better)
@@ -68,14 +85,12 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         fill = -np.inf if higher_is_better else np.inf
         distances = np.full((len(matrix), k), fill, np.float32)
         ids = np.full((len(matrix), k), -1, np.int64)
-    compute_ms = max((o[2] for o in answered), default=0.0)
+        first = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        error = f"{type(first).__name__}: {first}"[:500] if first is not None else None
+    compute_ms = prepare_ms + max((o[2] for o in answered), default=0.0)
     row = 0
     for query, position in zip(group, positions, strict=True):
         rows = slice(row, row + len(query.matrix))
         row += len(query.matrix)
         results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
-                                        compute_ms, fanout_ms, len(matrix))
-    failures = [o for o in outcomes if isinstance(o, BaseException)
-                and not isinstance(o, asyncio.TimeoutError | asyncio.CancelledError)]
-    if failures and not answered:
-        raise failures[0]
+                                        compute_ms, fanout_ms, len(matrix), error)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import time
 
 
 def cmdline(pid: int) -> bytes:
@@ -47,3 +50,84 @@ def descendants(root: int) -> list[int]:
             found.append(child)
             stack.append(child)
     return found
+
+
+def stop(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM, wait up to grace_s for every pid to exit, then SIGKILL the rest and wait again."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.05)
+        if not any(alive(p) for p in pids):
+            return
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of the process (all its threads) so far; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def process_class(command: bytes) -> str | None:
+    """Which part of a serving stack a process is, from its command line (None: not ours)."""
+    if b"vegeta" in command.split(b"\0", 1)[0]:
+        return "load generator"
+    if b"haproxy" in command:
+        return "ingress (HAProxy)"
+    if command.startswith(b"ray::ServeReplica:"):
+        deployment = command.split(b"\0", 1)[0].rsplit(b":", 1)[-1]
+        if deployment.startswith(b"shard-"):
+            return "shards"
+        if deployment == b"Router":
+            return "router"
+        return "other Serve replicas"
+    if command.startswith(b"ray::") or b"/ray/" in command or b"raylet" in command \
+            or b"gcs_server" in command:
+        return "Ray system"
+    return None
+
+
+class CpuMeter:
+    """CPU seconds per process class over a window, read from /proc at its start and end.
+
+    `extra` names process trees by their root pid (e.g. a baseline server and its workers).
+    Processes that start inside the window count from zero; ones that exit inside it are lost
+    (their CPU is not in /proc any more), so measure steady-state windows.
+    """
+
+    def __init__(self, extra: dict[str, int] | None = None):
+        self.extra = extra or {}
+        self._start: dict[int, tuple[str, float]] = {}
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        classes: dict[int, str] = {}
+        for name, root in self.extra.items():
+            for pid in [root, *descendants(root)]:
+                classes[pid] = name
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in classes and int(entry) != os.getpid():
+                found = process_class(cmdline(int(entry)))
+                if found is not None:
+                    classes[int(entry)] = found
+        return {pid: (name, cpu_seconds(pid)) for pid, name in classes.items()}
+
+    def start(self) -> None:
+        self._start = self._snapshot()
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds used per class since start()."""
+        used: dict[str, float] = {}
+        for pid, (name, cpu) in self._snapshot().items():
+            before = self._start.get(pid, (name, 0.0))[1]
+            used[name] = used.get(name, 0.0) + max(cpu - before, 0.0)
+        return used

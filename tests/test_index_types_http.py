@@ -1,0 +1,34 @@
+"""Every index type serves over real Serve HTTP with its own params: Flat, HNSW32 (efSearch) and
+IVF-PQ fast-scan with a refine step (nprobe). Non-IVF indexes once crashed the router."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from index_build.job import build_index
+from serving.evaluate import evaluate
+
+pytestmark = pytest.mark.slow
+PORT = 18321  # one Serve HTTP port per cluster: the port every test uses
+LIMIT = 20000
+
+
+@pytest.mark.parametrize("factory, params", [
+    ("Flat", {}),
+    ("HNSW32", {"efSearch": 64}),
+    ("IVF256,PQ98x4fs,RFlat", {"nprobe": 16}),
+])
+def test_index_type_serves_with_recall(ray_cluster, tmp_path: Path, factory: str, params: dict) -> None:
+    from deployments.run import deploy, undeploy
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, factory, str(index), limit=LIMIT, backend="local")
+    url = deploy(str(index), port=PORT, app_name="types", route_prefix="/types",
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    try:
+        result = evaluate(str(index), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT)
+    finally:
+        undeploy("types")
+    assert result["recall"] >= 0.95, result

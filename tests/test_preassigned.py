@@ -1,0 +1,117 @@
+"""Quantize once in the router, search_preassigned in every shard: answers byte-equal to the
+unsharded index at the same params; the wire format; index types whose params used to crash."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import faiss
+import numpy as np
+import pytest
+
+from index_build.datasets import load_dataset
+from index_build.indexes import add_to_copy, index_from_bytes, prepare_vectors, train_empty_index
+from serving.api import hits
+from serving.evaluate import sharded_search
+from serving.searcher import CoarseAssigner, ShardSearcher
+from serving.shard_wire import ShardQuery, decode_answer, encode_answer
+
+
+def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4):
+    vectors = prepare_vectors(base, metric)
+    empty = train_empty_index(factory, metric, vectors, seed=3)
+    ids = np.arange(len(vectors))
+    searchers = [ShardSearcher(add_to_copy(empty, vectors[s::shards], ids[s::shards]), metric, f"s{s}", "v")
+                 for s in range(shards)]
+    unsharded = ShardSearcher(add_to_copy(empty, vectors, ids), metric, "all", "v")
+    return searchers, unsharded, CoarseAssigner.from_trained(index_from_bytes(empty))
+
+
+@pytest.mark.parametrize("factory, metric", [("IVF64,Flat", "l2"), ("IVF64,Flat", "ip"),
+                                             ("IVF64,Flat", "cosine"), ("IVF64,PQ8", "l2"),
+                                             ("IVF64,PQ16x4fs", "l2"), ("IVF64,SQ8", "ip")])
+def test_quantize_once_equals_unsharded(factory: str, metric: str) -> None:
+    data = load_dataset("synthetic:8000x32")
+    searchers, unsharded, assigner = _sharded(factory, metric, data.base)
+    assert assigner is not None
+    queries = data.queries[:300]
+    for nprobe in (1, 7, 64, 200):  # 200 > nlist: clamped like FAISS does
+        params = {"nprobe": nprobe}
+        distances, ids = sharded_search(searchers, queries, 10, params, metric, assigner)
+        expected_d, expected_i, _ = unsharded.search(queries, 10, params)
+        real = expected_i >= 0
+        assert np.array_equal(distances[real], expected_d[real]), (factory, metric, nprobe)
+        if "fs" not in factory:  # fast-scan's quantized distances tie often: ties may swap ids
+            assert np.array_equal(ids[real], expected_i[real]), (factory, metric, nprobe)
+        # and the plain path (each shard runs the quantizer itself) agrees with it
+        _, plain_ids = sharded_search(searchers, queries, 10, params, metric)
+        assert np.array_equal(plain_ids, ids)
+
+
+def test_fashion_mnist_quantize_once_equals_unsharded() -> None:
+    data = load_dataset("fashion-mnist", limit=12000, num_queries=200)
+    searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
+    queries = prepare_vectors(data.queries, "l2")
+    distances, ids = sharded_search(searchers, queries, 10, {"nprobe": 16}, "l2", assigner)
+    expected_d, expected_i, _ = unsharded.search(queries, 10, {"nprobe": 16}, prepared=True)
+    assert np.array_equal(ids, expected_i) and np.array_equal(distances, expected_d)
+
+
+def test_non_ivf_has_no_assigner() -> None:
+    data = load_dataset("synthetic:2000x16")
+    for factory in ("Flat", "HNSW16", "IVF16,PQ4x4fs,RFlat"):
+        empty = train_empty_index(factory, "l2", data.base, seed=1)
+        assert CoarseAssigner.from_trained(index_from_bytes(empty)) is None, factory
+
+
+def test_wire_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((5, 12)).astype(np.float32)
+    assign = rng.integers(0, 64, (5, 3))
+    coarse = rng.standard_normal((5, 3)).astype(np.float32)
+    for query in (ShardQuery(matrix, 7, {"nprobe": 3}, assign, coarse), ShardQuery(matrix, 2, {})):
+        blob = query.encode()
+        assert query.encode() is blob  # encoded once, however many shards it goes to
+        back = ShardQuery.decode(blob)
+        assert np.array_equal(back.matrix, matrix) and back.k == query.k and back.params == query.params
+        if query.assign is not None:
+            assert np.array_equal(back.assign, assign) and np.array_equal(back.coarse, coarse)
+        else:
+            assert back.assign is None
+    distances, ids = coarse[:, :2].copy(), assign[:, :2].copy()
+    got_d, got_i, ms = decode_answer(encode_answer(distances, ids, 1.5))
+    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and ms == 1.5
+    with pytest.raises(ValueError, match="magic"):
+        ShardQuery.decode(b"XXXX" + blob[4:])
+    with pytest.raises(ValueError, match="bytes"):
+        ShardQuery.decode(ShardQuery(matrix, 2, {}).encode() + b"junk")
+
+
+def test_padding_never_leaves_the_server() -> None:
+    ids = np.array([4, 9, -1, -1])
+    distances = np.array([0.5, 1.0, 3.4e38, 3.4e38], np.float32)
+    assert hits(ids, distances)["ids"].tolist() == [4, 9]
+    assert hits(ids, distances)["distances"].tolist() == [0.5, 1.0]
+
+
+def test_supported_params_in_a_fresh_interpreter() -> None:
+    """Was a segfault: the IDMap wrapper was freed while its inner index was still in use."""
+    code = ("from index_build.indexes import supported_params\n"
+            "for f in ['HNSW32', 'Flat', 'PQ16', 'IVF64,Flat', 'IVF64,PQ16x4fs,RFlat']:\n"
+            "    print(f, sorted(supported_params(f, 784, 'l2')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:5] == [
+        "HNSW32 ['efSearch']", "Flat []", "PQ16 []", "IVF64,Flat ['nprobe']",
+        "IVF64,PQ16x4fs,RFlat ['nprobe']"]
+
+
+def test_refine_searches_with_per_request_nprobe() -> None:
+    data = load_dataset("synthetic:4000x32")
+    empty = train_empty_index("IVF32,PQ8x4fs,RFlat", "l2", data.base, seed=1)
+    searcher = ShardSearcher(add_to_copy(empty, data.base, np.arange(len(data.base))), "l2", "r", "v")
+    _, ids, _ = searcher.search(data.queries[:50], 10, {"nprobe": 8})
+    exact = faiss.knn(data.queries[:50], data.base, 10)[1]
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, exact, strict=True)])
+    assert recall > 0.8
