@@ -12,6 +12,10 @@ from deployments.router import Router
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 
+# No access-log line per request on the query path (router, shards): it showed in the profile of
+# both; errors and warnings are still logged, and request metrics still flow.
+HOT_PATH_LOGGING = {"enable_access_log": False}
+
 
 def build_app(args: dict) -> Application:
     """The router ingress and the index pointer; the shards live in the index version's own app."""
@@ -24,4 +28,5 @@ def build_app(args: dict) -> Application:
         max_ongoing_requests=app_args.router_max_ongoing_requests,
         max_queued_requests=app_args.router_max_queued_requests,
         ray_actor_options={"num_cpus": app_args.router_num_cpus, **pinned},
+        logging_config=HOT_PATH_LOGGING,
     ).bind(control, app_args.model_dump())

@@ -80,7 +80,7 @@ def build_index_app(args: dict) -> Application:
         ShardDeployment.options(
             name=entry.name, **scaling,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
-            ray_actor_options=actor_options,
+            ray_actor_options=actor_options, logging_config={"enable_access_log": False},
         ).bind(app_args.index, position, app_args.faiss_threads,
                app_args.debug_load_delay_s.get(entry.name, 0.0),
                app_args.debug_search_delay_s.get(entry.name, 0.0),

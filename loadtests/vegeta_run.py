@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import resource
 import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
@@ -28,6 +29,11 @@ def assert_loopback(url: str) -> None:
     raise SystemExit(f"refusing to load-test {url}: only loopback targets (127.0.0.0/8, ::1) are allowed")
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def vegeta_version() -> str:
     out = subprocess.run([str(VEGETA), "-version"], capture_output=True, text=True, check=True).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")),
@@ -50,9 +56,12 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         flags += [f"-rate={value:g}/s", "-workers=16", "-max-workers=1024"]
     if meter is not None:
         meter.start()
+    children_before = _children_cpu_s()
     with results.open("wb") as sink:
         subprocess.run([str(VEGETA), "attack", *flags], stdout=sink, check=True)
     cpu = meter.stop() if meter is not None else None
+    if cpu is not None:  # vegeta has exited by now: its CPU is in our children's rusage, not /proc
+        cpu["load generator"] = _children_cpu_s() - children_before
     encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,
                              text=True, check=True).stdout
     level = summarize(encoded.splitlines(), mode, value, duration_s, queries_per_request)

@@ -49,6 +49,11 @@ class ShardQuery:
             self._encoded = b"".join(parts)
         return self._encoded
 
+    @staticmethod
+    def rows(blob: bytes) -> int:
+        """Query rows of an encoded batch, read from its header alone."""
+        return _QUERY.unpack_from(blob)[1]
+
     @classmethod
     def decode(cls, blob: bytes) -> ShardQuery:
         magic, n, dim, k, nprobe, params_len = _QUERY.unpack_from(blob)
