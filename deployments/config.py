@@ -51,6 +51,9 @@ class AppArgs(BaseModel):
         description="search params of the gate queries (those the new index does not take are dropped)")
     max_k: int = Field(100, ge=1)
     max_vectors: int = Field(1024, ge=1, description="vectors per batch request")
+    max_work: int = Field(
+        65536, ge=1, description="query vectors x probes (nprobe or efSearch) one request may ask for; "
+                                 "more gets a 422 naming the limit (FAISS cannot be stopped mid-scan)")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     shard_timeout_s: float = Field(2.0, gt=0, description="deadline of one shard call")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")

@@ -24,7 +24,7 @@ from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
-from serving.api import ApiError, ParsedQuery, hits, parse_search_request
+from serving.api import ApiError, ParsedQuery, check_work, hits, parse_search_request
 from serving.batcher import AdaptiveBatcher
 from serving.fanout import QueryResult, plain_query, search_batch
 from serving.metrics import RouterMetrics
@@ -174,6 +174,7 @@ class Router:
             "shards": [{"name": s.name, "num_vectors": s.num_vectors, "bytes": s.bytes} for s in m.shards],
             "params": sorted(self.active.supported), "max_k": self.args.max_k,
             "max_vectors": self.args.max_vectors, "max_body_bytes": self.args.max_body_bytes,
+            "max_work": self.args.max_work,
         })
 
     # --- internals --------------------------------------------------------------------------------
@@ -186,7 +187,9 @@ class Router:
         if len(body) > self.args.max_body_bytes:
             raise ApiError(413, "body", f"body of {len(body)} bytes exceeds {self.args.max_body_bytes}")
         manifest = index_set.manifest
-        query = parse_search_request(body, manifest.dim, self.args.max_k, self.args.max_vectors)
+        query = parse_search_request(body, manifest.dim, self.args.max_k, self.args.max_vectors,
+                                     manifest.metric)
+        check_work(query, self.args.max_work)
         for name, _ in query.params:
             if name not in index_set.supported:
                 raise ApiError(422, f"params.{name}",

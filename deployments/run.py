@@ -113,9 +113,11 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()  # deletes every app (ours, and any swapped-in index version)
         if started:
+            serve.shutdown()  # our own Ray: every app on it is ours
             shutdown_ray()
+        else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
+            undeploy(APP_NAME)
 
 
 def _interrupt(signum: int, frame) -> None:

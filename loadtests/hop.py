@@ -81,9 +81,7 @@ def measure(fanouts: int, rows_list: list[int], port: int) -> list[dict]:
 
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(_deployments(), name="hop", route_prefix=None)
-    results = asyncio.run(_measure_all(fanouts, rows_list))
-    serve.delete("hop")
-    return results
+    return asyncio.run(_measure_all(fanouts, rows_list))
 
 
 async def _measure_all(fanouts: int, rows_list: list[int]) -> list[dict]:
@@ -105,6 +103,7 @@ async def _measure_all(fanouts: int, rows_list: list[int]) -> list[dict]:
                             "cpu_ms_per_fanout": cpu_ms})
             print(f"rows={rows:<4} {variant:<48} wall p50 {timing['wall_ms_p50']:6.2f} ms  "
                   f"CPU {cpu_ms['total']:6.2f} ms/fan-out", flush=True)
+    await serve.shutdown_async()  # on this loop: its handles live here
     return results
 
 
@@ -122,9 +121,6 @@ def main() -> None:
         results = measure(args.fanouts, [int(r) for r in args.rows.split(",")], args.port)
         _save(args, results)
     finally:
-        from ray import serve
-
-        serve.shutdown()
         if started:
             shutdown_ray()
 

@@ -90,7 +90,8 @@ def hits(ids: np.ndarray, distances: np.ndarray) -> dict:
     return {"ids": ids, "distances": distances}  # numpy: orjson writes float32 at its own precision
 
 
-def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) -> ParsedQuery:
+def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
+                         metric: str = "l2") -> ParsedQuery:
     """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault."""
     try:
         payload = orjson.loads(body)
@@ -108,7 +109,7 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) ->
     if single == ("vectors" in payload):
         raise ApiError(422, "vector", "give exactly one of 'vector' or 'vectors'")
     field = "vector" if single else "vectors"
-    matrix = _matrix(payload[field], field, single, dim, max_vectors)
+    matrix = _matrix(payload[field], field, single, dim, max_vectors, metric)
     k = payload.get("k", 10)
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= max_k:
         raise ApiError(422, "k", f"k must be an integer in [1, {max_k}], got {k!r}")
@@ -118,14 +119,23 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int) ->
     return ParsedQuery(matrix, k, _params(payload.get("params")), single, require_full)
 
 
-def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int) -> np.ndarray:
+_NUMBER_TYPES = {float, int}
+
+
+def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int,
+            metric: str) -> np.ndarray:
     if not isinstance(value, list) or not value:
         raise ApiError(422, field, f"{field} must be a non-empty list")
     if not single and len(value) > max_vectors:
         raise ApiError(422, field, f"too many vectors: {len(value)} > max {max_vectors}")
+    rows = [value] if single else value
+    for row in rows:  # numpy would turn "1.5" and true into numbers: only JSON numbers are vectors
+        if not isinstance(row, list) or not set(map(type, row)) <= _NUMBER_TYPES:
+            raise ApiError(422, field, f"{field} must hold numbers only (no strings, booleans or nulls), "
+                                       f"all of dim {dim}")
     try:
         with np.errstate(over="ignore"):  # out-of-range numbers become inf and are refused below
-            matrix = np.array([value] if single else value, dtype=np.float32)
+            matrix = np.array(rows, dtype=np.float32)
     except (ValueError, TypeError):
         raise ApiError(422, field, f"{field} must hold numbers only, all of dim {dim}") from None
     if matrix.ndim != 2 or matrix.shape[1] != dim:
@@ -134,7 +144,30 @@ def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int)
     if not np.isfinite(matrix).all():
         row = int(np.flatnonzero(~np.isfinite(matrix).all(axis=1))[0])
         raise ApiError(422, field, f"{field} contains NaN/Inf (row {row}) or a number out of float32 range")
+    with np.errstate(over="ignore"):
+        squared = np.einsum("ij,ij->i", matrix, matrix)
+    if not np.isfinite(squared).all():  # distances to it would overflow float32: nonsense answers
+        row = int(np.flatnonzero(~np.isfinite(squared))[0])
+        raise ApiError(422, field, f"{field} row {row} has an absurd magnitude (its squared norm "
+                                   "overflows float32): scale your vectors")
+    if metric == "cosine" and not (squared > 0).all():
+        row = int(np.flatnonzero(squared <= 0)[0])
+        raise ApiError(422, field, f"{field} row {row} is all zeros: it has no direction under cosine")
     return matrix
+
+
+def check_work(query: ParsedQuery, max_work: int) -> None:
+    """Bound what one request may ask of the shards: query vectors x probes (nprobe / efSearch).
+
+    FAISS cannot be stopped once it scans, so a request past its deadline would keep the shards
+    busy for everyone after it: refuse it up front instead.
+    """
+    probes = max((number for _, number in query.params), default=1)
+    work = len(query.matrix) * probes
+    if work > max_work:
+        raise ApiError(422, "params", f"request too expensive: {len(query.matrix)} vectors x {probes} "
+                                      f"probes = {work} > max_work {max_work}; send fewer vectors "
+                                      "per request or a smaller nprobe/efSearch")
 
 
 def _params(value: object) -> tuple[tuple[str, int], ...]:

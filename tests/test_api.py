@@ -4,7 +4,7 @@ import numpy as np
 import orjson
 import pytest
 
-from serving.api import ApiError, parse_search_request
+from serving.api import ApiError, check_work, parse_search_request
 
 
 def _parse(payload: object, dim: int = 4):
@@ -44,3 +44,34 @@ def test_bad_fields_are_named(payload: object, field: str) -> None:
 def test_nan_is_refused() -> None:
     with pytest.raises(ApiError, match="NaN"):
         parse_search_request(b'{"vector": [1, NaN, 3, 4]}', 4, 100, 8)
+
+
+@pytest.mark.parametrize("vector, message", [
+    (["1.5", "2", "3", "4"], "numbers only"),          # numpy would have parsed these strings
+    ([True, False, True, True], "numbers only"),       # ... and these booleans as 1.0 / 0.0
+    ([1.0, None, 3.0, 4.0], "numbers only"),
+    ([1e30, 1e30, 0.0, 0.0], "absurd magnitude"),      # finite in float32, its squared norm is not
+])
+def test_absurd_vectors_are_refused(vector: list, message: str) -> None:
+    with pytest.raises(ApiError, match=message) as info:
+        parse_search_request(orjson.dumps({"vector": vector}), 4, 100, 8)
+    assert info.value.status == 422 and info.value.field == "vector"
+    with pytest.raises(ApiError, match=message):
+        parse_search_request(orjson.dumps({"vectors": [[1, 2, 3, 4], vector]}), 4, 100, 8)
+
+
+def test_zero_vector_is_refused_under_cosine_only() -> None:
+    body = orjson.dumps({"vector": [0, 0, 0, 0]})
+    assert parse_search_request(body, 4, 100, 8, "l2").matrix.shape == (1, 4)
+    with pytest.raises(ApiError, match="all zeros") as info:
+        parse_search_request(body, 4, 100, 8, "cosine")
+    assert info.value.status == 422
+
+
+def test_work_per_request_is_bounded() -> None:
+    query = parse_search_request(orjson.dumps({"vectors": [[1, 2, 3, 4]] * 8, "params": {"nprobe": 64}}),
+                                 4, 100, 8)
+    check_work(query, 512)  # 8 x 64 = 512: allowed
+    with pytest.raises(ApiError, match="max_work 511") as info:
+        check_work(query, 511)
+    assert info.value.status == 422 and info.value.field == "params"

@@ -91,3 +91,11 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     scaling = AutoscalingConfig.model_validate(args.shard_autoscaling)  # what Serve will accept
     assert scaling.policy.policy_function == "deployments.autoscaling:knee_policy"
     assert args.max_batch_size * args.max_concurrent_batches >= knee
+
+
+def test_readme_results_are_rendered_from_the_records() -> None:
+    """Every figure in the generated README tables comes from a committed record."""
+    from loadtests.readme_tables import README, blocks, render
+
+    readme = README.read_text()
+    assert render(readme, blocks()) == readme, "run: python -m loadtests.readme_tables"

@@ -1,0 +1,100 @@
+"""README's results tables, rendered from the committed records (never typed by hand).
+
+    python -m loadtests.readme_tables          # rewrite the generated blocks of README.md
+    python -m loadtests.readme_tables --check  # exit 1 if README.md differs from the records
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from loadtests.record import RECORDS
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+CLASSES = ["ingress (HAProxy)", "router", "shards", "other Serve replicas", "Ray system",
+           "baseline (uvicorn)", "total (servers)", "load generator"]
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def bench_table(record: dict) -> str:
+    rows = ["| system | clients | req/s | queries/s | p50 ms | p99 ms | compute p50 ms | server CPU ms/req |",
+            "|---|---|---|---|---|---|---|---|"]
+    for level in record["levels"]:
+        cpu = level.get("cpu_ms_per_request", {})
+        rows.append("| " + " | ".join(_cell(v) for v in (
+            level["label"], level["value"], level["qps"], level["queries_per_s"], level["p50_ms"],
+            level["p99_ms"], level.get("compute_p50_ms"), cpu.get("total (servers)"))) + " |")
+    return "\n".join(rows)
+
+
+def cpu_table(record: dict, clients: int = 32) -> str:
+    levels = [lv for lv in record["levels"] if lv["value"] == clients and "cpu_ms_per_request" in lv]
+    header = f"| CPU ms per request, c={clients} | " + " | ".join(lv["label"] for lv in levels) + " |"
+    rows = [header, "|---" * (len(levels) + 1) + "|"]
+    for name in CLASSES:
+        values = [lv["cpu_ms_per_request"].get(name) for lv in levels]
+        if any(v is not None for v in values):
+            rows.append(f"| {name} | " + " | ".join(_cell(v) for v in values) + " |")
+    return "\n".join(rows)
+
+
+def ratios_table(record: dict) -> str:
+    rows = ["| ratio (one run) | value | target | met |", "|---|---|---|---|"]
+    for name, check in record.get("ratios", {}).items():
+        rows.append(f"| {name} | {check['value']} | {check['target']} | {'yes' if check['met'] else 'no'} |")
+    return "\n".join(rows)
+
+
+def hop_table(record: dict) -> str:
+    rows = [f"| 4-way fan-out, no FAISS ({record['fanouts']} in a row) | rows | wall p50 ms | "
+            "CPU ms per fan-out |", "|---|---|---|---|"]
+    for result in record["results"]:
+        rows.append(f"| {result['variant']} | {result['rows']} | {_cell(result['wall_ms_p50'])} | "
+                    f"{_cell(result['cpu_ms_per_fanout']['total'])} |")
+    return "\n".join(rows)
+
+
+def blocks(records: Path = RECORDS) -> dict[str, str]:
+    bench = json.loads((records / "bench.json").read_text())
+    hop = json.loads((records / "hop.json").read_text())
+    return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
+            "bench-ratios": ratios_table(bench), "hop": hop_table(hop)}
+
+
+def render(readme: str, generated: dict[str, str]) -> str:
+    for name, table in generated.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- /generated:{name} -->)", re.S)
+        if not pattern.search(readme):
+            raise SystemExit(f"README.md has no <!-- generated:{name} --> block")
+        readme = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), readme)
+    return readme
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__)
+    cli.add_argument("--check", action="store_true")
+    args = cli.parse_args()
+    current = README.read_text()
+    wanted = render(current, blocks())
+    if args.check:
+        if wanted != current:
+            print("README.md results differ from loadtests/records: run python -m loadtests.readme_tables",
+                  file=sys.stderr)
+            sys.exit(1)
+        return
+    README.write_text(wanted)
+
+
+if __name__ == "__main__":
+    main()
