@@ -1,4 +1,5 @@
-"""Records (DESIGN.md contract): one JSON per run plus a PNG of latency and QPS against load.
+"""Records (contract: README, "Load tests, records and the knee"): one JSON per run plus a PNG of
+latency and QPS against load.
 
 CLI used by the shell scripts:
 python -m loadtests.record --name N --url URL --out DIR LEVEL.json [LEVEL.json ...]

@@ -6,9 +6,10 @@ import os
 
 from serving import processes
 
-# Measured on a 2-core machine (DESIGN.md): Serve's HAProxy ingress + throughput-optimised mode cut
-# no-op latency ~6x vs the default proxy. They are read when Ray's processes start, so they must be in
-# the environment before ray.init()/`ray start` launches them.
+# Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
+# (its cost is the serve-noop rows of loadtests/records/bench.json; README "Fast by default").
+# They are read when Ray's processes start, so they must be in the environment before
+# ray.init()/`ray start` launches them.
 FAST_INGRESS_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
