@@ -33,7 +33,7 @@ def autoscaling_config(knee_depth: float, min_replicas: int = 1, max_replicas: i
         "target_ongoing_requests": knee_depth,
         "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s,
         "metrics_interval_s": metrics_interval_s, "look_back_period_s": look_back_period_s,
-        **({"policy": {"policy_function": "deployments.autoscaling:knee_policy"}} if knee_policy else {}),
+        **({"policy": {"policy_function": KNEE_POLICY}} if knee_policy else {}),
     }
 
 
@@ -47,9 +47,28 @@ def decide(current: int, depth: float, knee_depth: float, min_replicas: int, max
     return min(max(target, min_replicas), max_replicas)
 
 
+KNEE_POLICY = "deployments.autoscaling:knee_policy"
+
+
+def with_link_policy(config: dict) -> dict:
+    """Shard-link traffic bypasses Serve's request counters, which Serve's built-in policy reads:
+    with links on, a shard deployment scales by `knee_policy`, which adds the replicas' reported
+    link depth. A policy the user set is kept."""
+    if config.get("policy"):
+        return config
+    return {**config, "policy": {"policy_function": KNEE_POLICY}}
+
+
+def queue_depth(ctx) -> float:
+    """Requests the deployment holds: those through Serve (handles' queued + ongoing) plus those
+    on shard links (each replica's time-averaged `link_in_flight`, ShardDeployment)."""
+    link = (ctx.aggregated_metrics or {}).get("link_in_flight", {})
+    return float(ctx.total_num_requests) + float(sum(link.values()))
+
+
 def knee_policy(ctx) -> tuple[int, dict]:
     """Serve custom autoscaling policy (`policy_function: deployments.autoscaling:knee_policy`),
     per shard deployment: its own queue depth against the knee depth (`target_ongoing_requests`)."""
-    return decide(ctx.current_num_replicas, float(ctx.total_num_requests),
+    return decide(ctx.current_num_replicas, queue_depth(ctx),
                   float(ctx.config.target_ongoing_requests), ctx.capacity_adjusted_min_replicas,
                   ctx.capacity_adjusted_max_replicas), {}

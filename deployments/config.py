@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +58,10 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
     shard_timeout_s: float = Field(2.0, gt=0, description="deadline of one shard call")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
+    shard_transport: Literal["link", "serve"] = Field(
+        "link", description="router -> shard hop: `link` = a TCP link per shard replica "
+                            "(serving.shard_link; a Serve call when no link is up), `serve` = "
+                            "Serve handle calls only")
     hedge_after_ms: float = Field(
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
@@ -68,6 +73,9 @@ class AppArgs(BaseModel):
     debug_rank0_delay_s: dict[str, float] = Field(
         default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call in "
                                           "that shard's rank-0 replica only (one slow replica)")
+
+
+INDEX_INGRESS = "IndexVersion"  # the index version app's ingress: readiness, gate, link directory
 
 
 def index_app_name(main_app: str, version: str | None = None) -> str:

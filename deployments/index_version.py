@@ -3,7 +3,8 @@
 Versions live in their own applications so that a new one can be deployed beside the serving one,
 checked, switched to, and the old one deleted as a whole (`shardserve swap`). The ingress is not on
 the query path (routers call the shard deployments directly); it answers readiness and the swap's
-recall gate, with the same fan-out and merge code as the router.
+recall gate, with the same fan-out and merge code as the router, and it keeps the directory of
+shard links (where each shard replica listens; serving.shard_link).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import AppArgs
+from deployments.autoscaling import with_link_policy
+from deployments.config import INDEX_INGRESS, AppArgs
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors
@@ -24,15 +26,17 @@ from index_build.storage import Location
 from serving.api import ParsedQuery
 from serving.fanout import plain_query, search_batch
 from serving.searcher import CoarseAssigner
+from serving.shard_link import EndpointDirectory
 from serving.shard_wire import ShardQuery
 
-INGRESS = "IndexVersion"
+INGRESS = INDEX_INGRESS
 
 
 # Not on the query path: nothing to drain, so do not hold a swap up for the default 20 s.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64, graceful_shutdown_timeout_s=2)
 class IndexVersion:
-    """Readiness and gate searches of one index version (not on the query path)."""
+    """Readiness, gate searches and the shard-link directory of one index version (not on the
+    query path: routers read the directory once a second)."""
 
     def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float):
         location = Location.parse(index)
@@ -41,6 +45,14 @@ class IndexVersion:
         self.calls = [shard_handle(shard) for shard in shards]
         self.assigner = CoarseAssigner.load(location, self.manifest)
         self.shard_timeout_s = shard_timeout_s
+        self.directory = EndpointDirectory(len(shards))
+
+    def announce(self, shard: int, replica: str, host: str, port: int) -> None:
+        self.directory.announce(shard, replica, host, port)
+
+    def endpoints(self) -> list[list[tuple[str, int]]]:
+        """Per shard, where its live replicas listen (routers poll this)."""
+        return self.directory.endpoints()
 
     async def info(self) -> dict:
         """The manifest's version and each shard's (raises until every shard is loaded)."""
@@ -71,7 +83,9 @@ def build_index_app(args: dict) -> Application:
     """The shard deployments of `args['index']` (named like the shards) bound into their ingress."""
     app_args = AppArgs.model_validate(args)
     manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
-    scaling = ({"autoscaling_config": app_args.shard_autoscaling} if app_args.shard_autoscaling
+    link = app_args.shard_transport == "link"
+    scaling = ({"autoscaling_config": with_link_policy(app_args.shard_autoscaling) if link
+                else app_args.shard_autoscaling} if app_args.shard_autoscaling
                else {"num_replicas": app_args.replicas_per_shard})
     actor_options: dict = {"num_cpus": app_args.shard_num_cpus}
     if app_args.shard_resources:
@@ -84,7 +98,7 @@ def build_index_app(args: dict) -> Application:
         ).bind(app_args.index, position, app_args.faiss_threads,
                app_args.debug_load_delay_s.get(entry.name, 0.0),
                app_args.debug_search_delay_s.get(entry.name, 0.0),
-               app_args.debug_rank0_delay_s.get(entry.name, 0.0))
+               app_args.debug_rank0_delay_s.get(entry.name, 0.0), link)
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.config import AppArgs, index_app_name
+from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
 from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import Manifest, read_manifest
@@ -30,9 +30,11 @@ from serving.fanout import QueryResult, plain_query, search_batch
 from serving.metrics import RouterMetrics
 from serving.openapi import docs_page, openapi_document
 from serving.searcher import CoarseAssigner
-from serving.shard_wire import ShardQuery
+from serving.shard_link import ShardLinks
+from serving.shard_wire import ShardQuery, decode_answer
 
 _JSON = "application/json"
+LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)
 logger = logging.getLogger("ray.serve")
 
 
@@ -55,15 +57,45 @@ class IndexSet:
     shards: list[DeploymentHandle]  # with the shard-call options (deployments.shard_calls)
     supported: frozenset[str]
     assigner: CoarseAssigner | None  # IVF: the coarse quantizer, run once per batch here
+    links: ShardLinks | None  # a TCP link per shard replica (None: Serve handle calls only)
+    directory: DeploymentHandle  # the version's ingress: where each shard replica listens
 
     @classmethod
-    async def load(cls, generation: int, index: str, app: str) -> "IndexSet":
+    async def load(cls, generation: int, index: str, app: str, use_links: bool) -> "IndexSet":
         """Files are read in a thread; handles are made on the replica's event loop (Serve's
         throughput-optimised handles refuse to be set up outside it)."""
         manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
         shards = [shard_handle(serve.get_deployment_handle(s.name, app, _check_exists=False))
                   for s in manifest.shards]
-        return cls(generation, app, manifest, shards, supported, assigner)
+        directory = serve.get_deployment_handle(INDEX_INGRESS, app, _check_exists=False)
+        loaded = cls(generation, app, manifest, shards, supported, assigner,
+                     ShardLinks(len(shards)) if use_links else None, directory)
+        await loaded.refresh_links(timeout_s=2.0)
+        return loaded
+
+    async def refresh_links(self, timeout_s: float = 5.0) -> None:
+        """Follow the directory (replicas started, moved or gone). Best effort: a shard without a
+        link is called through Serve."""
+        if self.links is None:
+            return
+        try:
+            endpoints = await asyncio.wait_for(self.directory.endpoints.remote(), timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("shard link directory of %s not reachable: %s", self.app, exc)
+            return
+        self.links.update(endpoints)
+
+    async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+        """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""
+        link = self.links.pick(shard) if self.links is not None else None
+        if link is not None:
+            try:
+                return decode_answer(await link.call(query.encode()))
+            except ConnectionError:
+                self.links.drop(shard, link)
+        return await call_shard(self.shards[shard], query)
 
     @staticmethod
     def _read(index: str) -> tuple[Manifest, CoarseAssigner | None, frozenset[str]]:
@@ -82,14 +114,17 @@ class Router:
         self.control = control
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        self.use_links = self.args.shard_transport == "link"
         # A replica started after a swap (restart, scale-up) must serve the current version, not the
         # config's: ask the pointer first; the config's index only if it does not answer.
         try:
             pointer = await asyncio.wait_for(self.control.poll.remote(self.replica_id, -1, 0), 10.0)
-            self.active = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"])
+            self.active = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"],
+                                              self.use_links)
         except Exception as exc:
             logger.warning("index pointer not reachable (%s): serving the configured index", exc)
-            self.active = await IndexSet.load(0, self.args.index, index_app_name(context.app_name))
+            self.active = await IndexSet.load(0, self.args.index, index_app_name(context.app_name),
+                                              self.use_links)
         self.in_flight_by_generation: Counter[int] = Counter()
         self.metrics = RouterMetrics()
         self.metrics.shard_names = [s.name for s in self.active.manifest.shards]
@@ -101,7 +136,9 @@ class Router:
         self.batcher = AdaptiveBatcher(self._search_batch, self.args.max_batch_size,
                                        self.args.max_concurrent_batches,
                                        size_of=lambda item: len(item[1].matrix))
-        self._poller = asyncio.get_running_loop().create_task(self._follow_pointer())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._follow_pointer())
+        self._link_follower = loop.create_task(self._follow_links()) if self.use_links else None
 
     async def __call__(self, request: Request) -> Response:
         # Serve puts the route prefix in root_path; match the rest exactly.
@@ -162,7 +199,10 @@ class Router:
         except Exception as exc:  # a shard not (yet) up: not ready
             return _error_response(ApiError(503, None, f"not ready: {type(exc).__name__}",
                                             self.args.retry_after_s))
-        return _json({"status": "ok", "shards": len(infos), "index": index_set.manifest.index_version})
+        # Replicas reached over a shard link, per shard (0: that shard is called through Serve).
+        links = index_set.links.count() if index_set.links is not None else [0] * len(infos)
+        return _json({"status": "ok", "shards": len(infos), "index": index_set.manifest.index_version,
+                      "links": links})
 
     def index(self) -> Response:
         """Summary of the manifest being served and the request limits."""
@@ -223,31 +263,28 @@ class Router:
         return results  # type: ignore[return-value]
 
     def _search_version(self, index_set: IndexSet, queries: list[ParsedQuery]):
-        shards = index_set.shards
+        call = index_set.call
         if self.args.hedge_after_ms:
             async def call(shard: int, query: ShardQuery):
-                return await self._call_shard_hedged(shards[shard], query)
-        else:
-            async def call(shard: int, query: ShardQuery):
-                return await call_shard(shards[shard], query)
+                return await self._call_shard_hedged(index_set, shard, query)
         prepare = plain_query
         if index_set.assigner is not None:
             assigner, loop, executor = index_set.assigner, asyncio.get_running_loop(), self.executor
 
             def prepare(matrix: np.ndarray, k: int, params: dict):
                 return loop.run_in_executor(executor, assigner.query, matrix, k, params)
-        return search_batch(queries, call, len(shards), index_set.manifest.metric != "l2",
+        return search_batch(queries, call, len(index_set.shards), index_set.manifest.metric != "l2",
                             self.args.shard_timeout_s, self.metrics.shard_done, prepare)
 
-    async def _call_shard_hedged(self, handle: DeploymentHandle, query: ShardQuery):
+    async def _call_shard_hedged(self, index_set: IndexSet, shard: int, query: ShardQuery):
         """Sent again after hedge_after_ms if not answered; the first answer wins, the other is
         cancelled."""
-        tasks = [asyncio.ensure_future(call_shard(handle, query))]
+        tasks = [asyncio.ensure_future(index_set.call(shard, query))]
         try:
             done, _ = await asyncio.wait(tasks, timeout=self.args.hedge_after_ms / 1000.0)
             if not done:
                 self.metrics.hedged.inc()
-                tasks.append(asyncio.ensure_future(call_shard(handle, query)))
+                tasks.append(asyncio.ensure_future(index_set.call(shard, query)))
             failure: BaseException | None = None
             pending = set(tasks)
             while pending:
@@ -271,8 +308,11 @@ class Router:
                 old = sum(n for g, n in self.in_flight_by_generation.items() if g < current)
                 pointer = await self.control.poll.remote(self.replica_id, current, old)
                 if pointer["generation"] > current:
-                    loaded = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"])
-                    self.active = loaded
+                    loaded = await IndexSet.load(pointer["generation"], pointer["index"], pointer["app"],
+                                                 self.use_links)
+                    replaced, self.active = self.active, loaded
+                    if replaced.links is not None:  # its last requests drain first (swap waits)
+                        asyncio.get_running_loop().call_later(60.0, replaced.links.close)
                     self.metrics.shard_names = [s.name for s in loaded.manifest.shards]
                     self.metrics.index_generation.set(loaded.generation)
             except asyncio.CancelledError:
@@ -280,6 +320,13 @@ class Router:
             except Exception as exc:  # control restarting, manifest unreadable: keep serving, retry
                 logger.warning("index pointer poll failed: %s", exc)
             await asyncio.sleep(self.args.pointer_poll_s)
+
+    async def _follow_links(self) -> None:
+        """Keep the served version's shard links in step with its replicas (once a second)."""
+        while True:
+            await asyncio.sleep(LINK_REFRESH_S)
+            await self.active.refresh_links()
+            self.metrics.shard_links.set(sum(self.active.links.count()))
 
     def _check_coverage(self, query: ParsedQuery, result: QueryResult) -> None:
         if result.answered == result.shards:

@@ -3,40 +3,58 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import ray
 from ray import serve
 
+from deployments.config import INDEX_INGRESS
 from index_build.manifest import read_manifest
 from index_build.storage import Location
 from serving.searcher import ShardSearcher
+from serving.shard_link import InFlight, serve_link
 from serving.shard_wire import ShardQuery, encode_answer
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
+ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
 class ShardDeployment:
-    """Thin: loads a ShardSearcher (sha256-checked) and runs its searches off the event loop."""
+    """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
+    (serving.shard_link) or a Serve handle call, both through `search`."""
 
-    def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
-                 search_delay_s: float = 0.0, rank0_delay_s: float = 0.0):
+    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
+                       search_delay_s: float = 0.0, rank0_delay_s: float = 0.0, link: bool = True):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
                                            initializer=faiss.omp_set_num_threads,
                                            initargs=(faiss_threads,))
-        time.sleep(load_delay_s)  # test-only switch (AppArgs.debug_load_delay_s)
+        await asyncio.sleep(load_delay_s)  # test-only switch (AppArgs.debug_load_delay_s)
         location = Location.parse(index)
-        self.searcher = ShardSearcher.load(location, read_manifest(location), shard)
+        self.searcher = await asyncio.to_thread(
+            lambda: ShardSearcher.load(location, read_manifest(location), shard))
         self.search_delay_s = search_delay_s
         if rank0_delay_s and serve.get_replica_context().rank.rank == 0:  # test-only: one slow replica
             self.search_delay_s += rank0_delay_s
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
+        self.shard = shard
+        self.link_in_flight = InFlight()
+        self.link_server: asyncio.Server | None = None
+        self._announcer: asyncio.Task | None = None
+        if link:
+            # The node's address, as Ray uses it: reachable by routers on other nodes.
+            host = ray.util.get_node_ip_address()
+            self.link_server = await serve_link(self.search, host, 0, self.link_in_flight)
+            context = serve.get_replica_context()
+            self._announcer = asyncio.get_running_loop().create_task(self._announce(
+                context.app_name, context.replica_id.unique_id, host,
+                self.link_server.sockets[0].getsockname()[1]))
 
     async def search(self, query: bytes) -> bytes:
         """A router batch (serving.shard_wire bytes) → its top-k answer bytes.
@@ -55,6 +73,30 @@ class ShardDeployment:
 
     def _answer(self, query: bytes) -> bytes:
         return encode_answer(*self.searcher.answer(ShardQuery.decode(query)))
+
+    async def _announce(self, app: str, replica: str, host: str, port: int) -> None:
+        """Tell the index version's directory where this replica listens, again every few seconds
+        (a directory restart, or a missed beat, heals by itself)."""
+        directory = serve.get_deployment_handle(INDEX_INGRESS, app)
+        while True:
+            try:
+                await directory.announce.remote(self.shard, replica, host, port)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # not up yet, restarting: routers use Serve calls meanwhile
+                logger.info("shard link announce failed: %s", exc)
+            await asyncio.sleep(ANNOUNCE_EVERY_S)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Link traffic does not pass through Serve's request counters: report its mean in-flight
+        count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth."""
+        return {"link_in_flight": self.link_in_flight.mean_and_reset()}
+
+    def __del__(self):
+        if self._announcer is not None:
+            self._announcer.cancel()
+        if self.link_server is not None:
+            self.link_server.close()
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),

@@ -3,7 +3,8 @@
 (a) in-process FAISS on the merged (unsharded-equivalent) index: one query at a time and batched;
 (b) plain uvicorn + FastAPI + FAISS, one worker per core (loadtests/baseline_server.py);
 (c) a Ray Serve no-op deployment on the same cluster: the framework's floor;
-(d) shardserve with 4 shards and 1 shard, single-vector and 256-vector batch requests.
+(d) shardserve with 4 shards and 1 shard, single-vector and 256-vector batch requests, and 4 shards
+    with the router -> shard hop as Serve handle calls instead of shard links.
 Closed-loop vegeta levels on loopback, each bounded by --duration seconds.
 """
 
@@ -141,6 +142,12 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
             bench.run(url, f"shardserve-{shards}shard", 32)
             bench.run(url, f"shardserve-{shards}shard-batch256", 2, batch=256)
             undeploy(f"shardserve-{shards}")
+        # The same 4 shards with the router -> shard hop as Serve handle calls (no shard links).
+        url = deploy(index_4, port=SERVE_PORT, app_name="shardserve-4-serve", shard_transport="serve")
+        bench.warm_up(url)
+        bench.run(url, "shardserve-4shard-serve-calls", 1)
+        bench.run(url, "shardserve-4shard-serve-calls", 32)
+        undeploy("shardserve-4-serve")
         serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
         noop_url = f"http://127.0.0.1:{SERVE_PORT}/noop"
         _wait_http(noop_url + "/v1/health")
@@ -175,6 +182,12 @@ def ratios(levels: list[dict], limit: dict) -> dict:
         "c1_1shard_p50_minus_compute_p50_ms": round(
             one_shard["p50_ms"] - (one_shard["compute_p50_ms"] or 0.0), 3),
         "batch256_vs_inprocess_batched": round(batch["queries_per_s"] / limit["batched256_qps"], 3),
+        "qps_c32_links_vs_serve_calls": round(
+            ours["qps"] / _level(levels, "shardserve-4shard-serve-calls", 32)["qps"], 3),
+        "cpu_per_request_c32_links_vs_serve_calls": round(
+            server_cpu(ours) / server_cpu(_level(levels, "shardserve-4shard-serve-calls", 32)), 3),
+        "c1_p50_serve_calls_minus_links_ms": round(
+            _level(levels, "shardserve-4shard-serve-calls", 1)["p50_ms"] - one["p50_ms"], 3),
     }
 
 
@@ -182,7 +195,11 @@ def ratios(levels: list[dict], limit: dict) -> dict:
 TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": ("<=", 1.0),
            "qps_c32_vs_serve_noop": (">=", 0.5), "c1_p50_minus_compute_p50_ms": ("<=", 2.0),
            "c1_1shard_p50_minus_compute_p50_ms": ("<=", 1.0),
-           "batch256_vs_inprocess_batched": (">=", 0.8)}
+           "batch256_vs_inprocess_batched": (">=", 0.8),
+           # shard links (serving.shard_link) against Serve handle calls for the same hop
+           "qps_c32_links_vs_serve_calls": (">=", 1.0),
+           "cpu_per_request_c32_links_vs_serve_calls": ("<=", 1.0),
+           "c1_p50_serve_calls_minus_links_ms": (">=", 0.0)}
 
 
 def main() -> None:

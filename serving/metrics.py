@@ -43,6 +43,9 @@ class RouterMetrics:
         self.index_generation = metrics.Gauge(
             "shardserve_index_generation", "Generation of the index version this router serves "
             "(rises by one per `shardserve swap`)")
+        self.shard_links = metrics.Gauge(
+            "shardserve_shard_links", "Shard replicas this router reaches over a shard link "
+            "(fewer than the replicas: those shards are called through Serve)")
         self.shard_names: list[str] = []
 
     def shard_done(self, shard: int, search_ms: float | None) -> None:

@@ -24,7 +24,9 @@ def _running(app: str) -> dict[str, int]:
     return shard_replicas(app)
 
 
-@pytest.mark.parametrize("knee_policy", [False, True], ids=["serve-policy", "knee-policy"])
+# Serve's built-in policy sees Serve calls only (transport "serve"); the knee policy also reads the
+# depth shard replicas report for their links (the default transport).
+@pytest.mark.parametrize("knee_policy", [False, True], ids=["serve-policy-serve-calls", "knee-policy-links"])
 def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, knee_policy: bool) -> None:
 
     from deployments.run import deploy, undeploy
@@ -35,7 +37,8 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
                                  metrics_interval_s=0.5, look_back_period_s=1.5, knee_policy=knee_policy)
     url = deploy(str(index), port=PORT, app_name="scaling", route_prefix="/scaling",
                  shard_autoscaling=scaling, debug_search_delay_s={"shard-001": 0.15},
-                 shard_num_cpus=0.1, router_num_cpus=0.1)
+                 shard_num_cpus=0.1, router_num_cpus=0.1,
+                 shard_transport="link" if knee_policy else "serve")
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
     history: list[dict[str, int]] = []
@@ -91,7 +94,10 @@ def test_knee_policy_decisions() -> None:
 
     from types import SimpleNamespace
 
-    ctx = SimpleNamespace(current_num_replicas=2, total_num_requests=9.0,
+    ctx = SimpleNamespace(current_num_replicas=2, total_num_requests=9.0, aggregated_metrics={},
                           config=SimpleNamespace(target_ongoing_requests=3),
                           capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=5)
     assert knee_policy(ctx) == (3, {})
+    # Link traffic (reported by each replica) counts as much as Serve's own request count.
+    ctx.aggregated_metrics = {"link_in_flight": {"replica-a": 2.5, "replica-b": 3.5}}
+    assert knee_policy(ctx) == (5, {})  # ceil((9 + 6) / 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -105,6 +106,11 @@ def test_oversized_body_is_413(served) -> None:
 def test_health_index_and_docs(served, fm_index: Path) -> None:
     health = httpx.get(f"{URL}/v1/health", timeout=10)
     assert health.status_code == 200 and health.json()["shards"] == 4
+    deadline = time.monotonic() + 15  # shard replicas announce their links; the router follows
+    while health.json()["links"] != [1, 1, 1, 1] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        health = httpx.get(f"{URL}/v1/health", timeout=10)
+    assert health.json()["links"] == [1, 1, 1, 1]  # every shard is reached over its link
     info = httpx.get(f"{URL}/v1/index", timeout=10).json()
     assert info["num_vectors"] == int(LIMIT) and info["params"] == ["nprobe"]
     assert [s["name"] for s in info["shards"]] == ["shard-000", "shard-001", "shard-002", "shard-003"]
