@@ -5,6 +5,7 @@
 (c) a Ray Serve no-op deployment on the same cluster: the framework's floor;
 (d) shardserve with 4 shards and 1 shard, single-vector and 256-vector batch requests, and 4 shards
     with the router -> shard hop as Serve handle calls instead of shard links.
+Every Serve system runs on its own fresh local Ray.
 Closed-loop vegeta levels on loopback, each bounded by --duration seconds.
 """
 
@@ -126,38 +127,36 @@ def run_baseline(bench: Bench, index: str) -> None:
 
 
 def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
+    """Each Serve system on a fresh local Ray: measured here, a Ray that had already served (and
+    deleted) other apps gave the next app up to ~1.5x less throughput, whichever came second."""
     from ray import serve
 
     from deployments.noop import NoopDeployment
-    from deployments.run import deploy, undeploy
+    from deployments.run import deploy
     from serving.ray_local import ensure_ray, shutdown_ray
 
-    started = ensure_ray(fast_ingress=True)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-        for shards, index in ((4, index_4), (1, index_1)):
-            url = deploy(index, port=SERVE_PORT, app_name=f"shardserve-{shards}")
+    systems = [("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
+               ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}),
+               ("serve-noop", None, {})]
+    for label, index, overrides in systems:
+        started = ensure_ray(fast_ingress=True)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+            if index is None:
+                serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
+                url = f"http://127.0.0.1:{SERVE_PORT}/noop"
+                _wait_http(url + "/v1/health")
+            else:
+                url = deploy(index, port=SERVE_PORT, app_name="bench", **overrides)
             bench.warm_up(url)
-            bench.run(url, f"shardserve-{shards}shard", 1)
-            bench.run(url, f"shardserve-{shards}shard", 32)
-            bench.run(url, f"shardserve-{shards}shard-batch256", 2, batch=256)
-            undeploy(f"shardserve-{shards}")
-        # The same 4 shards with the router -> shard hop as Serve handle calls (no shard links).
-        url = deploy(index_4, port=SERVE_PORT, app_name="shardserve-4-serve", shard_transport="serve")
-        bench.warm_up(url)
-        bench.run(url, "shardserve-4shard-serve-calls", 1)
-        bench.run(url, "shardserve-4shard-serve-calls", 32)
-        undeploy("shardserve-4-serve")
-        serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
-        noop_url = f"http://127.0.0.1:{SERVE_PORT}/noop"
-        _wait_http(noop_url + "/v1/health")
-        bench.warm_up(noop_url)
-        bench.run(noop_url, "serve-noop", 1)
-        bench.run(noop_url, "serve-noop", 32)
-    finally:
-        serve.shutdown()
-        if started:
-            shutdown_ray()
+            bench.run(url, label, 1)
+            bench.run(url, label, 32)
+            if label in ("shardserve-4shard", "shardserve-1shard"):
+                bench.run(url, f"{label}-batch256", 2, batch=256)
+        finally:
+            serve.shutdown()
+            if started:
+                shutdown_ray()
 
 
 def _level(levels: list[dict], label: str, concurrency: int) -> dict:

@@ -65,11 +65,22 @@ def hop_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def profile_table(record: dict, top: int = 10) -> str:
+    level = record["levels"][0]
+    rows = [f"| top own frames under c={level['value']} ({_cell(level['qps'])} req/s) | share of samples |",
+            "|---|---|"]
+    for process, profile in record["profiles"].items():
+        rows.append(f"| **{process}** ({profile['samples']} samples) | |")
+        rows += [f"| `{row['frame']}` | {row['share']:.1%} |" for row in profile["own"][:top]]
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
+    profile = json.loads((records / "profile-hot-path.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
-            "bench-ratios": ratios_table(bench), "hop": hop_table(hop)}
+            "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:
