@@ -55,7 +55,10 @@ class AppArgs(BaseModel):
     max_work: int = Field(
         65536, ge=1, description="query vectors x probes (nprobe or efSearch) one request may ask for; "
                                  "more gets a 422 naming the limit (FAISS cannot be stopped mid-scan)")
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="larger bodies get 413, counted "
+                                                                      "while reading (chunked too)")
+    body_timeout_s: float = Field(10.0, gt=0, description="a body not fully received by then gets 408 "
+                                                          "(slow uploads hold no admission slot)")
     shard_timeout_s: float = Field(2.0, gt=0, description="deadline of one shard call")
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
     shard_transport: Literal["link", "serve"] = Field(

@@ -24,7 +24,7 @@ from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors, supported_params
 from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
-from serving.api import ApiError, ParsedQuery, check_work, hits, parse_search_request
+from serving.api import ApiError, ParsedQuery, check_work, hits, parse_search_request, read_body
 from serving.batcher import AdaptiveBatcher
 from serving.fanout import QueryResult, plain_query, search_batch
 from serving.metrics import RouterMetrics
@@ -163,18 +163,20 @@ class Router:
     async def search(self, request: Request) -> Response:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
         started = time.perf_counter()
-        if self.in_flight >= self.args.max_in_flight:  # shed before reading the body: fast 503
+        try:  # the body first, bounded in size and time: an upload holds no admission slot
+            body = await self._read_body(request)
+        except ApiError as error:
+            return self._refused(error, started)
+        if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: fast 503
             self.metrics.shed.inc()
-            self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
-                                            tags={"endpoint": "search", "status": "503"})
-            return _error_response(ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
-                                            self.args.retry_after_s))
+            return self._refused(ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
+                                          self.args.retry_after_s), started)
         self.in_flight += 1
         index_set = self.active  # this request is answered by this version only, even mid-swap
         self.in_flight_by_generation[index_set.generation] += 1
         status = 200
         try:
-            query = await self._parse(request, index_set)
+            query = self._parse(body, index_set)
             result = await self.batcher.submit((index_set, query))
             self._check_coverage(query, result)
             return Response(self._render(query, result, started, index_set), media_type=_JSON)
@@ -189,6 +191,11 @@ class Router:
             self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
                                             tags={"endpoint": "search", "status": str(status)})
+
+    def _refused(self, error: ApiError, started: float) -> Response:
+        self.metrics.request_ms.observe((time.perf_counter() - started) * 1000.0,
+                                        tags={"endpoint": "search", "status": str(error.status)})
+        return _error_response(error)
 
     async def health(self) -> Response:
         """200 when every shard of the served index answers, else 503 with Retry-After."""
@@ -219,13 +226,18 @@ class Router:
 
     # --- internals --------------------------------------------------------------------------------
 
-    async def _parse(self, request: Request, index_set: IndexSet) -> ParsedQuery:
+    async def _read_body(self, request: Request) -> bytes:
+        """413 past max_body_bytes (declared, or counted while streaming), 408 past body_timeout_s."""
+        limit = self.args.max_body_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.args.max_body_bytes:
-            raise ApiError(413, "body", f"body of {declared} bytes exceeds {self.args.max_body_bytes}")
-        body = await request.body()
-        if len(body) > self.args.max_body_bytes:
-            raise ApiError(413, "body", f"body of {len(body)} bytes exceeds {self.args.max_body_bytes}")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, "body", f"body of {declared} bytes exceeds {limit}")
+        try:
+            return await asyncio.wait_for(read_body(request.stream(), limit), self.args.body_timeout_s)
+        except TimeoutError:
+            raise ApiError(408, "body", f"body not received within {self.args.body_timeout_s} s") from None
+
+    def _parse(self, body: bytes, index_set: IndexSet) -> ParsedQuery:
         manifest = index_set.manifest
         query = parse_search_request(body, manifest.dim, self.args.max_k, self.args.max_vectors,
                                      manifest.metric)

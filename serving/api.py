@@ -1,13 +1,15 @@
 """HTTP API: request/response models (for OpenAPI docs) and the fast request parser the router uses.
 
-Why not let FastAPI/pydantic parse the body: a 784-float vector through pydantic costs several times
-what orjson + one numpy conversion does (measured by `make bench`, see README),
-and the interface must cost well under a millisecond. The pydantic models still document the API at
-/docs and define the field names the parser enforces.
+Why not let FastAPI/pydantic parse the body: the router is plain ASGI (FastAPI's middleware stack
+showed in its profile), and this parser also refuses what pydantic's lax floats would coerce
+(strings, booleans) and what FAISS would answer with nonsense (absurd magnitudes, zero vectors under
+cosine). `make bench` records both parse costs side by side (`parse_cost` in bench.json). The
+pydantic models still document the API at /docs and define the field names the parser enforces.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +92,19 @@ def hits(ids: np.ndarray, distances: np.ndarray) -> dict:
     return {"ids": ids, "distances": distances}  # numpy: orjson writes float32 at its own precision
 
 
+async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes `limit` bytes: a chunked upload without
+    Content-Length is never buffered beyond the limit, whatever size it claims or grows to."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body", f"body exceeds {limit} bytes (stopped reading at {size})")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
                          metric: str = "l2") -> ParsedQuery:
     """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault."""
@@ -134,20 +149,25 @@ def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int,
             raise ApiError(422, field, f"{field} must hold numbers only (no strings, booleans or nulls), "
                                        f"all of dim {dim}")
     try:
-        with np.errstate(over="ignore"):  # out-of-range numbers become inf and are refused below
+        # One pass of checks on the happy path: a NaN/Inf component or an out-of-range number (it
+        # becomes inf) makes the row's squared norm non-finite, and so does an absurd magnitude.
+        with np.errstate(over="ignore", invalid="ignore"):
             matrix = np.array(rows, dtype=np.float32)
+            squared = (np.einsum("ij,ij->i", matrix, matrix)
+                       if matrix.ndim == 2 and matrix.shape[1] == dim else None)
     except (ValueError, TypeError):
         raise ApiError(422, field, f"{field} must hold numbers only, all of dim {dim}") from None
-    if matrix.ndim != 2 or matrix.shape[1] != dim:
+    if squared is None:
         got = matrix.shape[-1] if matrix.ndim == 2 else "ragged"
         raise ApiError(422, field, f"wrong dimension: expected {dim}, got {got}")
-    if not np.isfinite(matrix).all():
-        row = int(np.flatnonzero(~np.isfinite(matrix).all(axis=1))[0])
-        raise ApiError(422, field, f"{field} contains NaN/Inf (row {row}) or a number out of float32 range")
-    with np.errstate(over="ignore"):
-        squared = np.einsum("ij,ij->i", matrix, matrix)
-    if not np.isfinite(squared).all():  # distances to it would overflow float32: nonsense answers
+    if not np.isfinite(squared).all():
+        finite_rows = np.isfinite(matrix).all(axis=1)
+        if not finite_rows.all():
+            row = int(np.flatnonzero(~finite_rows)[0])
+            raise ApiError(422, field, f"{field} contains NaN/Inf (row {row}) or a number out of float32 "
+                                       "range")
         row = int(np.flatnonzero(~np.isfinite(squared))[0])
+        # distances to it would overflow float32: nonsense answers
         raise ApiError(422, field, f"{field} row {row} has an absurd magnitude (its squared norm "
                                    "overflows float32): scale your vectors")
     if metric == "cosine" and not (squared > 0).all():

@@ -75,3 +75,28 @@ def test_work_per_request_is_bounded() -> None:
     with pytest.raises(ApiError, match="max_work 511") as info:
         check_work(query, 511)
     assert info.value.status == 422 and info.value.field == "params"
+
+
+def test_read_body_stops_at_the_limit_without_reading_the_rest() -> None:
+    import asyncio
+
+    from serving.api import read_body
+
+    consumed = 0
+
+    async def endless():
+        nonlocal consumed
+        while True:
+            consumed += 1
+            yield b"x" * 1000
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(read_body(endless(), 10_000))
+    assert refused.value.status == 413 and refused.value.field == "body"
+    assert consumed == 11  # the chunk that crossed the limit was the last one read
+
+    async def small():
+        for part in (b'{"k": ', b"5}"):
+            yield part
+
+    assert asyncio.run(read_body(small(), 10_000)) == b'{"k": 5}'

@@ -103,6 +103,44 @@ def test_oversized_body_is_413(served) -> None:
     assert response.status_code == 413
 
 
+def _router_rss_bytes() -> int:
+    from serving.processes import pids_matching
+
+    [pid] = pids_matching(b"ray::ServeReplica:shardserve:Router")
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_chunked_body_is_cut_off_at_the_limit_not_buffered(served) -> None:
+    """No Content-Length: the router counts while reading and answers 413 at 16 MB of a 256 MB
+    upload (one `vector` of ~64M numbers), before any of it is parsed; its memory does not grow by
+    the body's size."""
+    import select
+    import socket
+
+    chunk = b"0.0," * 262_144  # 1 MiB of numbers
+    before = _router_rss_bytes()
+    sent = 0
+    with socket.create_connection(("127.0.0.1", PORT), timeout=30) as conn:
+        conn.sendall(b"POST /v1/search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        framed = b"%x\r\n" % (len(chunk) + 12) + b'{"vector": [' + chunk + b"\r\n"
+        for _ in range(256):
+            if select.select([conn], [], [], 0)[0]:
+                break  # the answer came before the upload ended
+            try:
+                conn.sendall(framed)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(framed)
+            framed = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+        answer = conn.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"exceeds 16777216 bytes" in answer
+    assert sent < 64 * 2**20, sent  # stopped near the limit (socket and proxy buffers aside)
+    assert _router_rss_bytes() - before < 64 * 2**20
+
+
 def test_health_index_and_docs(served, fm_index: Path) -> None:
     health = httpx.get(f"{URL}/v1/health", timeout=10)
     assert health.status_code == 200 and health.json()["shards"] == 4
@@ -206,7 +244,8 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
     from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
-                 debug_search_delay_s={"shard-000": 0.5}, shard_num_cpus=0.1, router_num_cpus=0.1)
+                 body_timeout_s=1.5, debug_search_delay_s={"shard-000": 0.5}, shard_num_cpus=0.1,
+                 router_num_cpus=0.1)
     body = orjson.dumps({"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def burst() -> list[tuple[int, float, str | None]]:
@@ -218,7 +257,29 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
                         response.headers.get("retry-after"))
             return await asyncio.gather(*[one() for _ in range(24)])
 
+    async def slow_uploads_then_normal_requests() -> tuple[list[int], list[int]]:
+        """8 uploads that stall past body_timeout_s, and meanwhile 2 normal requests: with
+        max_in_flight=4 the normal ones get 200 only if uploads hold no admission slot."""
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def stalled() -> int:
+                async def parts():
+                    yield body[:100]
+                    await asyncio.sleep(3.0)
+                    yield body[100:]
+                try:
+                    return (await client.post(f"{url}/v1/search", content=parts())).status_code
+                except httpx.TransportError:
+                    return 0  # the router gave up on the upload and closed the connection
+            uploads = [asyncio.ensure_future(stalled()) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            normal = await asyncio.gather(*[client.post(f"{url}/v1/search", content=body)
+                                            for _ in range(2)])
+            return [r.status_code for r in normal], await asyncio.gather(*uploads)
+
     try:
+        normal, uploads = asyncio.run(slow_uploads_then_normal_requests())
+        assert normal == [200, 200], normal
+        assert set(uploads) <= {408, 0} and 408 in uploads, uploads
         outcomes = asyncio.run(burst())
         statuses = [status for status, _, _ in outcomes]
         assert set(statuses) <= {200, 503}, statuses
