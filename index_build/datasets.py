@@ -198,7 +198,13 @@ def _load_file(path: Path) -> Dataset:
     if suffix in (".fvecs", ".bvecs"):
         return _load_vecs(path)
     if suffix == ".npy":
-        matrix = np.load(path, allow_pickle=False)  # never unpickle user files
+        try:
+            matrix = np.load(path, allow_pickle=False)  # never unpickle user files
+        except (ValueError, OSError, EOFError) as exc:
+            raise ShardserveError(f"{path}: not a numeric .npy array ({exc})") from None
+        if not isinstance(matrix, np.ndarray) or matrix.dtype.kind not in "fiu":
+            kind = getattr(matrix, "dtype", type(matrix).__name__)
+            raise ShardserveError(f"{path}: expected real numbers (float or int), got {kind}")
         if matrix.ndim != 2:
             raise ShardserveError(f"{path}: expected a 2-D array, got shape {matrix.shape}")
         base, queries = hold_out(_as_float32(matrix), 1000)
@@ -222,6 +228,11 @@ def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
             if distance not in ANN_BENCHMARKS_DISTANCE:
                 raise ShardserveError(f"{path}: unsupported distance {distance!r}")
             neighbors = np.asarray(handle["neighbors"], dtype=np.int64) if "neighbors" in handle else None
+            num_train = len(handle["train"])
+            if neighbors is not None and neighbors.size and (neighbors.min() < 0
+                                                             or neighbors.max() >= num_train):
+                raise ShardserveError(f"{path}: 'neighbors' holds ids outside [0, {num_train}) "
+                                      f"(min {neighbors.min()}, max {neighbors.max()})")
             return Dataset(path.stem, _as_float32(handle["train"]), _as_float32(handle["test"]),
                            ANN_BENCHMARKS_DISTANCE[distance], neighbors)
     except OSError as exc:
@@ -266,7 +277,10 @@ def read_parquet_vectors(path: Path, column: str | None = None) -> np.ndarray:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
     if column is None:
         list_columns = [f.name for f in table.schema
                         if pa.types.is_list(f.type) or pa.types.is_fixed_size_list(f.type)
@@ -274,6 +288,12 @@ def read_parquet_vectors(path: Path, column: str | None = None) -> np.ndarray:
         if not list_columns:
             raise ShardserveError(f"{path}: no list<float> column")
         column = list_columns[0]
+    if column not in table.column_names:
+        raise ShardserveError(f"{path}: no column {column!r} (columns: {table.column_names})")
+    field_type = table.schema.field(column).type
+    value_type = getattr(field_type, "value_type", None)
+    if value_type is None or not (pa.types.is_floating(value_type) or pa.types.is_integer(value_type)):
+        raise ShardserveError(f"{path}: column {column!r} is {field_type}, expected a list of numbers")
     values = table.column(column).combine_chunks()
     lengths = np.asarray(values.value_lengths()) if hasattr(values, "value_lengths") else None
     if lengths is not None and (lengths.size == 0 or (lengths != lengths[0]).any()):

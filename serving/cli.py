@@ -51,16 +51,15 @@ def _deploy(args: argparse.Namespace) -> None:
     from serving.ray_local import apply_fast_ingress_env
 
     apply_fast_ingress_env()
-    import ray
-
     from deployments.run import deploy
     from index_build.manifest import read_manifest
     from index_build.storage import Location
 
+    overrides = _app_args(args.arg)
     read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
-    ray.init(address=args.address or "auto", log_to_driver=False, configure_logging=False)
+    _connect(args.address)
     url = deploy(args.index_dir, host=args.host, port=args.port,
-                 replicas_per_shard=args.replicas_per_shard, **_app_args(args.arg))
+                 replicas_per_shard=args.replicas_per_shard, **overrides)
     print(f"deployed {args.index_dir} at {url}")
 
 
@@ -69,6 +68,25 @@ def _serve_config(args: argparse.Namespace) -> None:
 
     sys.stdout.write(serve_config_yaml(args.index_dir, host=args.host, port=args.port,
                                        replicas_per_shard=args.replicas_per_shard, **_app_args(args.arg)))
+
+
+_FLAG_ARGS = {"index": "INDEX_DIR", "replicas_per_shard": "--replicas-per-shard"}  # set by flags
+
+
+def _connect(address: str | None) -> None:
+    """Join a running cluster; an address nothing listens on fails in seconds with one line
+    (ray.init would retry for minutes)."""
+    import socket
+
+    import ray
+
+    if address and address != "auto" and "://" not in address:
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+        except (OSError, ValueError) as exc:
+            raise ShardserveError(f"no Ray cluster at {address} ({exc})") from None
+    ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
 
 
 def _app_args(pairs: list[str]) -> dict:
@@ -82,6 +100,8 @@ def _app_args(pairs: list[str]) -> dict:
         key, sep, raw = pair.partition("=")
         if not sep:
             raise ShardserveError(f"--arg {pair!r}: expected KEY=VALUE")
+        if key in _FLAG_ARGS:
+            raise ShardserveError(f"--arg {key}: use {_FLAG_ARGS[key]} instead")
         try:
             overrides[key] = json.loads(raw)
         except ValueError:
@@ -98,7 +118,6 @@ def _swap(args: argparse.Namespace) -> None:
     from serving.ray_local import apply_fast_ingress_env
 
     apply_fast_ingress_env()  # before ray.serve is imported (it reads these flags at import)
-    import ray
 
     from deployments.swap import rollback, swap_index
 
@@ -109,7 +128,7 @@ def _swap(args: argparse.Namespace) -> None:
         from index_build.storage import Location
 
         read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
-    ray.init(address=args.address or "auto", log_to_driver=False, configure_logging=False)
+    _connect(args.address)
     report = (rollback(args.app) if args.rollback else
               swap_index(args.index_dir, args.app, args.dataset, args.min_recall, args.keep_previous))
     gate = (f"recall@{report['k']} {report['recall']:.4f} >= {report['min_recall']}"
@@ -182,20 +201,44 @@ def _tune(args: argparse.Namespace) -> None:
     sys.stdout.write(tune_from_record(args.record, args.index_dir))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in the CLI's one-line form (`shardserve: error: ...`, exit 2), like every other
+    error; `-h` still prints the full usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"shardserve: error: {self.prog.removeprefix('shardserve ')}: {message}\n")
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+_POSITIVE = _at_least(1)
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="shardserve", description=__doc__)
+    root = _Parser(prog="shardserve", description=__doc__)
     root.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = root.add_subparsers(dest="command", required=True)
+    sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     build = sub.add_parser("build", help="build a sharded FAISS index with a Ray Data job")
     build.add_argument("--dataset", required=True,
                        help="fashion-mnist | synthetic:NxD | glove-50 | file path")
-    build.add_argument("--shards", type=int, required=True)
+    build.add_argument("--shards", type=_POSITIVE, required=True)
     build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat")
     build.add_argument("--out", required=True, help="local dir or pyarrow URI (s3://bucket/idx)")
     build.add_argument("--metric", choices=["l2", "ip", "cosine"], help="default: the dataset's")
-    build.add_argument("--limit", type=int, help="index only the first N base vectors")
-    build.add_argument("--train-size", type=int, default=0, help="training sample size (0 = auto)")
+    build.add_argument("--limit", type=_POSITIVE, help="index only the first N base vectors")
+    build.add_argument("--train-size", type=_at_least(0), default=0, help="training sample size (0 = auto)")
     build.add_argument("--seed", type=int, default=1234)
     build.add_argument("--backend", choices=["ray", "local"], default="ray",
                        help="ray: Ray Data job (default); local: single-process reference")
@@ -205,9 +248,9 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="recall@k and QPS, in-process or over HTTP")
     ev.add_argument("index_dir")
     ev.add_argument("--dataset", required=True)
-    ev.add_argument("--k", type=int, default=10)
-    ev.add_argument("--nprobe", type=int)
-    ev.add_argument("--ef-search", type=int)
+    ev.add_argument("--k", type=_POSITIVE, default=10)
+    ev.add_argument("--nprobe", type=_POSITIVE)
+    ev.add_argument("--ef-search", type=_POSITIVE)
     ev.add_argument("--url", help="evaluate a running server, e.g. http://127.0.0.1:8000")
     ev.add_argument("--limit", type=int, help="the --limit the index was built with")
     ev.add_argument("--compare-unsharded", action="store_true")
@@ -221,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
         cmd.add_argument("index_dir")
         cmd.add_argument("--host", default="127.0.0.1")
         cmd.add_argument("--port", type=int, default=8000)
-        cmd.add_argument("--replicas-per-shard", type=int, default=1)
+        cmd.add_argument("--replicas-per-shard", type=_POSITIVE, default=1)
         cmd.set_defaults(func=func)
         if name == "deploy":
             cmd.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
@@ -259,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
                                                "before Serve (max in flight = the knee concurrency)")
     edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
     edge.add_argument("--listen", default="127.0.0.1:8080")
-    edge.add_argument("--max-in-flight", type=int, required=True, help="the knee's concurrency")
+    edge.add_argument("--max-in-flight", type=_POSITIVE, required=True, help="the knee's concurrency")
     edge.add_argument("--queue-timeout-ms", type=int, default=5)
     edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
     edge.set_defaults(func=_edge_config)
@@ -278,13 +321,35 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     try:
         args.func(args)
-    except ShardserveError as exc:
-        print(f"shardserve: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("shardserve: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # one line for the user; the traceback with -v
+        if args.verbose:
+            raise
+        print(f"shardserve: error: {one_line(exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong, in one line: our own errors as they are; a Ray task's error by its cause
+    (not its remote traceback); pydantic's first complaint; anything else with its type."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ShardserveError):
+        return str(exc)
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the task's exception
+    if isinstance(cause, BaseException) and cause is not exc:
+        return one_line(cause)
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return f"{'.'.join(map(str, first['loc'])) or 'value'}: {first['msg']}"
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    text = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def _assert_clean_failure(result, message: str) -> None:
     (["--dataset", "nope"], "unknown dataset"),
     (["--dataset", "synthetic:1000x8", "--index", "IVF12x,Bogus"], "unknown index factory"),
     (["--dataset", "synthetic:1000x8", "--index", "IVF4096,Flat"], "training vectors"),
-    (["--dataset", "synthetic:1000x8", "--shards", "0"], "--shards must be >= 1"),
+    (["--dataset", "synthetic:1000x8", "--shards", "0"], "--shards: must be >= 1"),
 ])
 def test_bad_build_inputs(tmp_path: Path, args: list[str], message: str) -> None:
     base = {"--dataset": "synthetic:1000x8", "--index": "IVF8,Flat", "--shards": "2"}
@@ -112,6 +112,75 @@ def test_bad_build_inputs(tmp_path: Path, args: list[str], message: str) -> None
     result = run_cli("build", *flags, "--out", str(out), "--backend", "local")
     _assert_clean_failure(result, message)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def _bad_files(directory: Path) -> dict[str, Path]:
+    import h5py
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {"garbage.npy": b"not a numpy file", "garbage.parquet": b"PAR1garbagePAR1"}
+    paths = {}
+    for name, content in files.items():
+        (directory / name).write_bytes(content)
+        paths[name] = directory / name
+    np.save(directory / "strings.npy", np.array([["a", "b"], ["c", "d"]]))
+    np.save(directory / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(directory / "complex.npy", np.ones((100, 8), np.complex64))  # was silently truncated
+    pq.write_table(pa.table({"v": [["a", "b"]] * 10}), directory / "strings.parquet")
+    with h5py.File(directory / "neighbors.hdf5", "w") as handle:
+        handle["train"] = np.ones((100, 8), np.float32)
+        handle["test"] = np.ones((10, 8), np.float32)
+        handle["neighbors"] = np.full((10, 5), 500)  # ids past the 100 train rows
+    for name in ("strings.npy", "objects.npy", "complex.npy", "strings.parquet", "neighbors.hdf5"):
+        paths[name] = directory / name
+    return paths
+
+
+@pytest.mark.parametrize("name, message", [
+    ("garbage.npy", "not a numeric .npy array"), ("strings.npy", "expected real numbers"),
+    ("objects.npy", "not a numeric .npy array"), ("complex.npy", "got complex64"),
+    ("garbage.parquet", "cannot read parquet"), ("strings.parquet", "expected a list of numbers"),
+    ("neighbors.hdf5", "'neighbors' holds ids outside [0, 100)"),
+])
+def test_bad_dataset_files_get_one_line_and_exit_2(tmp_path: Path, name: str, message: str) -> None:
+    path = _bad_files(tmp_path)[name]
+    out = tmp_path / "out"
+    result = run_cli("build", "--dataset", str(path), "--shards", "2", "--index", "Flat",
+                     "--out", str(out), "--backend", "local")
+    _assert_clean_failure(result, message)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "IDX", "--replicas-per-shard", "0"], "--replicas-per-shard: must be >= 1, got 0"),
+    (["deploy", "IDX", "--arg", "replicas_per_shard=2"], "replicas_per_shard: use --replicas-per-shard"),
+    (["serve-config", "IDX", "--arg", "replicas_per_shard=0"], "use --replicas-per-shard"),
+    (["serve-config", "IDX", "--arg", "max_k=0"], "--arg max_k: Input should be greater than or equal to 1"),
+    (["deploy", "IDX", "--address", "127.0.0.1:9"], "no Ray cluster at 127.0.0.1:9"),
+    (["eval", "IDX", "--dataset", "synthetic:20000x32", "--k", "zero"], "--k: expected an integer"),
+])
+def test_bad_flags_get_one_line_and_exit_2(synthetic_index: Path, args: list[str], message: str) -> None:
+    result = run_cli(*[str(synthetic_index) if a == "IDX" else a for a in args], timeout=60)
+    _assert_clean_failure(result, message)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_ray_task_and_disk_errors_read_as_one_line() -> None:
+    """What the CLI prints for a failed Ray task (its cause, not the remote traceback) and a full disk."""
+    import errno
+
+    from ray.exceptions import RayTaskError
+
+    from serving.cli import one_line
+
+    failed = RayTaskError("add_shard", "Traceback (most recent call last):\n  ...", ValueError("bad rows"))
+    assert one_line(failed) == "ValueError: bad rows"
+    full = OSError(errno.ENOSPC, "No space left on device", "/idx/shard-001.faiss")
+    assert one_line(full) == "No space left on device (/idx/shard-001.faiss)"
+    assert one_line(RuntimeError("two\nlines")) == "RuntimeError: two lines"
 
 
 def test_unwritable_out(tmp_path: Path) -> None:
