@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
+import orjson
 from ray import serve
 
 from deployments.config import index_app_name
 from serving.index_pointer import ActiveIndex, IndexPointer
+from serving.ray_private import kv_delete, kv_get, kv_put
+
+logger = logging.getLogger("ray.serve")
+
+
+def _pointer_key(main_app: str) -> str:
+    return f"pointer/{main_app}"
+
+
+def forget_pointer(main_app: str) -> None:
+    """A fresh deployment (or an undeploy) of `main_app` drops the stored pointer."""
+    kv_delete(_pointer_key(main_app))
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
@@ -13,14 +28,37 @@ from serving.index_pointer import ActiveIndex, IndexPointer
 class IndexControl:
     """Routers poll `poll`; `shardserve swap` calls `activate` and waits for `drained`.
 
-    The pointer lives in this replica's memory: if Serve restarts it, routers fall back to the
-    index in the application's config (re-run the swap, or put the new index in the config).
+    The pointer is stored in Ray's GCS key-value store at every swap, and a restarted replica
+    takes it from there: routers keep serving the swapped-in version, and the next swap's
+    generation is higher than every router's (a pointer back at generation 0 would be ignored by
+    them). A stored pointer is used only for the same configured index and while its app exists.
     """
 
     def __init__(self, args: dict):
-        main_app = serve.get_replica_context().app_name
+        self.main_app = serve.get_replica_context().app_name
         self.args = args  # the application's settings: a swapped-in version is deployed with them
-        self.pointer = IndexPointer(ActiveIndex(0, args["index"], index_app_name(main_app), ""))
+        self.pointer = IndexPointer(ActiveIndex(0, args["index"], index_app_name(self.main_app), ""))
+        self._restore()
+
+    def _restore(self) -> None:
+        stored = kv_get(_pointer_key(self.main_app))
+        if not stored:
+            return
+        state = orjson.loads(stored)
+        if state["config_index"] != self.args["index"]:
+            return  # the app was redeployed with another index: start from it
+        active = ActiveIndex(**state["active"])
+        if active.app not in serve.status().applications:
+            logger.warning("stored index pointer names a deleted app %s: ignored", active.app)
+            return
+        self.pointer.active = active
+        self.pointer.previous = ActiveIndex(**state["previous"]) if state["previous"] else None
+        logger.info("index pointer restored at generation %d (%s)", active.generation, active.app)
+
+    def _store(self) -> None:
+        kv_put(_pointer_key(self.main_app), orjson.dumps({
+            "config_index": self.args["index"], "active": self.pointer.active.__dict__,
+            "previous": self.pointer.previous.__dict__ if self.pointer.previous else None}))
 
     def poll(self, replica: str, generation: int, old_in_flight: int) -> dict:
         """A router's heartbeat: records what it serves, returns what it should serve."""
@@ -28,7 +66,9 @@ class IndexControl:
         return self.pointer.active.__dict__
 
     def activate(self, index: str, app: str, version: str) -> dict:
-        return self.pointer.activate(index, app, version).__dict__
+        active = self.pointer.activate(index, app, version)
+        self._store()  # before any router can see it: a restart never goes back a generation
+        return active.__dict__
 
     def drained(self, generation: int) -> bool:
         return self.pointer.drained(generation)

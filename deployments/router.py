@@ -29,6 +29,7 @@ from serving.batcher import AdaptiveBatcher
 from serving.fanout import QueryResult, plain_query, search_batch
 from serving.metrics import RouterMetrics
 from serving.openapi import docs_page, openapi_document
+from serving.ray_private import deployment_handle_unchecked
 from serving.searcher import CoarseAssigner
 from serving.shard_link import ShardLinks
 from serving.shard_wire import ShardQuery, decode_answer
@@ -65,9 +66,8 @@ class IndexSet:
         """Files are read in a thread; handles are made on the replica's event loop (Serve's
         throughput-optimised handles refuse to be set up outside it)."""
         manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
-        shards = [shard_handle(serve.get_deployment_handle(s.name, app, _check_exists=False))
-                  for s in manifest.shards]
-        directory = serve.get_deployment_handle(INDEX_INGRESS, app, _check_exists=False)
+        shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
+        directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,
                      ShardLinks(len(shards)) if use_links else None, directory)
         await loaded.refresh_links(timeout_s=2.0)

@@ -18,15 +18,16 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
 
     from deployments.app import build_app
     from deployments.config import AppArgs, index_app_name
+    from deployments.control import forget_pointer
     from deployments.index_version import build_index_app
+    from serving.ray_private import run_app
 
     args = AppArgs(index=_absolute(index), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
+    forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
-    # serve._run: serve.run's own implementation, whose _blocking=False lets a caller watch an app
-    # come up (tests of health during start-up); serve.run itself always blocks.
-    serve._run(build_index_app(args), name=index_app_name(app_name), route_prefix=None, _blocking=wait)
-    serve._run(build_app(args), name=app_name, route_prefix=route_prefix, _blocking=wait)
+    run_app(build_index_app(args), index_app_name(app_name), None, blocking=wait)
+    run_app(build_app(args), app_name, route_prefix, blocking=wait)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     if wait:
         wait_until_healthy(url)
@@ -38,11 +39,14 @@ def undeploy(app_name: str = APP_NAME) -> None:
     from ray import serve
 
     from deployments.config import index_app_name
+    from deployments.control import forget_pointer
+    from serving.ray_private import delete_app_nowait
 
     names = [name for name in serve.status().applications
              if name == app_name or name.startswith(index_app_name(app_name))]
     for name in names:  # all at once: each ingress replica takes Serve's drain period to stop
-        serve.delete(name, _blocking=False)
+        delete_app_nowait(name)
+    forget_pointer(app_name)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and set(names) & set(serve.status().applications):
         time.sleep(0.5)

@@ -27,6 +27,7 @@ from index_build.indexes import supported_params
 from index_build.manifest import Manifest, read_manifest
 from index_build.storage import Location
 from serving.errors import ShardserveError
+from serving.ray_private import delete_app_nowait, run_app
 
 logger = logging.getLogger(__name__)
 CONTROL = "IndexControl"
@@ -106,6 +107,26 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
     return recall_at_k(np.concatenate(found), held_out, args.gate_k, truth)
 
 
+async def _running(app: str) -> bool:
+    """Deployed and not on its way out (a replaced version's app is deleted without waiting)."""
+    from ray import serve
+
+    status = (await asyncio.to_thread(serve.status)).applications.get(app)
+    return status is not None and status.status == "RUNNING"
+
+
+async def _describe(control, timeout_s: float) -> dict:
+    """The pointer's state; waits out an IndexControl replica that Serve is restarting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await asyncio.wait_for(control.describe.remote(), 10.0)
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise ShardserveError(f"the index pointer (IndexControl) is not answering: {exc}") from None
+            await asyncio.sleep(0.5)
+
+
 async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_recall: float | None,
                 keep_previous: bool, skip_gate: bool, timeout_s: float) -> dict:
     from ray import serve
@@ -114,7 +135,7 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
 
     timings: dict[str, float] = {}
     control = serve.get_deployment_handle(CONTROL, app_name)
-    state = await control.describe.remote()
+    state = await _describe(control, timeout_s=60.0)
     args = AppArgs.model_validate({**state["args"], "index": new_index})
     active = state["active"]
     old = read_manifest(Location.parse(active["index"]))
@@ -126,21 +147,19 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
         raise ShardserveError(f"index {new.index_version} at {new_index} is already being served")
     previous = state["previous"]
     started = time.perf_counter()
-    if (previous and previous["index"] == new_index
-            and previous["app"] in await asyncio.to_thread(lambda: serve.status().applications)):
+    if previous and previous["index"] == new_index and await _running(previous["app"]):
         new_app = previous["app"]  # rollback to a version kept deployed (--keep-previous): reuse it
         await _wait_ready(new_app, timeout_s)
     else:
-        new_app = index_app_name(app_name, new.index_version)
-        if new_app == active["app"]:
-            new_app = index_app_name(app_name, f"{new.index_version}-{active['generation'] + 1}")
+        # Named by version and generation: never the name of an app still being deleted (Serve
+        # drains an ingress ~30 s), whose cached handles would keep pointing at dead replicas.
+        new_app = f"{index_app_name(app_name, new.index_version)}-g{active['generation'] + 1}"
         _check_headroom(args, new)
-        await asyncio.to_thread(serve._run, build_index_app(args.model_dump()), name=new_app,
-                                route_prefix=None, _blocking=False)
+        await asyncio.to_thread(run_app, build_index_app(args.model_dump()), new_app, None, False)
         try:
             await _wait_ready(new_app, timeout_s)
         except ShardserveError:
-            await asyncio.to_thread(serve.delete, new_app, False)
+            await asyncio.to_thread(delete_app_nowait, new_app)
             raise
     timings["deploy_s"] = round(time.perf_counter() - started, 2)
 
@@ -151,11 +170,11 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
         try:
             recall = round(await _gate(new_app, new, args, dataset_spec), 5)
         except BaseException:  # the gate could not run: the new version must not linger
-            await asyncio.to_thread(serve.delete, new_app, False)
+            await asyncio.to_thread(delete_app_nowait, new_app)
             raise
         timings["gate_s"] = round(time.perf_counter() - started, 2)
         if recall < threshold:
-            await asyncio.to_thread(serve.delete, new_app, False)
+            await asyncio.to_thread(delete_app_nowait, new_app)
             raise GateFailed(f"recall@{args.gate_k} of {new.index_version} is {recall:.4f} < "
                              f"{threshold} on {args.gate_queries} held-out queries: rolled back "
                              f"(deleted {new_app}); {old.index_version} still serving")
@@ -171,7 +190,7 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
     if not keep_previous:
         # Routers no longer send it anything (drained above); do not wait out Serve's teardown
         # (an ingress replica lingers RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, 30 s).
-        await asyncio.to_thread(serve.delete, active["app"], False)
+        await asyncio.to_thread(delete_app_nowait, active["app"])
     return {"old_version": old.index_version, "new_version": new.index_version,
             "old_app": active["app"], "new_app": new_app, "generation": pointer["generation"],
             "recall": recall, "min_recall": None if skip_gate else threshold, "k": args.gate_k,

@@ -40,12 +40,9 @@ def ensure_ray(num_cpus: float | None = None, fast_ingress: bool = True, dashboa
 
 
 def _local_cluster_running() -> bool:
-    try:
-        from ray._private.services import find_gcs_addresses
+    from serving.ray_private import local_cluster_running
 
-        return bool(find_gcs_addresses())
-    except Exception:
-        return False
+    return local_cluster_running()
 
 
 def shutdown_ray() -> None:
@@ -75,8 +72,9 @@ def _own_node_id() -> str | None:
     try:
         import ray
 
-        node = ray._private.worker._global_node
-        if node is None or not node.all_processes.get("raylet"):
+        from serving.ray_private import own_raylet_running
+
+        if not own_raylet_running():
             return None
         return ray.get_runtime_context().get_node_id()
     except (AttributeError, KeyError, IndexError, RuntimeError):

@@ -40,6 +40,19 @@ def _restart_router(app: str) -> None:
     wait_until_healthy(f"http://127.0.0.1:{PORT}/{app}", timeout_s=120)
 
 
+def _kill_control(app: str) -> None:
+    """Kill the IndexControl replica; Serve starts a new one (its pointer must survive)."""
+    import ray
+
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(f"SERVE_REPLICA::{app}#IndexControl#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True)):
+        time.sleep(0.5)
+
+
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
     from deployments.run import deploy, shard_replicas, undeploy
     from deployments.swap import GateFailed, rollback, swap_index
@@ -83,8 +96,8 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         while time.monotonic() < deadline and len([a for a in serve.status().applications
                                                    if a.startswith(APP)]) > 2:
             time.sleep(0.5)
-        assert sorted(a for a in serve.status().applications if a.startswith(APP)) == [
-            APP, f"{APP}-index-{_version(new)[:12]}"]
+        apps = sorted(a for a in serve.status().applications if a.startswith(APP))
+        assert len(apps) == 2 and apps[0] == APP and apps[1].startswith(f"{APP}-index-{_version(new)[:12]}-g")
         assert set(shard_replicas(APP)) == {"shard-000", "shard-001"}
 
         # --keep-previous, then rollback on command: back to the kept version, reusing its app
@@ -94,5 +107,15 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         assert undo["new_app"] == back["old_app"] and undo["new_version"] == _version(new)
         answer = httpx.post(f"{url}/v1/search", content=body, timeout=10)
         assert answer.status_code == 200 and answer.json()["index"] == _version(new)
+
+        # The pointer survives an IndexControl restart: generations keep rising, every router
+        # follows the next swap (a pointer back at generation 0 was ignored by the routers).
+        generation = undo["generation"]
+        _kill_control(APP)
+        third = swap_index(str(old), app_name=APP, skip_gate=True)
+        assert third["generation"] == generation + 1 and third["new_version"] == _version(old)
+        answers = [httpx.post(f"{url}/v1/search", content=body, timeout=10) for _ in range(10)]
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert {a.json()["index"] for a in answers} == {_version(old)}
     finally:
         undeploy(APP)
