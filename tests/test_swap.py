@@ -24,33 +24,25 @@ def _version(index: Path) -> str:
     return read_manifest(Location.parse(str(index))).index_version
 
 
-def _restart_router(app: str) -> None:
-    """Kill the router's replica actor; wait until Serve has replaced it and it is healthy."""
+def _kill_replica(app: str, deployment: str) -> None:
+    """Kill the deployment's (one) replica actor and wait until it is gone; Serve starts another."""
     import ray
 
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(
+            a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True)):
+        time.sleep(0.5)
+
+
+def _restart_router(app: str) -> None:
+    """Kill the router's replica; wait until Serve has replaced it and it is healthy."""
     from deployments.run import wait_until_healthy
 
-    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["name"].startswith(f"SERVE_REPLICA::{app}#Router#")]
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(
-            a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True)):
-        time.sleep(0.5)
+    _kill_replica(app, "Router")
     wait_until_healthy(f"http://127.0.0.1:{PORT}/{app}", timeout_s=120)
-
-
-def _kill_control(app: str) -> None:
-    """Kill the IndexControl replica; Serve starts a new one (its pointer must survive)."""
-    import ray
-
-    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["name"].startswith(f"SERVE_REPLICA::{app}#IndexControl#")]
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(
-            a["name"] == name for a in ray.util.list_named_actors(all_namespaces=True)):
-        time.sleep(0.5)
 
 
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
@@ -111,7 +103,7 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         # The pointer survives an IndexControl restart: generations keep rising, every router
         # follows the next swap (a pointer back at generation 0 was ignored by the routers).
         generation = undo["generation"]
-        _kill_control(APP)
+        _kill_replica(APP, "IndexControl")  # its pointer must survive
         third = swap_index(str(old), app_name=APP, skip_gate=True)
         assert third["generation"] == generation + 1 and third["new_version"] == _version(old)
         answers = [httpx.post(f"{url}/v1/search", content=body, timeout=10) for _ in range(10)]
