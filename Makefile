@@ -63,8 +63,9 @@ test: install data vegeta haproxy
 test-cluster: install data ssh-tools
 	$(BIN)/python -m pytest -q -ra -m cluster
 
+# Pure tests only (no Ray, dataset, haproxy or notebook kernel): under a minute, no root needed.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not cluster"
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not data and not haproxy and not notebook"
 
 lint: install
 	$(BIN)/ruff check .

@@ -25,6 +25,7 @@ def test_idx_reader_roundtrip(tmp_path: Path) -> None:
     np.testing.assert_array_equal(read_idx(path), images)
 
 
+@pytest.mark.data
 def test_fashion_mnist_is_the_real_dataset() -> None:
     dataset = load_dataset("fashion-mnist")
     assert dataset.base.shape == (60000, 784) and dataset.queries.shape == (10000, 784)

@@ -16,6 +16,7 @@ from index_build.datasets import load_dataset
 from index_build.job import build_index
 from serving.edge import edge_config, write_edge
 
+pytestmark = pytest.mark.haproxy
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 PORT = 18321
 EDGE_PORT = 18081

@@ -3,7 +3,10 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.notebook
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "capacity_tuning.ipynb"
 

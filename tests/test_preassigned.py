@@ -49,6 +49,7 @@ def test_quantize_once_equals_unsharded(factory: str, metric: str) -> None:
         assert np.array_equal(plain_ids, ids)
 
 
+@pytest.mark.data
 def test_fashion_mnist_quantize_once_equals_unsharded() -> None:
     data = load_dataset("fashion-mnist", limit=12000, num_queries=200)
     searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
