@@ -128,6 +128,7 @@ class Router:
         self.in_flight_by_generation: Counter[int] = Counter()
         self.metrics = RouterMetrics()
         self.metrics.shard_names = [s.name for s in self.active.manifest.shards]
+        self.metrics.index_generation.set(self.active.generation)  # not only after a swap
         self.in_flight = 0
         self.openapi = orjson.dumps(openapi_document())
         # The coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).

@@ -1,0 +1,85 @@
+"""The Grafana dashboard (configs/grafana/shardserve.json) queries only metrics a live cluster exports.
+
+The metric names come from each panel's PromQL; the exported ones from the node's Prometheus
+endpoint of a real local Ray serving real traffic, parsed with prometheus_client's parser. Traffic
+is shaped so that every counter has fired (admission 503s, a late shard, partial answers): Ray
+exports a counter only after its first increment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from index_build.datasets import load_dataset
+from index_build.job import build_index
+
+pytestmark = pytest.mark.slow
+PORT = 18321
+DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "shardserve.json"
+
+
+def _queried_metrics() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"\bray_[a-z_]+", target["expr"])}
+
+
+def _exported_metrics() -> set[str]:
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names: set[str] = set()
+    for node in ray.nodes():
+        if node["Alive"]:
+            text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                             timeout=10).text
+            names |= {sample.name for family in text_string_to_metric_families(text)
+                      for sample in family.samples}
+    return names
+
+
+def test_dashboard_is_valid_grafana_json() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "shardserve" and dashboard["panels"]
+    assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    assert all(panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
+               for panel in dashboard["panels"])
+    assert len(_queried_metrics()) >= 10
+
+
+def test_every_dashboard_query_names_an_exported_metric(ray_cluster, tmp_path: Path) -> None:
+    from deployments.run import deploy, undeploy
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    url = deploy(str(index), port=PORT, app_name="grafana", route_prefix="/grafana", max_in_flight=2,
+                 shard_timeout_s=0.2, debug_search_delay_s={"shard-000": 0.4}, shard_num_cpus=0.1,
+                 router_num_cpus=0.1)
+    body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+
+    async def traffic() -> set[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            responses = await asyncio.gather(*[client.post(f"{url}/v1/search", content=body)
+                                               for _ in range(8)])
+        return {r.status_code for r in responses}
+
+    wanted = _queried_metrics()
+    try:
+        missing: set[str] = wanted
+        deadline = time.monotonic() + 90  # Ray exports application metrics every few seconds
+        while missing and time.monotonic() < deadline:
+            assert asyncio.run(traffic()) <= {200, 503}
+            time.sleep(3)
+            missing = wanted - _exported_metrics()
+        assert not missing, f"the dashboard queries metrics nobody exports: {sorted(missing)}"
+    finally:
+        undeploy("grafana")
