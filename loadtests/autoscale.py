@@ -66,6 +66,19 @@ def per_second(results: list[Path], start: float) -> list[dict]:
     return rows
 
 
+def reaction_times(samples: list[dict], start: float, burst_at_s: float) -> dict[str, float | None]:
+    """Per deployment: seconds from the burst's start to its first sample with more replicas than
+    it had just before the burst (None: it never scaled up). An upper bound on the reaction to
+    the queue passing the knee, which happens at or after the burst's start; the sampling period
+    (1 s) is the resolution."""
+    before = [s for s in samples if "replicas" in s and s["t"] - start < burst_at_s]
+    after = [s for s in samples if "replicas" in s and s["t"] - start >= burst_at_s]
+    base = before[-1]["replicas"] if before else {}
+    names = sorted({n for s in after for n in s["replicas"]})
+    return {name: next((round(s["t"] - start - burst_at_s, 1) for s in after
+                        if s["replicas"].get(name, 0) > base.get(name, 1)), None) for name in names}
+
+
 def plot(record: dict, png: Path) -> None:
     import matplotlib
 
@@ -139,6 +152,11 @@ def main() -> None:
               "tool": {"name": "vegeta", "version": vegeta_version()}, "knee_rate": args.knee_rate,
               "phases": [{"multiple_of_knee": m, "seconds": s} for m, s in phases], "start": start,
               "replicas": samples, "seconds": seconds_rows}
+    burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
+    if burst is not None:
+        record["burst_at_s"] = sum(s for _, s in phases[:burst])
+        record["reaction_s"] = reaction_times(samples, start, record["burst_at_s"])
+        print(f"scale-up reaction (s after the burst began): {record['reaction_s']}")
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{args.name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
