@@ -8,7 +8,7 @@ near concurrency = cores), so
     usable_cores = min(C, S x R x faiss_threads + router_replicas)
 
 `fixed_ms` is what a request costs whatever the shard count (HTTP ingress, parsing, the router's
-batching, merge, rendering); `per_shard_ms` is what each shard adds (one Serve handle call per batch,
+batching, merge, rendering); `per_shard_ms` is what each shard adds (one shard call per batch,
 the shard's Python, its FAISS scan: for IVF, the coarse quantizer over nlist centroids plus nprobe
 lists). Both are fitted by least squares on measured layouts with one replica per shard; layouts
 with more replicas are predicted, not fitted, and their error is the model's test.
