@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from deployments.autoscaling import with_link_policy
-from deployments.config import INDEX_INGRESS, AppArgs
+from deployments.config import AppArgs
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
 from index_build.indexes import prepare_vectors
@@ -28,8 +28,6 @@ from serving.fanout import plain_query, search_batch
 from serving.searcher import CoarseAssigner
 from serving.shard_link import EndpointDirectory
 from serving.shard_wire import ShardQuery
-
-INGRESS = INDEX_INGRESS
 
 
 # Not on the query path: nothing to drain, so do not hold a swap up for the default 20 s.

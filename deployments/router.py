@@ -233,8 +233,9 @@ class Router:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, "body", f"body of {declared} bytes exceeds {limit}")
-        try:
-            return await asyncio.wait_for(read_body(request.stream(), limit), self.args.body_timeout_s)
+        try:  # asyncio.timeout: a timer, not a task per request as wait_for would create
+            async with asyncio.timeout(self.args.body_timeout_s):
+                return await read_body(request.stream(), limit)
         except TimeoutError:
             raise ApiError(408, "body", f"body not received within {self.args.body_timeout_s} s") from None
 

@@ -56,15 +56,14 @@ def shard_replicas(app_name: str = APP_NAME) -> dict[str, int]:
     """RUNNING replicas of each shard deployment of the app's index version(s), from Serve's status."""
     from ray import serve
 
-    from deployments.config import index_app_name
-    from deployments.index_version import INGRESS
+    from deployments.config import INDEX_INGRESS, index_app_name
 
     counts: dict[str, int] = {}
     for name, app in serve.status().applications.items():
         if not name.startswith(index_app_name(app_name)):
             continue
         for deployment, status in app.deployments.items():
-            if deployment != INGRESS:
+            if deployment != INDEX_INGRESS:
                 counts[deployment] = counts.get(deployment, 0) + status.replica_states.get("RUNNING", 0)
     return counts
 

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from deployments.config import AppArgs, index_app_name
+from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
 from index_build.datasets import Dataset, load_dataset
 from index_build.groundtruth import ground_truth, recall_at_k
 from index_build.indexes import supported_params
@@ -85,7 +85,7 @@ async def _wait_ready(app: str, timeout_s: float) -> dict:
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            handle = serve.get_deployment_handle("IndexVersion", app)
+            handle = serve.get_deployment_handle(INDEX_INGRESS, app)
             return await asyncio.wait_for(handle.info.remote(), 10.0)
         except Exception as exc:  # shards still loading
             last = exc
@@ -100,7 +100,7 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
                                                        args.gate_queries)
     supported = supported_params(manifest.index_factory, manifest.dim, manifest.metric)
     params = {name: value for name, value in args.gate_params.items() if name in supported}
-    handle = serve.get_deployment_handle("IndexVersion", app)
+    handle = serve.get_deployment_handle(INDEX_INGRESS, app)
     found = []
     for start in range(0, len(queries), 100):
         found.append(await handle.search.remote(queries[start:start + 100], args.gate_k, params))

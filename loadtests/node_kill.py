@@ -36,10 +36,10 @@ def shard_placement(app: str) -> dict[str, str]:
     import ray
     from ray import serve
 
-    from deployments.config import index_app_name
+    from deployments.config import INDEX_INGRESS, index_app_name
 
     async def infos() -> dict:
-        return await serve.get_deployment_handle("IndexVersion", index_app_name(app)).info.remote()
+        return await serve.get_deployment_handle(INDEX_INGRESS, index_app_name(app)).info.remote()
 
     by_node = {n["NodeID"]: next((r for r in n["Resources"] if r.startswith("node_w")), "head")
                for n in ray.nodes() if n["Alive"]}

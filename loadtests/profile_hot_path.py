@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from index_build.datasets import load_dataset
-from loadtests.record import new_record, save
+from loadtests.record import index_info, new_record, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack, vegeta_version
 from serving.processes import cmdline, pids_matching, process_class
@@ -78,6 +78,7 @@ def main() -> None:
     started = ensure_ray(fast_ingress=True)
     try:
         url = deploy(args.index, port=PORT)
+        index = {**index_info(url), "replicas": 1, "params": {"nprobe": args.nprobe}}
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             targets = write_targets(work / "t.jsonl", make_targets(
@@ -99,7 +100,7 @@ def main() -> None:
     finally:
         if started:
             shutdown_ray()
-    record = new_record(args.name, [level], {"index": args.index, "params": {"nprobe": args.nprobe}},
+    record = new_record(args.name, [level], index,
                         {"name": "vegeta", "version": vegeta_version()}, profiles=profiles,
                         not_covered=["native (C/C++) frames: FAISS and Ray core show as their Python caller",
                                      "processes other than the router and one shard"])

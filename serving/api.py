@@ -102,7 +102,7 @@ async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
         if size > limit:
             raise ApiError(413, "body", f"body exceeds {limit} bytes (stopped reading at {size})")
         parts.append(chunk)
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,

@@ -83,7 +83,7 @@ def _connect(address: str | None) -> None:
     if address and address != "auto" and "://" not in address:
         host, _, port = address.rpartition(":")
         try:
-            socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5).close()
         except (OSError, ValueError) as exc:
             raise ShardserveError(f"no Ray cluster at {address} ({exc})") from None
     ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)

@@ -183,6 +183,7 @@ class ShardLinks:
     def update(self, endpoints: list[list[tuple[str, int]]]) -> None:
         """Follow the directory: open links to new replicas, close those that left."""
         clock = time.monotonic()
+        self._failed = {a: t for a, t in self._failed.items() if clock - t < self.retry_after_s}
         for shard, wanted in enumerate(endpoints[:len(self.by_shard)]):
             links = self.by_shard[shard]
             wanted_set = {tuple(address) for address in wanted}
@@ -190,7 +191,7 @@ class ShardLinks:
                 if address not in wanted_set or links[address].broken:
                     links.pop(address).close()
             for address in wanted_set - links.keys():
-                if clock - self._failed.get(address, -1e9) >= self.retry_after_s:
+                if address not in self._failed:
                     links[address] = ShardLink(*address)
 
     def pick(self, shard: int) -> ShardLink | None:
