@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from core.manifest import read_manifest
+from core.storage import Location
 from deployments.config import AppArgs
 from deployments.control import IndexControl
 from deployments.index_version import build_index_app  # noqa: F401  (re-exported for configs)
 from deployments.router import Router
-from index_build.manifest import read_manifest
-from index_build.storage import Location
 
 # No access-log line per request on the query path (router, shards): it showed in the profile of
 # both; errors and warnings are still logged, and request metrics still flow.

@@ -9,7 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.ray_local import FAST_INGRESS_ENV
+from core.ray_session import FAST_INGRESS_ENV
 
 
 class AppArgs(BaseModel):
@@ -63,7 +63,7 @@ class AppArgs(BaseModel):
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
     shard_transport: Literal["link", "serve"] = Field(
         "link", description="router -> shard hop: `link` = a TCP link per shard replica "
-                            "(serving.shard_link; a Serve call when no link is up), `serve` = "
+                            "(core.shard_link; a Serve call when no link is up), `serve` = "
                             "Serve handle calls only")
     hedge_after_ms: float = Field(
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "

@@ -4,7 +4,7 @@ Versions live in their own applications so that a new one can be deployed beside
 checked, switched to, and the old one deleted as a whole (`shardserve swap`). The ingress is not on
 the query path (routers call the shard deployments directly); it answers readiness and the swap's
 recall gate, with the same fan-out and merge code as the router, and it keeps the directory of
-shard links (where each shard replica listens; serving.shard_link).
+shard links (where each shard replica listens; core.shard_link).
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from core.api import ParsedQuery
+from core.fanout import plain_query, search_batch
+from core.indexes import prepare_vectors
+from core.manifest import read_manifest
+from core.searcher import CoarseAssigner
+from core.shard_link import EndpointDirectory
+from core.shard_wire import ShardQuery
+from core.storage import Location
 from deployments.autoscaling import with_link_policy
 from deployments.config import AppArgs
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
-from index_build.indexes import prepare_vectors
-from index_build.manifest import read_manifest
-from index_build.storage import Location
-from serving.api import ParsedQuery
-from serving.fanout import plain_query, search_batch
-from serving.searcher import CoarseAssigner
-from serving.shard_link import EndpointDirectory
-from serving.shard_wire import ShardQuery
 
 
 # Not on the query path: nothing to drain, so do not hold a swap up for the default 20 s.

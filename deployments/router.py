@@ -1,6 +1,6 @@
 """Router ingress: HTTP API, batching of in-flight queries, one call per shard per batch, merge.
 
-Thin by design: parsing lives in serving.api, fan-out and merge in serving.fanout / serving.merge.
+Thin by design: parsing lives in core.api, fan-out and merge in core.fanout / core.merge.
 """
 
 
@@ -19,20 +19,20 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
+from core.api import ApiError, ParsedQuery, check_work, hits, parse_search_request, read_body
+from core.batcher import AdaptiveBatcher
+from core.fanout import QueryResult, plain_query, search_batch
+from core.indexes import prepare_vectors, supported_params
+from core.manifest import Manifest, read_manifest
+from core.openapi import docs_page, openapi_document
+from core.ray_private import deployment_handle_unchecked
+from core.searcher import CoarseAssigner
+from core.shard_link import ShardLinks
+from core.shard_wire import ShardQuery, decode_answer
+from core.storage import Location
 from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
+from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
-from index_build.indexes import prepare_vectors, supported_params
-from index_build.manifest import Manifest, read_manifest
-from index_build.storage import Location
-from serving.api import ApiError, ParsedQuery, check_work, hits, parse_search_request, read_body
-from serving.batcher import AdaptiveBatcher
-from serving.fanout import QueryResult, plain_query, search_batch
-from serving.metrics import RouterMetrics
-from serving.openapi import docs_page, openapi_document
-from serving.ray_private import deployment_handle_unchecked
-from serving.searcher import CoarseAssigner
-from serving.shard_link import ShardLinks
-from serving.shard_wire import ShardQuery, decode_answer
 
 _JSON = "application/json"
 LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)

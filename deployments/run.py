@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 APP_NAME = "shardserve"
 
@@ -16,11 +16,11 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     """Deploy the app on the connected Ray (starting Serve if needed); return its base URL."""
     from ray import serve
 
+    from core.ray_private import run_app
     from deployments.app import build_app
     from deployments.config import AppArgs, index_app_name
     from deployments.control import forget_pointer
     from deployments.index_version import build_index_app
-    from serving.ray_private import run_app
 
     args = AppArgs(index=_absolute(index), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
@@ -38,9 +38,9 @@ def undeploy(app_name: str = APP_NAME) -> None:
     """Delete the router app and every index-version app it has served."""
     from ray import serve
 
+    from core.ray_private import delete_app_nowait
     from deployments.config import index_app_name
     from deployments.control import forget_pointer
-    from serving.ray_private import delete_app_nowait
 
     names = [name for name in serve.status().applications
              if name == app_name or name.startswith(index_app_name(app_name))]
@@ -90,10 +90,10 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
     """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
     from ray import serve
 
+    from core.manifest import read_manifest
+    from core.ray_session import ensure_ray, shutdown_ray
+    from core.storage import Location
     from deployments.app import build_app  # noqa: F401  (import errors before Ray starts)
-    from index_build.manifest import read_manifest
-    from index_build.storage import Location
-    from serving.ray_local import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
     started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)

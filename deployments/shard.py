@@ -10,12 +10,12 @@ import faiss
 import ray
 from ray import serve
 
+from core.manifest import read_manifest
+from core.searcher import ShardSearcher
+from core.shard_link import InFlight, serve_link
+from core.shard_wire import ShardQuery, encode_answer
+from core.storage import Location
 from deployments.config import INDEX_INGRESS
-from index_build.manifest import read_manifest
-from index_build.storage import Location
-from serving.searcher import ShardSearcher
-from serving.shard_link import InFlight, serve_link
-from serving.shard_wire import ShardQuery, encode_answer
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
@@ -25,7 +25,7 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
 class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
-    (serving.shard_link) or a Serve handle call, both through `search`."""
+    (core.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
                        search_delay_s: float = 0.0, rank0_delay_s: float = 0.0, link: bool = True):
@@ -57,7 +57,7 @@ class ShardDeployment:
                 self.link_server.sockets[0].getsockname()[1]))
 
     async def search(self, query: bytes) -> bytes:
-        """A router batch (serving.shard_wire bytes) → its top-k answer bytes.
+        """A router batch (core.shard_wire bytes) → its top-k answer bytes.
 
         Small batches are searched right on the event loop: a hand-off to the search thread and
         back cost more CPU than scanning a few lists. Larger ones go to the search thread (FAISS

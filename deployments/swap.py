@@ -20,14 +20,14 @@ import time
 
 import numpy as np
 
+from core.datasets import Dataset, load_dataset
+from core.errors import ShardserveError
+from core.groundtruth import ground_truth, recall_at_k
+from core.indexes import supported_params
+from core.manifest import Manifest, read_manifest
+from core.ray_private import delete_app_nowait, run_app
+from core.storage import Location
 from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
-from index_build.datasets import Dataset, load_dataset
-from index_build.groundtruth import ground_truth, recall_at_k
-from index_build.indexes import supported_params
-from index_build.manifest import Manifest, read_manifest
-from index_build.storage import Location
-from serving.errors import ShardserveError
-from serving.ray_private import delete_app_nowait, run_app
 
 logger = logging.getLogger(__name__)
 CONTROL = "IndexControl"

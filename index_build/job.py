@@ -16,18 +16,18 @@ from typing import Literal
 import faiss
 import numpy as np
 
-from index_build.datasets import Dataset, load_dataset
-from index_build.indexes import (
+from core.datasets import Dataset, load_dataset
+from core.errors import ShardserveError
+from core.indexes import (
     add_to_copy,
     index_to_bytes,
     make_empty_index,
     prepare_vectors,
     train_empty_index,
 )
-from index_build.manifest import MANIFEST, BuildInfo, DatasetInfo, Manifest, ShardEntry, write_manifest
-from index_build.storage import Location, sha256_hex
-from serving.errors import ShardserveError
-from serving.timing import timed
+from core.manifest import MANIFEST, BuildInfo, DatasetInfo, Manifest, ShardEntry, write_manifest
+from core.storage import Location, sha256_hex
+from core.timing import timed
 
 log = logging.getLogger(__name__)
 Backend = Literal["ray", "local"]
@@ -67,7 +67,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     if len(dataset.base) < shards:
         raise ShardserveError(f"{shards} shards need at least {shards} vectors, got {len(dataset.base)}")
     if backend == "ray":
-        from serving.ray_local import ensure_ray
+        from core.ray_session import ensure_ray
 
         ensure_ray(fast_ingress=False)
     return build_from_dataset(dataset, params, location, backend)

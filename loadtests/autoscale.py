@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 from loadtests.record import RECORDS, index_info, machine
 from loadtests.report import parse_timestamp
 from loadtests.targets import make_targets, write_targets

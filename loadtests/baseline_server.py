@@ -16,9 +16,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from index_build.indexes import prepare_vectors, supported_params
-from serving.api import ApiError, parse_search_request
-from serving.searcher import ShardSearcher, load_all_shards
+from core.api import ApiError, parse_search_request
+from core.indexes import prepare_vectors, supported_params
+from core.searcher import ShardSearcher, load_all_shards
 
 INDEX_ENV = "SHARDSERVE_BASELINE_INDEX"
 

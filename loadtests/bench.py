@@ -24,13 +24,13 @@ import faiss
 import numpy as np
 import orjson
 
-from index_build.datasets import load_dataset
-from index_build.indexes import prepare_vectors
+from core.datasets import load_dataset
+from core.indexes import prepare_vectors
+from core.procfs import CpuMeter
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import new_record, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack, vegeta_version
-from serving.processes import CpuMeter
 
 SERVE_PORT = 18000
 BASELINE_PORT = 18100
@@ -56,7 +56,7 @@ def in_process(index: str, queries: np.ndarray, k: int, params: dict) -> dict:
 
 def parse_cost(queries: np.ndarray) -> dict:
     """Why the router parses with orjson + numpy instead of pydantic: measured, per 784-float body."""
-    from serving.api import SearchRequest, parse_search_request
+    from core.api import SearchRequest, parse_search_request
 
     body = orjson.dumps({"vector": queries[0], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     dim = queries.shape[1]
@@ -131,9 +131,9 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     deleted) other apps gave the next app up to ~1.5x less throughput, whichever came second."""
     from ray import serve
 
+    from core.ray_session import ensure_ray, shutdown_ray
     from deployments.noop import NoopDeployment
     from deployments.run import deploy
-    from serving.ray_local import ensure_ray, shutdown_ray
 
     systems = [("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
                ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}),
@@ -195,7 +195,7 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            "qps_c32_vs_serve_noop": (">=", 0.5), "c1_p50_minus_compute_p50_ms": ("<=", 2.0),
            "c1_1shard_p50_minus_compute_p50_ms": ("<=", 1.0),
            "batch256_vs_inprocess_batched": (">=", 0.8),
-           # shard links (serving.shard_link) against Serve handle calls for the same hop
+           # shard links (core.shard_link) against Serve handle calls for the same hop
            "qps_c32_links_vs_serve_calls": (">=", 1.0),
            "cpu_per_request_c32_links_vs_serve_calls": ("<=", 1.0),
            "c1_p50_serve_calls_minus_links_ms": (">=", 0.0)}
@@ -210,13 +210,13 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--name", default="bench")
     args = cli.parse_args()
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()  # before ray.serve is imported anywhere in this process
 
+    from core.manifest import read_manifest
+    from core.storage import Location
     from index_build.job import build_index
-    from index_build.manifest import read_manifest
-    from index_build.storage import Location
 
     manifest = read_manifest(Location.parse(args.index))
     queries = load_dataset(args.dataset).queries

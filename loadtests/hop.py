@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
+from core.procfs import CpuMeter
+from core.shard_wire import ShardQuery, decode_answer, encode_answer
 from loadtests.record import machine, save
-from serving.processes import CpuMeter
-from serving.shard_wire import ShardQuery, decode_answer, encode_answer
 
 SHARDS = 4
 DIM = 784
@@ -113,7 +113,7 @@ def main() -> None:
     cli.add_argument("--rows", default="14,256", help="query rows per batch (message size)")
     cli.add_argument("--port", type=int, default=18700)
     args = cli.parse_args()
-    from serving.ray_local import apply_fast_ingress_env, ensure_ray, shutdown_ray
+    from core.ray_session import apply_fast_ingress_env, ensure_ray, shutdown_ray
 
     apply_fast_ingress_env()
     started = ensure_ray(fast_ingress=True)

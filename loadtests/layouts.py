@@ -11,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from index_build.datasets import load_dataset
-from index_build.manifest import read_manifest
-from index_build.storage import Location
+from core.datasets import load_dataset
+from core.manifest import read_manifest
+from core.storage import Location
 from loadtests.knee import find_knee
 from loadtests.record import RECORDS, machine, save
 from loadtests.targets import make_targets, write_targets
@@ -53,7 +53,7 @@ def measure(indexes: dict[int, str], duration_s: float, params: dict) -> list[di
 
 
 def main() -> None:
-    from serving.ray_local import apply_fast_ingress_env, ensure_ray, shutdown_ray
+    from core.ray_session import apply_fast_ingress_env, ensure_ray, shutdown_ray
 
     apply_fast_ingress_env()
     cli = argparse.ArgumentParser(description=__doc__)

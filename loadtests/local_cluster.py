@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving import processes
-from serving.ray_local import FAST_INGRESS_ENV
+from core import procfs
+from core.ray_session import FAST_INGRESS_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -82,7 +82,7 @@ class LocalCluster:
     def kill_worker(self, number: int) -> None:
         """Node failure: SIGKILL worker `number`'s raylet and every process under it, at once."""
         raylet = self.worker_raylets[number - 1]
-        for pid in [*processes.descendants(raylet), raylet]:
+        for pid in [*procfs.descendants(raylet), raylet]:
             _signal(pid, signal.SIGKILL)
 
     def stop(self) -> None:
@@ -90,12 +90,12 @@ class LocalCluster:
         roots = self._own_processes()
         victims = set(roots)
         for pid in roots:
-            victims.update(processes.descendants(pid))
+            victims.update(procfs.descendants(pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in victims:
                 _signal(pid, sig)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(processes.alive(p) for p in victims):
+            while time.monotonic() < deadline and any(procfs.alive(p) for p in victims):
                 time.sleep(0.2)
 
     def _ray_start(self, *args: str, node: int) -> None:
@@ -113,11 +113,11 @@ class LocalCluster:
             raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")
 
     def _raylets(self) -> list[int]:
-        return [pid for pid in self._own_processes() if b"raylet/raylet" in processes.cmdline(pid)]
+        return [pid for pid in self._own_processes() if b"raylet/raylet" in procfs.cmdline(pid)]
 
     def _own_processes(self) -> list[int]:
         """Processes whose command line names this cluster's temp dir (GCS, raylets, agents)."""
-        return processes.pids_matching(self.temp_dir.encode())
+        return procfs.pids_matching(self.temp_dir.encode())
 
 
 def _signal(pid: int, sig: int) -> None:

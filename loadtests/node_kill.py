@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import orjson
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
 from loadtests.local_cluster import LocalCluster
 from loadtests.record import RECORDS, index_info, machine, save
@@ -55,8 +55,8 @@ def _on_loop(coroutine):
 
 
 def answers_equal_single_node(url: str, index: str, queries: np.ndarray, params: dict) -> bool:
+    from core.searcher import load_all_shards
     from serving.evaluate import sharded_search
-    from serving.searcher import load_all_shards
 
     manifest, searchers = load_all_shards(index)
     _, expected = sharded_search(searchers, queries, 10, params, manifest.metric)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 from loadtests.record import RECORDS, index_info, machine, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import assert_loopback, attack, vegeta_version

@@ -19,11 +19,11 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
+from core.procfs import cmdline, pids_matching, process_class
 from loadtests.record import index_info, new_record, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack, vegeta_version
-from serving.processes import cmdline, pids_matching, process_class
 
 PORT = 18000
 
@@ -68,11 +68,11 @@ def main() -> None:
     cli.add_argument("--name", default="profile-hot-path")
     args = cli.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()
+    from core.ray_session import ensure_ray, shutdown_ray
     from deployments.run import deploy, undeploy
-    from serving.ray_local import ensure_ray, shutdown_ray
 
     queries = load_dataset(args.dataset).queries
     started = ensure_ray(fast_ingress=True)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
 from loadtests.record import RECORDS, index_info, machine, save
 
@@ -41,7 +41,7 @@ def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: f
 
 
 def main() -> None:
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()
     cli = argparse.ArgumentParser(description=__doc__)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
+from core.procfs import CpuMeter
 from loadtests.report import summarize
-from serving.processes import CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
 VEGETA = Path(os.environ.get("VEGETA", ROOT / ".bin" / "vegeta"))

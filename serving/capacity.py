@@ -124,7 +124,7 @@ def faiss_ms_per_query(index_dir: str, queries, params: dict, batch: int = 32) -
     """Measured here, in-process: FAISS milliseconds per query per shard at a router-sized batch."""
     import time
 
-    from serving.searcher import load_all_shards
+    from core.searcher import load_all_shards
 
     _, searchers = load_all_shards(index_dir)
     matrix = queries[:batch]

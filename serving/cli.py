@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -37,7 +37,7 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()  # before anything imports ray.serve: it reads these flags at import
     from deployments.run import serve_blocking
@@ -48,12 +48,12 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _deploy(args: argparse.Namespace) -> None:
     """Deploy onto a running cluster and return (Serve keeps the apps after this driver exits)."""
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()
+    from core.manifest import read_manifest
+    from core.storage import Location
     from deployments.run import deploy
-    from index_build.manifest import read_manifest
-    from index_build.storage import Location
 
     overrides = _app_args(args.arg)
     read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
@@ -115,7 +115,7 @@ def _app_args(pairs: list[str]) -> dict:
 
 
 def _swap(args: argparse.Namespace) -> None:
-    from serving.ray_local import apply_fast_ingress_env
+    from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()  # before ray.serve is imported (it reads these flags at import)
 
@@ -124,8 +124,8 @@ def _swap(args: argparse.Namespace) -> None:
     if not args.rollback and not args.index_dir:
         raise ShardserveError("swap needs NEW_INDEX_DIR (or --rollback)")
     if args.index_dir:
-        from index_build.manifest import read_manifest
-        from index_build.storage import Location
+        from core.manifest import read_manifest
+        from core.storage import Location
 
         read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
     _connect(args.address)
@@ -163,7 +163,7 @@ def _plan(args: argparse.Namespace) -> None:
         params = record["load"]["params"]
         faiss_ms = None
         if args.index_dir:
-            from index_build.datasets import load_dataset
+            from core.datasets import load_dataset
             from serving.capacity import faiss_ms_per_query
 
             faiss_ms = faiss_ms_per_query(args.index_dir, load_dataset("fashion-mnist", num_queries=64)
@@ -196,7 +196,7 @@ def _edge_config(args: argparse.Namespace) -> None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from loadtests.tune import tune_from_record
+    from deployments.tune import tune_from_record
 
     sys.stdout.write(tune_from_record(args.record, args.index_dir))
 

@@ -11,15 +11,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from index_build.datasets import Dataset, load_dataset
-from index_build.groundtruth import ground_truth, recall_at_k
-from index_build.indexes import add_to_copy, prepare_vectors, train_empty_index
+from core.datasets import Dataset, load_dataset
+from core.errors import ShardserveError
+from core.groundtruth import ground_truth, recall_at_k
+from core.indexes import add_to_copy, prepare_vectors, train_empty_index
+from core.manifest import Manifest
+from core.merge import merge_topk
+from core.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
+from core.shard_wire import ShardQuery
 from index_build.job import BuildParams, training_sample
-from index_build.manifest import Manifest
-from serving.errors import ShardserveError
-from serving.merge import merge_topk
-from serving.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
-from serving.shard_wire import ShardQuery
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 
 def search_over_http(url: str, queries: np.ndarray, k: int, params: dict,

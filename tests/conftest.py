@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.ray_local import FAST_INGRESS_ENV, shutdown_ray
+from core.ray_session import FAST_INGRESS_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
 # Before any test imports ray.serve: Serve reads these flags at import time (driver and cluster
@@ -68,8 +68,8 @@ def angular_hdf5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ann-benchmarks layout file (train/test/neighbors, distance=angular) written by the test."""
     import h5py
 
-    from index_build.datasets import synthetic_vectors
-    from index_build.groundtruth import exact_search
+    from core.datasets import synthetic_vectors
+    from core.groundtruth import exact_search
 
     train = synthetic_vectors(6000, 32, seed=11)
     test = synthetic_vectors(200, 32, seed=12)

@@ -4,7 +4,7 @@ import numpy as np
 import orjson
 import pytest
 
-from serving.api import ApiError, check_work, parse_search_request
+from core.api import ApiError, check_work, parse_search_request
 
 
 def _parse(payload: object, dim: int = 4):
@@ -80,7 +80,7 @@ def test_work_per_request_is_bounded() -> None:
 def test_read_body_stops_at_the_limit_without_reading_the_rest() -> None:
     import asyncio
 
-    from serving.api import read_body
+    from core.api import read_body
 
     consumed = 0
 

@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
+from core.datasets import load_dataset
 from deployments.autoscaling import autoscaling_config
-from index_build.datasets import load_dataset
 from index_build.job import build_index
 
 pytestmark = pytest.mark.slow

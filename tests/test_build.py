@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
+from core.manifest import read_manifest
+from core.storage import Location
 from index_build.job import BuildParams, build_from_dataset, build_index
-from index_build.manifest import read_manifest
-from index_build.storage import Location
 from serving.evaluate import evaluate
 from tests.conftest import run_cli
 

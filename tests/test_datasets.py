@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index_build.datasets import hold_out, load_dataset, read_idx, read_vecs
-from serving.errors import ShardserveError
+from core.datasets import hold_out, load_dataset, read_idx, read_vecs
+from core.errors import ShardserveError
 
 
 def _write_vecs(path: Path, matrix: np.ndarray) -> None:

@@ -6,13 +6,13 @@ import asyncio
 
 import numpy as np
 
-from index_build.datasets import load_dataset
-from index_build.indexes import add_to_copy, train_empty_index
-from serving.api import ParsedQuery
+from core.api import ParsedQuery
+from core.datasets import load_dataset
+from core.fanout import search_batch
+from core.indexes import add_to_copy, train_empty_index
+from core.searcher import ShardSearcher
+from core.shard_wire import ShardQuery
 from serving.evaluate import sharded_search
-from serving.fanout import search_batch
-from serving.searcher import ShardSearcher
-from serving.shard_wire import ShardQuery
 
 
 def _shards(num: int = 3):

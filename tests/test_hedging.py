@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
 from index_build.job import build_index
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from core.api import parse_search_request
 from loadtests.knee import find_knee
 from loadtests.report import summarize
 from loadtests.targets import make_targets
-from serving.api import parse_search_request
 
 SAMPLE = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "sample"
 
@@ -76,7 +76,7 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     from ray.serve.schema import ServeDeploySchema
 
     from deployments.config import AppArgs
-    from loadtests.tune import tune_from_record
+    from deployments.tune import tune_from_record
 
     config = yaml.safe_load(tune_from_record(str(SAMPLE / "sweep-sample.json"), str(tmp_path)))
     ServeDeploySchema.model_validate(config)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from serving.merge import merge_topk
+from core.merge import merge_topk
 
 
 @pytest.mark.parametrize("higher_is_better", [False, True])

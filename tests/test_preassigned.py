@@ -10,12 +10,12 @@ import faiss
 import numpy as np
 import pytest
 
-from index_build.datasets import load_dataset
-from index_build.indexes import add_to_copy, index_from_bytes, prepare_vectors, train_empty_index
-from serving.api import hits
+from core.api import hits
+from core.datasets import load_dataset
+from core.indexes import add_to_copy, index_from_bytes, prepare_vectors, train_empty_index
+from core.searcher import CoarseAssigner, ShardSearcher
+from core.shard_wire import ShardQuery, decode_answer, encode_answer
 from serving.evaluate import sharded_search
-from serving.searcher import CoarseAssigner, ShardSearcher
-from serving.shard_wire import ShardQuery, decode_answer, encode_answer
 
 
 def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4):
@@ -98,7 +98,7 @@ def test_padding_never_leaves_the_server() -> None:
 
 def test_supported_params_in_a_fresh_interpreter() -> None:
     """Was a segfault: the IDMap wrapper was freed while its inner index was still in use."""
-    code = ("from index_build.indexes import supported_params\n"
+    code = ("from core.indexes import supported_params\n"
             "for f in ['HNSW32', 'Flat', 'PQ16', 'IVF64,Flat', 'IVF64,PQ16x4fs,RFlat']:\n"
             "    print(f, sorted(supported_params(f, 784, 'l2')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

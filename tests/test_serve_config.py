@@ -14,11 +14,11 @@ import orjson
 import pytest
 import yaml
 
+from core.datasets import load_dataset
+from core.searcher import load_all_shards
 from deployments.config import AppArgs
-from index_build.datasets import load_dataset
 from index_build.job import build_index
 from serving.evaluate import sharded_search
-from serving.searcher import load_all_shards
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,10 @@ import numpy as np
 import orjson
 import pytest
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
+from core.searcher import load_all_shards
 from index_build.job import build_index
 from serving.evaluate import evaluate
-from serving.searcher import load_all_shards
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_oversized_body_is_413(served) -> None:
 
 
 def _router_rss_bytes() -> int:
-    from serving.processes import pids_matching
+    from core.procfs import pids_matching
 
     [pid] = pids_matching(b"ray::ServeReplica:shardserve:Router")
     with open(f"/proc/{pid}/status") as status:

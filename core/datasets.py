@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 METRICS = ("l2", "ip", "cosine")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from serving.api import SearchRequest, SearchResponse
+from core.api import SearchRequest, SearchResponse
 
 _ERRORS = {413: {"description": "body too large"},
            422: {"description": "a field is wrong: the body names it"},

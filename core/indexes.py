@@ -9,7 +9,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
 
 FAISS_METRIC = {"l2": faiss.METRIC_L2, "ip": faiss.METRIC_INNER_PRODUCT,
                 "cosine": faiss.METRIC_INNER_PRODUCT}

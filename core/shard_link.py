@@ -9,7 +9,7 @@ directory, deployments.index_version). When no link is known or a link breaks, t
 back to the Serve handle call, so a link is an optimisation, never a single point of failure.
 
 Frame: `<IQB` header (payload bytes, request id, status 0 = answer / 1 = error text), then the
-payload: serving.shard_wire bytes, unchanged. Plain asyncio, no Ray: tested in-process.
+payload: core.shard_wire bytes, unchanged. Plain asyncio, no Ray: tested in-process.
 """
 
 from __future__ import annotations

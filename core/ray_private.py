@@ -12,7 +12,7 @@ import ray
 
 CHECKED_RAY = "2.60."
 if not ray.__version__.startswith(CHECKED_RAY):
-    warnings.warn(f"shardserve's private Ray calls (serving/ray_private.py) were checked against Ray "
+    warnings.warn(f"shardserve's private Ray calls (core/ray_private.py) were checked against Ray "
                   f"{CHECKED_RAY}x, this is {ray.__version__}", RuntimeWarning, stacklevel=2)
 
 KV_NAMESPACE = "shardserve"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.api import ParsedQuery
-from serving.merge import merge_topk
-from serving.shard_wire import ShardQuery
+from core.api import ParsedQuery
+from core.merge import merge_topk
+from core.shard_wire import ShardQuery
 
 # (shard index, the group's query) -> (distances, ids, search ms)
 ShardCall = Callable[[int, ShardQuery], Awaitable[tuple[np.ndarray, np.ndarray, float]]]

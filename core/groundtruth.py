@@ -9,9 +9,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index_build.datasets import Dataset
-from index_build.indexes import FAISS_METRIC, prepare_vectors
-from serving.errors import ShardserveError
+from core.datasets import Dataset
+from core.errors import ShardserveError
+from core.indexes import FAISS_METRIC, prepare_vectors
 
 GROUND_TRUTH_K = 100
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ import json
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from index_build.storage import Location, sha256_hex
-from serving.errors import ShardserveError
+from core.errors import ShardserveError
+from core.storage import Location, sha256_hex
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
