@@ -9,12 +9,20 @@ pydantic models still document the API at /docs and define the field names the p
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+from core.indexes import prepare_vectors
+from core.manifest import Manifest
+
+if TYPE_CHECKING:  # the fan-out imports this module for ParsedQuery
+    from core.fanout import QueryResult
 
 KNOWN_PARAMS = ("nprobe", "efSearch")
 
@@ -103,6 +111,83 @@ async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
             raise ApiError(413, "body", f"body exceeds {limit} bytes (stopped reading at {size})")
         parts.append(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def receive_body(chunks: AsyncIterator[bytes], declared: str | None, limit: int,
+                       timeout_s: float) -> bytes:
+    """413 past `limit` (declared in Content-Length, or counted while streaming), 408 past
+    `timeout_s`: a slow or endless upload costs the server neither memory nor a query slot."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body", f"body of {declared} bytes exceeds {limit}")
+    try:  # asyncio.timeout: a timer, not a task per request as wait_for would create
+        async with asyncio.timeout(timeout_s):
+            return await read_body(chunks, limit)
+    except TimeoutError:
+        raise ApiError(408, "body", f"body not received within {timeout_s} s") from None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (AppArgs' max_* fields)."""
+
+    max_k: int
+    max_vectors: int
+    max_work: int
+    max_body_bytes: int
+
+
+def parse_query(body: bytes, manifest: Manifest, supported: Collection[str], limits: Limits) -> ParsedQuery:
+    """A /v1/search body checked against the served index: its dim, the params its type takes, the
+    work limit; vectors normalised for cosine."""
+    query = parse_search_request(body, manifest.dim, limits.max_k, limits.max_vectors, manifest.metric)
+    check_work(query, limits.max_work)
+    for name, _ in query.params:
+        if name not in supported:
+            raise ApiError(422, f"params.{name}",
+                           f"param {name!r} does not apply to {manifest.index_factory} "
+                           f"(supported: {sorted(supported) or 'none'})")
+    if manifest.metric == "cosine":
+        query = ParsedQuery(prepare_vectors(query.matrix, "cosine"), query.k, query.params,
+                            query.single, query.require_full)
+    return query
+
+
+def coverage_error(query: ParsedQuery, result: QueryResult, retry_after_s: float) -> ApiError | None:
+    """503 when no shard answered, or fewer than all and the client asked for `require_full`;
+    otherwise the (possibly partial) answer stands and its coverage says how many shards it has."""
+    if result.answered == 0:
+        return ApiError(503, None, "no shard answered in time", retry_after_s)
+    if query.require_full and result.answered < result.shards:
+        return ApiError(503, "require_full", f"only {result.answered} of {result.shards} shards answered "
+                                             "in time", retry_after_s)
+    return None
+
+
+def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, index_version: str) -> bytes:
+    """The /v1/search response body (SearchResponse's fields), numpy arrays written by orjson."""
+    payload: dict = {}
+    if query.single:
+        payload.update(hits(result.ids[0], result.distances[0]))
+    else:
+        payload["results"] = [hits(i, d) for i, d in zip(result.ids, result.distances, strict=True)]
+    payload["coverage"] = {"shards": result.shards, "answered": result.answered}
+    payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
+                            "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
+    payload["index"] = index_version
+    payload["batch"] = result.batch_size
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits) -> dict:
+    """GET /v1/index: the manifest being served and the request limits."""
+    return {
+        "index_version": manifest.index_version, "index_factory": manifest.index_factory,
+        "dim": manifest.dim, "metric": manifest.metric, "num_vectors": manifest.num_vectors,
+        "dataset": manifest.dataset.model_dump(), "created_at": manifest.created_at,
+        "shards": [{"name": s.name, "num_vectors": s.num_vectors, "bytes": s.bytes} for s in manifest.shards],
+        "params": sorted(supported), "max_k": limits.max_k, "max_vectors": limits.max_vectors,
+        "max_body_bytes": limits.max_body_bytes, "max_work": limits.max_work,
+    }
 
 
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,

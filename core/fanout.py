@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +23,11 @@ from core.shard_wire import ShardQuery
 ShardCall = Callable[[int, ShardQuery], Awaitable[tuple[np.ndarray, np.ndarray, float]]]
 # (prepared matrix, k, params) -> the query every shard gets (e.g. with IVF lists assigned once)
 Prepare = Callable[[np.ndarray, int, dict], Awaitable[ShardQuery]]
+
+
+Group = TypeVar("Group")
+Query = TypeVar("Query")
+Answer = TypeVar("Answer")
 
 
 async def plain_query(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
@@ -94,3 +100,51 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         row += len(query.matrix)
         results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
                                         compute_ms, fanout_ms, len(matrix), error)
+
+
+async def search_grouped(items: list[tuple[Group, Query]],
+                         search: Callable[[Group, list[Query]], Awaitable[list[Answer]]]) -> list[Answer]:
+    """Answer a batch whose items belong to different groups (index versions, told apart by
+    identity: two only in the instant of a swap): one `search` per group, answers in item order."""
+    first = items[0][0]
+    if all(group is first for group, _ in items):  # the steady state: one group, no extra task
+        return await search(first, [query for _, query in items])
+    positions: dict[int, list[int]] = {}
+    for position, (group, _) in enumerate(items):
+        positions.setdefault(id(group), []).append(position)
+    groups = list(positions.values())
+    answers = await asyncio.gather(*[search(items[g[0]][0], [items[p][1] for p in g]) for g in groups])
+    ordered: list = [None] * len(items)
+    for group_positions, group_answers in zip(groups, answers, strict=True):
+        for position, answer in zip(group_positions, group_answers, strict=True):
+            ordered[position] = answer
+    return ordered
+
+
+def hedged(call: ShardCall, after_s: float, on_hedge: Callable[[], None] | None = None) -> ShardCall:
+    """`call`, sent again if not answered after `after_s` (to another replica, when the transport
+    picks one by load); the first answer wins and the other call is cancelled. Fails only if both do."""
+
+    async def call_hedged(shard: int, query: ShardQuery):
+        tasks = [asyncio.ensure_future(call(shard, query))]
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=after_s)
+            if not done:
+                if on_hedge is not None:
+                    on_hedge()
+                tasks.append(asyncio.ensure_future(call(shard, query)))
+            failure: BaseException | None = None
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        return task.result()
+                    failure = task.exception()
+            raise failure  # type: ignore[misc]  # every call failed
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()  # a Serve call cancels its request; a link call forgets its answer
+
+    return call_hedged

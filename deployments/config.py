@@ -69,13 +69,6 @@ class AppArgs(BaseModel):
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
-    debug_load_delay_s: dict[str, float] = Field(
-        default_factory=dict, description="TEST ONLY: shard name -> extra seconds before it is loaded")
-    debug_search_delay_s: dict[str, float] = Field(
-        default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call")
-    debug_rank0_delay_s: dict[str, float] = Field(
-        default_factory=dict, description="TEST ONLY: shard name -> extra seconds per search call in "
-                                          "that shard's rank-0 replica only (one slow replica)")
 
 
 INDEX_INGRESS = "IndexVersion"  # the index version app's ingress: readiness, gate, link directory

@@ -77,8 +77,10 @@ class IndexVersion:
         return result.ids
 
 
-def build_index_app(args: dict) -> Application:
-    """The shard deployments of `args['index']` (named like the shards) bound into their ingress."""
+def build_index_app(args: dict, shard_class: type | None = None) -> Application:
+    """The shard deployments of `args['index']` (named like the shards) bound into their ingress.
+
+    `shard_class`, a subclass of ShardDeployment's class, replaces it (the tests inject faults so)."""
     app_args = AppArgs.model_validate(args)
     manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
     link = app_args.shard_transport == "link"
@@ -88,15 +90,13 @@ def build_index_app(args: dict) -> Application:
     actor_options: dict = {"num_cpus": app_args.shard_num_cpus}
     if app_args.shard_resources:
         actor_options["resources"] = dict(app_args.shard_resources)
+    shard = ShardDeployment if shard_class is None else ShardDeployment.options(func_or_class=shard_class)
     shards = [
-        ShardDeployment.options(
+        shard.options(
             name=entry.name, **scaling,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options=actor_options, logging_config={"enable_access_log": False},
-        ).bind(app_args.index, position, app_args.faiss_threads,
-               app_args.debug_load_delay_s.get(entry.name, 0.0),
-               app_args.debug_search_delay_s.get(entry.name, 0.0),
-               app_args.debug_rank0_delay_s.get(entry.name, 0.0), link)
+        ).bind(app_args.index, position, app_args.faiss_threads, link)
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

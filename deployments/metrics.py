@@ -7,7 +7,11 @@ gauges for in-flight requests; counters for coverage outcomes.
 
 from __future__ import annotations
 
+import time
+
 from ray.util import metrics
+
+from core.manifest import Manifest
 
 LATENCY_MS_BOUNDARIES = [0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500]
 BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -47,6 +51,25 @@ class RouterMetrics:
             "shardserve_shard_links", "Shard replicas this router reaches over a shard link "
             "(fewer than the replicas: those shards are called through Serve)")
         self.shard_names: list[str] = []
+
+    def follow(self, manifest: Manifest, generation: int) -> None:
+        """The index version served now (set at start too, not only after a swap)."""
+        self.shard_names = [s.name for s in manifest.shards]
+        self.index_generation.set(generation)
+
+    def observe_request(self, started: float, status: int) -> None:
+        self.request_ms.observe((time.perf_counter() - started) * 1000.0,
+                                tags={"endpoint": "search", "status": str(status)})
+
+    def observe_batch(self, items: list, first, in_flight: int) -> None:
+        """Per batch, not per request: its size, the fan-out time and the in-flight gauge (sampled)."""
+        self.batch_size.observe(float(sum(len(query.matrix) for _, query in items)))
+        self.in_flight.set(in_flight)
+        self.fanout_ms.observe(first.fanout_ms)
+
+    def count_coverage(self, result) -> None:
+        full = result.answered == result.shards
+        self.coverage.inc(tags={"coverage": "full" if full else "partial" if result.answered else "none"})
 
     def shard_done(self, shard: int, search_ms: float | None) -> None:
         """One shard call finished: its search time, or None when it missed the deadline / failed."""

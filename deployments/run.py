@@ -12,8 +12,9 @@ APP_NAME = "shardserve"
 
 
 def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
-           route_prefix: str = "/", wait: bool = True, **overrides) -> str:
-    """Deploy the app on the connected Ray (starting Serve if needed); return its base URL."""
+           route_prefix: str = "/", wait: bool = True, shard_class: type | None = None, **overrides) -> str:
+    """Deploy the app on the connected Ray (starting Serve if needed); return its base URL.
+    `shard_class` replaces the shard deployment's class (see build_index_app)."""
     from ray import serve
 
     from core.ray_private import run_app
@@ -26,7 +27,7 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     serve.start(http_options={"host": host, "port": port})
     forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
-    run_app(build_index_app(args), index_app_name(app_name), None, blocking=wait)
+    run_app(build_index_app(args, shard_class), index_app_name(app_name), None, blocking=wait)
     run_app(build_app(args), app_name, route_prefix, blocking=wait)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     if wait:

@@ -27,20 +27,15 @@ class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (core.shard_link) or a Serve handle call, both through `search`."""
 
-    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, load_delay_s: float = 0.0,
-                       search_delay_s: float = 0.0, rank0_delay_s: float = 0.0, link: bool = True):
+    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
                                            initializer=faiss.omp_set_num_threads,
                                            initargs=(faiss_threads,))
-        await asyncio.sleep(load_delay_s)  # test-only switch (AppArgs.debug_load_delay_s)
         location = Location.parse(index)
         self.searcher = await asyncio.to_thread(
             lambda: ShardSearcher.load(location, read_manifest(location), shard))
-        self.search_delay_s = search_delay_s
-        if rank0_delay_s and serve.get_replica_context().rank.rank == 0:  # test-only: one slow replica
-            self.search_delay_s += rank0_delay_s
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
         self.shard = shard
@@ -63,8 +58,6 @@ class ShardDeployment:
         back cost more CPU than scanning a few lists. Larger ones go to the search thread (FAISS
         releases the GIL, the replica's event loop stays free).
         """
-        if self.search_delay_s:  # test-only switches (AppArgs.debug_*delay_s)
-            await asyncio.sleep(self.search_delay_s)
         if ShardQuery.rows(query) <= INLINE_ROWS:
             faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
             return self._answer(query)

@@ -4,7 +4,8 @@ import numpy as np
 import orjson
 import pytest
 
-from core.api import ApiError, check_work, parse_search_request
+from core.api import ApiError, check_work, coverage_error, parse_search_request, render_search
+from core.fanout import QueryResult
 
 
 def _parse(payload: object, dim: int = 4):
@@ -100,3 +101,31 @@ def test_read_body_stops_at_the_limit_without_reading_the_rest() -> None:
             yield part
 
     assert asyncio.run(read_body(small(), 10_000)) == b'{"k": 5}'
+
+
+def _result(answered: int, shards: int = 4, ids=((3, 1, -1),), distances=((0.5, 0.25, 3.4e38),)):
+    return QueryResult(np.array(distances, np.float32), np.array(ids, np.int64), answered, shards,
+                       compute_ms=1.5, fanout_ms=2.0, batch_size=7)
+
+
+def test_coverage_decides_between_an_answer_and_a_503() -> None:
+    one = _parse({"vector": [1, 2, 3, 4]})
+    strict = _parse({"vector": [1, 2, 3, 4], "require_full": True})
+    assert coverage_error(one, _result(4), 1) is None
+    assert coverage_error(one, _result(2), 1) is None  # partial: answered, coverage says so
+    none = coverage_error(one, _result(0), 2)
+    assert (none.status, none.retry_after) == (503, 2)
+    partial = coverage_error(strict, _result(3), 1)
+    assert (partial.status, partial.field) == (503, "require_full") and "3 of 4" in partial.message
+
+
+def test_render_keeps_real_hits_only_and_says_what_answered() -> None:
+    body = orjson.loads(render_search(_parse({"vector": [1, 2, 3, 4]}), _result(3), 4.0, "v1"))
+    assert body["ids"] == [3, 1] and body["distances"] == [0.5, 0.25]
+    assert body["coverage"] == {"shards": 4, "answered": 3}
+    assert body["timing_ms"] == {"total": 4.0, "compute": 1.5, "queue": 2.5}
+    assert (body["index"], body["batch"]) == ("v1", 7)
+    batch = _parse({"vectors": [[1, 2, 3, 4], [4, 3, 2, 1]]})
+    rendered = orjson.loads(render_search(batch, _result(4, ids=((1, 2), (3, 4)),
+                                                         distances=((0.1, 0.2), (0.3, 0.4))), 3.0, "v1"))
+    assert [r["ids"] for r in rendered["results"]] == [[1, 2], [3, 4]]

@@ -13,6 +13,7 @@ import pytest
 from core.datasets import load_dataset
 from deployments.autoscaling import autoscaling_config
 from index_build.job import build_index
+from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
@@ -36,7 +37,7 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
     scaling = autoscaling_config(knee_depth=1, max_replicas=3, upscale_delay_s=1, downscale_delay_s=4,
                                  metrics_interval_s=0.5, look_back_period_s=1.5, knee_policy=knee_policy)
     url = deploy(str(index), port=PORT, app_name="scaling", route_prefix="/scaling",
-                 shard_autoscaling=scaling, debug_search_delay_s={"shard-001": 0.15},
+                 shard_autoscaling=scaling, shard_class=slow_shards(search_s={"shard-001": 0.15}),
                  shard_num_cpus=0.1, router_num_cpus=0.1,
                  shard_transport="link" if knee_policy else "serve")
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},

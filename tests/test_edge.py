@@ -15,6 +15,7 @@ import pytest
 from core.datasets import load_dataset
 from index_build.job import build_index
 from serving.edge import edge_config, write_edge
+from tests.faults import slow_shards
 
 pytestmark = pytest.mark.haproxy
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
@@ -38,7 +39,7 @@ def test_edge_sheds_a_burst_with_fast_503(ray_cluster, tmp_path: Path) -> None:
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     deploy(str(index), port=PORT, app_name="edge", route_prefix="/edge",
-           debug_search_delay_s={"shard-000": 0.3}, shard_num_cpus=0.1, router_num_cpus=0.1)
+           shard_class=slow_shards(search_s={"shard-000": 0.3}), shard_num_cpus=0.1, router_num_cpus=0.1)
     config = write_edge(tmp_path / "edge", f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}", max_in_flight=2)
     edge = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

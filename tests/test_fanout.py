@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from core.api import ParsedQuery
 from core.datasets import load_dataset
-from core.fanout import search_batch
+from core.fanout import hedged, search_batch, search_grouped
 from core.indexes import add_to_copy, train_empty_index
 from core.searcher import ShardSearcher
 from core.shard_wire import ShardQuery
@@ -67,3 +68,56 @@ def test_all_shards_failing_is_no_answer_not_an_exception() -> None:
     (result,) = asyncio.run(search_batch([ParsedQuery(data.queries[:1], 5, (), True, False)], broken,
                                          3, False, 1.0))
     assert result.answered == 0 and "lost" in result.error  # the router turns this into a 503
+
+
+def test_batch_of_two_versions_is_answered_per_version_in_order() -> None:
+    """Mid-swap a batch holds requests of the old and the new index version: each version searches
+    its own requests once, and every answer goes back to the position it came from."""
+    old, new = object(), object()
+    calls: list[tuple[object, list[str]]] = []
+
+    async def search(version: object, queries: list[str]) -> list[str]:
+        calls.append((version, queries))
+        return [f"{'old' if version is old else 'new'}:{q}" for q in queries]
+
+    items = [(old, "a"), (new, "b"), (old, "c"), (new, "d")]
+    answers = asyncio.run(search_grouped(items, search))
+    assert answers == ["old:a", "new:b", "old:c", "new:d"]
+    assert sorted(len(q) for _, q in calls) == [2, 2]
+    assert asyncio.run(search_grouped([(old, "x")], search)) == ["old:x"]
+
+
+def test_hedged_call_takes_the_first_answer_and_cancels_the_other() -> None:
+    attempts: list[int] = []
+    cancelled: list[int] = []
+
+    async def call(shard: int, query: ShardQuery):
+        attempt = len(attempts)
+        attempts.append(attempt)
+        try:
+            await asyncio.sleep(1.0 if attempt == 0 else 0.01)  # the first call is the slow one
+        except asyncio.CancelledError:
+            cancelled.append(attempt)
+            raise
+        return attempt
+
+    hedges: list[bool] = []
+    result = asyncio.run(hedged(call, 0.05, lambda: hedges.append(True))(0, None))
+    assert (result, attempts, cancelled, hedges) == (1, [0, 1], [0], [True])
+
+
+def test_hedged_call_is_not_sent_twice_when_answered_in_time_and_fails_only_if_both_fail() -> None:
+    sent: list[int] = []
+
+    async def fast(shard: int, query: ShardQuery):
+        sent.append(shard)
+        return "ok"
+
+    assert asyncio.run(hedged(fast, 0.5)(3, None)) == "ok" and sent == [3]
+
+    async def broken(shard: int, query: ShardQuery):
+        await asyncio.sleep(0.1)
+        raise ConnectionError("replica gone")
+
+    with pytest.raises(ConnectionError):
+        asyncio.run(hedged(broken, 0.01)(0, None))

@@ -20,6 +20,7 @@ import pytest
 
 from core.datasets import load_dataset
 from index_build.job import build_index
+from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
@@ -61,8 +62,8 @@ def test_every_dashboard_query_names_an_exported_metric(ray_cluster, tmp_path: P
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     url = deploy(str(index), port=PORT, app_name="grafana", route_prefix="/grafana", max_in_flight=2,
-                 shard_timeout_s=0.2, debug_search_delay_s={"shard-000": 0.4}, shard_num_cpus=0.1,
-                 router_num_cpus=0.1)
+                 shard_timeout_s=0.2, shard_class=slow_shards(search_s={"shard-000": 0.4}),
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
 

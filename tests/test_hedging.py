@@ -11,6 +11,7 @@ import pytest
 
 from core.datasets import load_dataset
 from index_build.job import build_index
+from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
@@ -22,7 +23,7 @@ def test_hedging_routes_around_a_slow_replica(ray_cluster, tmp_path: Path) -> No
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     queries = load_dataset("fashion-mnist", num_queries=30).queries
-    common = {"replicas_per_shard": 2, "debug_rank0_delay_s": {"shard-000": 0.6},
+    common = {"replicas_per_shard": 2, "shard_class": slow_shards(rank0_search_s={"shard-000": 0.6}),
               "shard_num_cpus": 0.1, "router_num_cpus": 0.1}
 
     def latencies(url: str) -> list[float]:

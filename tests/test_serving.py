@@ -17,6 +17,7 @@ from core.searcher import load_all_shards
 from index_build.job import build_index
 from serving.evaluate import evaluate
 from tests.conftest import run_cli
+from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
@@ -193,7 +194,7 @@ def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_ind
     from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, app_name="slow", route_prefix="/slow",
-                 shard_timeout_s=0.3, debug_search_delay_s={"shard-002": 1.0},
+                 shard_timeout_s=0.3, shard_class=slow_shards(search_s={"shard-002": 1.0}),
                  shard_num_cpus=0.1, router_num_cpus=0.1)
     try:
         partial = httpx.post(f"{url}/v1/search", content=orjson.dumps(
@@ -216,7 +217,7 @@ def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> No
     from deployments.run import deploy, undeploy
 
     deploy(str(fm_index), port=PORT, app_name="late", route_prefix="/late", wait=False,
-           debug_load_delay_s={"shard-001": 12.0}, shard_num_cpus=0.1, router_num_cpus=0.1)
+           shard_class=slow_shards(load_s={"shard-001": 12.0}), shard_num_cpus=0.1, router_num_cpus=0.1)
     statuses: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -244,7 +245,7 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
     from deployments.run import deploy, undeploy
 
     url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
-                 body_timeout_s=1.5, debug_search_delay_s={"shard-000": 0.5}, shard_num_cpus=0.1,
+                 body_timeout_s=1.5, shard_class=slow_shards(search_s={"shard-000": 0.5}), shard_num_cpus=0.1,
                  router_num_cpus=0.1)
     body = orjson.dumps({"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY)
 

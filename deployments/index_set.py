@@ -1,0 +1,108 @@
+"""One index version as a router sees it: its manifest, a Serve handle and a shard link per shard,
+and the coarse quantizer that IVF batches run once in the router."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+from ray.serve.handle import DeploymentHandle
+
+from core.api import ParsedQuery
+from core.fanout import Prepare, QueryResult, ShardCall, hedged, plain_query, search_batch
+from core.indexes import supported_params
+from core.manifest import Manifest, read_manifest
+from core.ray_private import deployment_handle_unchecked
+from core.searcher import CoarseAssigner
+from core.shard_link import ShardLinks
+from core.shard_wire import ShardQuery, decode_answer
+from core.storage import Location
+from deployments.config import INDEX_INGRESS
+from deployments.metrics import RouterMetrics
+from deployments.shard_calls import call_shard, shard_handle
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class IndexSet:
+    """A request is answered by exactly one of these, even while a swap replaces it."""
+
+    generation: int
+    app: str
+    manifest: Manifest
+    shards: list[DeploymentHandle]  # with the shard-call options (deployments.shard_calls)
+    supported: frozenset[str]
+    assigner: CoarseAssigner | None  # IVF: the coarse quantizer, run once per batch in the router
+    links: ShardLinks | None  # a TCP link per shard replica (None: Serve handle calls only)
+    directory: DeploymentHandle  # the version's ingress: where each shard replica listens
+
+    @classmethod
+    async def load(cls, generation: int, index: str, app: str, use_links: bool) -> IndexSet:
+        """Files are read in a thread; handles are made on the replica's event loop (Serve's
+        throughput-optimised handles refuse to be set up outside it)."""
+        manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
+        shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
+        directory = deployment_handle_unchecked(INDEX_INGRESS, app)
+        loaded = cls(generation, app, manifest, shards, supported, assigner,
+                     ShardLinks(len(shards)) if use_links else None, directory)
+        await loaded.refresh_links(timeout_s=2.0)
+        return loaded
+
+    async def refresh_links(self, timeout_s: float = 5.0) -> None:
+        """Follow the directory (replicas started, moved or gone). Best effort: a shard without a
+        link is called through Serve."""
+        if self.links is None:
+            return
+        try:
+            endpoints = await asyncio.wait_for(self.directory.endpoints.remote(), timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("shard link directory of %s not reachable: %s", self.app, exc)
+            return
+        self.links.update(endpoints)
+
+    async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+        """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""
+        link = self.links.pick(shard) if self.links is not None else None
+        if link is not None:
+            try:
+                return decode_answer(await link.call(query.encode()))
+            except ConnectionError:
+                self.links.drop(shard, link)
+        return await call_shard(self.shards[shard], query)
+
+    def search(self, queries: list[ParsedQuery], executor: Executor, timeout_s: float, hedge_after_s: float,
+               metrics: RouterMetrics) -> Awaitable[list[QueryResult]]:
+        """One batch of this version's queries: IVF lists assigned once here (in `executor`, off
+        the event loop), then one call per shard, hedged after `hedge_after_s` when that is set."""
+        call: ShardCall = self.call
+        if hedge_after_s:
+            call = hedged(call, hedge_after_s, metrics.hedged.inc)
+        prepare: Prepare = plain_query
+        if self.assigner is not None:
+            assigner, loop = self.assigner, asyncio.get_running_loop()
+
+            def prepare(matrix: np.ndarray, k: int, params: dict) -> Awaitable[ShardQuery]:
+                return loop.run_in_executor(executor, assigner.query, matrix, k, params)
+        return search_batch(queries, call, len(self.shards), self.manifest.metric != "l2", timeout_s,
+                            metrics.shard_done, prepare)
+
+    async def shard_infos(self, timeout_s: float) -> list[dict]:
+        return await asyncio.wait_for(asyncio.gather(*[s.info.remote() for s in self.shards]), timeout_s)
+
+    def link_counts(self) -> list[int]:
+        """Replicas reached over a link, per shard (0: that shard is called through Serve)."""
+        return self.links.count() if self.links is not None else [0] * len(self.shards)
+
+    @staticmethod
+    def _read(index: str) -> tuple[Manifest, CoarseAssigner | None, frozenset[str]]:
+        location = Location.parse(index)
+        manifest = read_manifest(location)
+        return (manifest, CoarseAssigner.load(location, manifest),
+                frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))

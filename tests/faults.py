@@ -1,0 +1,37 @@
+"""Fault injection the tests install: a ShardDeployment subclass that is slow where a test says.
+
+Production classes carry no test switches; a test passes `shard_class=slow_shards(...)` to
+`deployments.run.deploy`. The subclass is made inside a function, so Ray pickles it by value and
+shard replicas need no access to this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from deployments.shard import ShardDeployment
+
+
+def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, float] | None = None,
+                rank0_search_s: dict[str, float] | None = None) -> type:
+    """Shard name -> extra seconds before it loads (`load_s`), per search call (`search_s`), or per
+    search call in that shard's rank-0 replica only (`rank0_search_s`: one slow replica of several)."""
+    load_s, search_s, rank0_search_s = load_s or {}, search_s or {}, rank0_search_s or {}
+
+    class SlowShard(ShardDeployment.func_or_class):
+        async def __init__(self, *args, **kwargs):
+            from ray import serve
+
+            context = serve.get_replica_context()
+            await asyncio.sleep(load_s.get(context.deployment, 0.0))
+            self.delay_s = search_s.get(context.deployment, 0.0)
+            if context.rank.rank == 0:
+                self.delay_s += rank0_search_s.get(context.deployment, 0.0)
+            await super().__init__(*args, **kwargs)
+
+        async def search(self, query: bytes) -> bytes:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return await super().search(query)
+
+    return SlowShard
