@@ -19,10 +19,13 @@ an IVF shard, d x (nlist + nprobe x N_shard / nlist); the Serve/Python part does
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from core.errors import ShardserveError
 
 
 @dataclass(frozen=True)
@@ -120,14 +123,16 @@ def scaled_cpu_ms(model: CapacityModel, faiss_ms_per_shard: float | None, measur
     return cpu_ms
 
 
-def faiss_ms_per_query(index_dir: str, queries, params: dict, batch: int = 32) -> float:
-    """Measured here, in-process: FAISS milliseconds per query per shard at a router-sized batch."""
+def faiss_ms_per_query(index_dir: str, params: dict, batch: int = 32) -> float:
+    """Measured here, in-process: FAISS milliseconds per query per shard at a router-sized batch, on
+    held-out queries of the dataset the index was built from (its manifest names it)."""
     import time
 
+    from core.datasets import load_dataset
     from core.searcher import load_all_shards
 
-    _, searchers = load_all_shards(index_dir)
-    matrix = queries[:batch]
+    manifest, searchers = load_all_shards(index_dir)
+    matrix = load_dataset(manifest.dataset.name, num_queries=batch).queries
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
@@ -135,3 +140,47 @@ def faiss_ms_per_query(index_dir: str, queries, params: dict, batch: int = 32) -
             searcher.search(matrix, 10, params)
         best = min(best, (time.perf_counter() - start) * 1000.0 / (len(searchers) * len(matrix)))
     return best
+
+
+@dataclass
+class CapacityPlan:
+    """`shardserve plan`'s answer: the model fitted on a layouts record, its check against every
+    measured layout, and (for a target QPS) the cheapest layouts that reach it."""
+
+    model: CapacityModel
+    record: dict
+    fitted: int
+    checks: list[tuple[dict, Layout]]
+    options: list[dict] = field(default_factory=list)
+    vectors: int | None = None
+    faiss_ms: float | None = None
+
+
+def plan_from_record(record_path: str, target_qps: float | None = None, cores_per_node: float = 8,
+                     memory_per_node_gb: float = 32, vectors: int | None = None,
+                     index_dir: str | None = None, bytes_per_vector: float = 3200,
+                     top: int = 5) -> CapacityPlan:
+    try:
+        with open(record_path) as handle:
+            record = json.load(handle)
+        measured = [(Layout(lay["shards"], lay["replicas_per_shard"], record["machine"]["cores"],
+                            lay["knee"]["qps"], lay["knee"]["p99_ms"]), lay) for lay in record["layouts"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ShardserveError(f"{record_path}: not a layouts record ({type(exc).__name__}: {exc})") from None
+    fitted = [layout for layout, _ in measured if layout.replicas_per_shard == 1]
+    model = fit(fitted)
+    rows = check(model, [m for m, _ in measured], {(f.shards, f.replicas_per_shard) for f in fitted})
+    result = CapacityPlan(model, record, len(fitted), list(zip(rows, [m for m, _ in measured], strict=True)))
+    if not target_qps:
+        return result
+    base = max((lay for _, lay in measured), key=lambda lay: lay["shards"])
+    params = record["load"]["params"]
+    result.faiss_ms = faiss_ms_per_query(index_dir, params) if index_dir else None
+    nlist = int(base["factory"].split(",")[0].removeprefix("IVF") or 1)
+    result.vectors = vectors or base["vectors"]
+    cpu_ms = scaled_cpu_ms(model, result.faiss_ms, base["vectors"], result.vectors, nlist,
+                           params.get("nprobe", 1))
+    index_bytes = (base["index_bytes"] * result.vectors / base["vectors"] if "index_bytes" in base
+                   else result.vectors * bytes_per_vector)
+    result.options = plan(cpu_ms, target_qps, cores_per_node, index_bytes, memory_per_node_gb)[:top]
+    return result

@@ -138,51 +138,28 @@ def _swap(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from serving.capacity import Layout, check, fit, plan, scaled_cpu_ms
+    from serving.capacity import plan_from_record
 
-    try:
-        with open(args.record) as handle:
-            record = json.load(handle)
-        measured = [(Layout(lay["shards"], lay["replicas_per_shard"], record["machine"]["cores"],
-                            lay["knee"]["qps"], lay["knee"]["p99_ms"]), lay) for lay in record["layouts"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ShardserveError(f"{args.record}: not a layouts record ({type(exc).__name__}: {exc})") from None
-    fitted = [layout for layout, _ in measured if layout.replicas_per_shard == 1]
-    model = fit(fitted)
+    result = plan_from_record(args.record, args.target_qps, args.cores_per_node, args.memory_per_node_gb,
+                              args.vectors, args.index_dir, args.bytes_per_vector, args.top)
+    model, cores = result.model, result.record["machine"]["cores"]
     print(f"model: cpu_ms(S) = {model.fixed_ms:.3f} + {model.per_shard_ms:.3f} x S  "
-          f"(fitted on {len(fitted)} one-replica layouts of {args.record}, "
-          f"{record['machine']['cores']} cores)")
+          f"(fitted on {result.fitted} one-replica layouts of {args.record}, {cores} cores)")
     print(f"{'layout':>7} {'measured':>9} {'predicted':>10} {'error':>7}  role   p99@knee")
-    for row, (layout, _) in zip(check(model, [m for m, _ in measured],
-                                      {(f.shards, f.replicas_per_shard) for f in fitted}), measured,
-                                strict=True):
+    for row, layout in result.checks:
         print(f"{row['layout']:>7} {row['measured_qps']:>9.0f} {row['predicted_qps']:>10.0f} "
               f"{row['error']:>+7.1%}  {row['role']:<5}  {layout.p99_ms:.1f} ms")
-    if args.target_qps:
-        base = max((lay for _, lay in measured), key=lambda lay: lay["shards"])
-        params = record["load"]["params"]
-        faiss_ms = None
-        if args.index_dir:
-            from core.datasets import load_dataset
-            from serving.capacity import faiss_ms_per_query
-
-            faiss_ms = faiss_ms_per_query(args.index_dir, load_dataset("fashion-mnist", num_queries=64)
-                                          .queries, params)
-        nlist = int(base["factory"].split(",")[0].removeprefix("IVF") or 1)
-        vectors = args.vectors or base["vectors"]
-        cpu_ms = scaled_cpu_ms(model, faiss_ms, base["vectors"], vectors, nlist, params.get("nprobe", 1))
-        share = (f"FAISS {faiss_ms:.3f} ms/query/shard measured in-process on {args.index_dir}"
-                 if faiss_ms is not None else "whole per-shard cost scaled (no --index-dir: upper bound)")
-        print(f"\nfor {args.target_qps:.0f} req/s at {vectors} vectors on {args.cores_per_node:g}-core "
-              f"{args.memory_per_node_gb:g} GB nodes, 80% of the knee; {share}:")
-        index_bytes = base["index_bytes"] * vectors / base["vectors"] if "index_bytes" in base else \
-            vectors * args.bytes_per_vector
-        for option in plan(cpu_ms, args.target_qps, args.cores_per_node, index_bytes,
-                           args.memory_per_node_gb)[:args.top]:
-            nodes = "does not fit" if option["nodes"] is None else f"{option['nodes']:>4} nodes"
-            print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>4} replicas: "
-                  f"{option['cores']:>8.1f} cores, {option['gb_per_replica']:>6.2f} GB/replica, {nodes}"
-                  f"  ({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
+    if not args.target_qps:
+        return
+    share = (f"FAISS {result.faiss_ms:.3f} ms/query/shard measured in-process on {args.index_dir}"
+             if result.faiss_ms is not None else "whole per-shard cost scaled (no --index-dir: upper bound)")
+    print(f"\nfor {args.target_qps:.0f} req/s at {result.vectors} vectors on {args.cores_per_node:g}-core "
+          f"{args.memory_per_node_gb:g} GB nodes, 80% of the knee; {share}:")
+    for option in result.options:
+        nodes = "does not fit" if option["nodes"] is None else f"{option['nodes']:>4} nodes"
+        print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>4} replicas: "
+              f"{option['cores']:>8.1f} cores, {option['gb_per_replica']:>6.2f} GB/replica, {nodes}"
+              f"  ({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
 
 
 def _edge_config(args: argparse.Namespace) -> None:

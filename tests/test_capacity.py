@@ -58,3 +58,25 @@ def test_model_against_the_committed_layouts_record() -> None:
     rows = check(fit(fitted), layouts, {(lay.shards, 1) for lay in fitted})
     assert any(row["role"] == "test" for row in rows)
     assert all(abs(row["error"]) <= 0.20 for row in rows), rows
+
+
+def test_plan_from_the_committed_record_reaches_the_target(tmp_path) -> None:
+    """`shardserve plan`'s logic, without the CLI: every option offered reaches the target at 80% of
+    its knee, cheapest first; a file that is not a layouts record is one clear error."""
+    from core.errors import ShardserveError
+    from serving.capacity import plan_from_record
+    from tests.conftest import REPO
+
+    result = plan_from_record(str(REPO / "loadtests" / "records" / "layouts.json"), target_qps=5000,
+                              cores_per_node=16, memory_per_node_gb=64, vectors=1_000_000)
+    assert result.vectors == 1_000_000 and result.faiss_ms is None and result.options
+    assert all(row["layout"] for row, _ in result.checks)
+    cores = [option["cores"] for option in result.options]
+    assert cores == sorted(cores)
+    for option in result.options:
+        knee = option["cores"] * 1000.0 / option["cpu_ms_per_request"]
+        assert 0.8 * knee >= 5000 * 0.999
+    bad = tmp_path / "not-a-record.json"
+    bad.write_text("{}")
+    with pytest.raises(ShardserveError, match="not a layouts record"):
+        plan_from_record(str(bad))
