@@ -77,10 +77,15 @@ class IndexVersion:
         return result.ids
 
 
-def build_index_app(args: dict, shard_class: type | None = None) -> Application:
-    """The shard deployments of `args['index']` (named like the shards) bound into their ingress.
+def build_index_app(args: dict) -> Application:
+    """The shard deployments of `args['index']` (named like the shards) bound into their ingress
+    (a Serve app builder: exactly one argument)."""
+    return index_app(args)
 
-    `shard_class`, a subclass of ShardDeployment's class, replaces it (the tests inject faults so)."""
+
+def index_app(args: dict, shard_class: type | None = None) -> Application:
+    """build_index_app; `shard_class`, a subclass of ShardDeployment's class, replaces it (the
+    tests inject faults so)."""
     app_args = AppArgs.model_validate(args)
     manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
     link = app_args.shard_transport == "link"

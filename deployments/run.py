@@ -21,13 +21,13 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     from deployments.app import build_app
     from deployments.config import AppArgs, index_app_name
     from deployments.control import forget_pointer
-    from deployments.index_version import build_index_app
+    from deployments.index_version import index_app
 
     args = AppArgs(index=_absolute(index), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
     forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
-    run_app(build_index_app(args, shard_class), index_app_name(app_name), None, blocking=wait)
+    run_app(index_app(args, shard_class), index_app_name(app_name), None, blocking=wait)
     run_app(build_app(args), app_name, route_prefix, blocking=wait)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     if wait:

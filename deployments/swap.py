@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 
 import numpy as np
 
+from core.background import run_on_loop
 from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
 from core.groundtruth import ground_truth, recall_at_k
@@ -31,19 +31,6 @@ from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
 
 logger = logging.getLogger(__name__)
 CONTROL = "IndexControl"
-
-
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _run(coroutine):
-    """Run on one long-lived loop: Serve caches handles per process and binds them to the loop they
-    were first used on (a closed `asyncio.run` loop breaks later calls and serve.shutdown)."""
-    global _loop
-    if _loop is None:
-        _loop = asyncio.new_event_loop()
-        threading.Thread(target=_loop.run_forever, name="shardserve-swap", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result()
 
 
 class GateFailed(ShardserveError):
@@ -206,7 +193,7 @@ def swap_index(new_index: str, app_name: str = "shardserve", dataset_spec: str |
         import os
 
         new_index = os.path.abspath(new_index)
-    return _run(_swap(new_index, app_name, dataset_spec, min_recall, keep_previous, skip_gate,
+    return run_on_loop(_swap(new_index, app_name, dataset_spec, min_recall, keep_previous, skip_gate,
                       timeout_s))
 
 
@@ -217,7 +204,7 @@ def rollback(app_name: str = "shardserve", timeout_s: float = 300.0) -> dict:
     async def previous() -> dict | None:
         return (await serve.get_deployment_handle(CONTROL, app_name).describe.remote())["previous"]
 
-    before = _run(previous())
+    before = run_on_loop(previous())
     if before is None:
         raise ShardserveError(f"{app_name} has not been swapped: nothing to roll back to")
     return swap_index(before["index"], app_name, skip_gate=True, timeout_s=timeout_s)

@@ -12,35 +12,22 @@ import argparse
 import json
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from core.datasets import load_dataset
-from loadtests.record import RECORDS, index_info, machine
+from loadtests.during import ReplicaWatcher
+from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import VEGETA, assert_loopback, vegeta_version
-
-
-def watch_replicas(app: str, stop: threading.Event, samples: list[dict], period_s: float = 1.0) -> None:
-    from deployments.run import shard_replicas
-
-    while not stop.is_set():
-        started = time.time()
-        try:
-            samples.append({"t": started, "replicas": shard_replicas(app)})
-        except Exception as exc:  # keep watching through transient controller hiccups
-            samples.append({"t": started, "error": type(exc).__name__})
-        stop.wait(max(0.0, period_s - (time.time() - started)))
+from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
 
 
 def attack_phase(targets: Path, rate: int, seconds: float, out: Path) -> None:
     with out.open("wb") as sink:
-        subprocess.run([str(VEGETA), "attack", "-format=json", f"-targets={targets}", f"-rate={rate}/s",
-                        f"-duration={seconds}s", "-timeout=10s", "-workers=16", "-max-workers=512"],
+        subprocess.run([str(VEGETA), "attack", *attack_flags(targets, seconds, rate=rate, max_workers=512)],
                        stdout=sink, check=True)
 
 
@@ -48,10 +35,7 @@ def per_second(results: list[Path], start: float) -> list[dict]:
     """Bin every request by the second it was sent: QPS, latency percentiles, status codes."""
     bins: dict[int, dict] = {}
     for path in results:
-        encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(path)], capture_output=True,
-                                 text=True, check=True).stdout
-        for line in encoded.splitlines():
-            hit = json.loads(line)
+        for hit in decode(path):
             second = int(parse_timestamp(hit["timestamp"]) - start)
             entry = bins.setdefault(second, {"latencies": [], "codes": {}})
             entry["latencies"].append(hit["latency"] / 1e6)
@@ -128,14 +112,10 @@ def main() -> None:
     ray.init(address="auto", log_to_driver=False)
     queries = load_dataset(args.dataset).queries
     phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
-    samples: list[dict] = []
-    stop = threading.Event()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app) as watcher:
         targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
             queries, args.url, 10, {"nprobe": args.nprobe} if args.nprobe else None, 0, 2000))
-        watcher = threading.Thread(target=watch_replicas, args=(args.app, stop, samples), daemon=True)
         start = time.time()
-        watcher.start()
         results = []
         for number, (multiple, seconds) in enumerate(phases):
             out = Path(tmp) / f"phase-{number}.bin"
@@ -143,15 +123,12 @@ def main() -> None:
             print(f"phase {number}: {multiple:g} x knee = {rate:.0f}/s for {seconds:g} s", flush=True)
             attack_phase(targets, max(1, round(rate)), seconds, out)
             results.append(out)
-        time.sleep(5)
-        stop.set()
-        watcher.join()
+        time.sleep(5)  # the replicas after the load, too
         seconds_rows = per_second(results, start)
-    record = {"name": args.name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "index": index_info(args.url),
-              "tool": {"name": "vegeta", "version": vegeta_version()}, "knee_rate": args.knee_rate,
-              "phases": [{"multiple_of_knee": m, "seconds": s} for m, s in phases], "start": start,
-              "replicas": samples, "seconds": seconds_rows}
+    samples = watcher.samples
+    record = header(args.name, index=index_info(args.url), knee_rate=args.knee_rate,
+                    phases=[{"multiple_of_knee": m, "seconds": s} for m, s in phases], start=start,
+                    replicas=samples, seconds=seconds_rows)
     burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
     if burst is not None:
         record["burst_at_s"] = sum(s for _, s in phases[:burst])

@@ -30,7 +30,7 @@ from core.procfs import CpuMeter
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import new_record, save
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack, vegeta_version
+from loadtests.vegeta_run import attack
 
 SERVE_PORT = 18000
 BASELINE_PORT = 18100
@@ -243,7 +243,6 @@ def main() -> None:
     record = new_record(args.name, bench.levels,
                         {"version": manifest.index_version, "factory": manifest.index_factory,
                          "shards": len(manifest.shards), "replicas": 1, "params": params},
-                        {"name": "vegeta", "version": vegeta_version()},
                         baselines={"in_process": limit}, ratios=checks,
                         not_covered=["open-loop overload (see sweep.sh -r / autoscaling issue)",
                                      "multi-node fan-out", "replica failure during load",

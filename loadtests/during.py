@@ -10,12 +10,14 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 from loadtests.report import parse_timestamp
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import VEGETA, assert_loopback
+from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
 
 
 class BackgroundLoad:
@@ -29,9 +31,8 @@ class BackgroundLoad:
         self.targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, params,
                                                                           count=1000))
         self.output = work / "results.bin"
-        self.flags = [f"-rate={rate:g}/s", f"-duration={duration_s}s", f"-timeout={timeout_s}s",
-                      "-format=json", f"-targets={self.targets}", "-workers=16", "-max-workers=256",
-                      f"-output={self.output}"]
+        self.flags = [*attack_flags(self.targets, duration_s, rate=rate, timeout_s=timeout_s,
+                                    max_workers=256), f"-output={self.output}"]
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> BackgroundLoad:
@@ -49,9 +50,38 @@ class BackgroundLoad:
         self.process.wait(timeout=600)
 
     def results(self) -> list[dict]:
-        encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(self.output)],
-                                 capture_output=True, text=True, check=True).stdout
-        return [json.loads(line) for line in encoded.splitlines() if line.strip()]
+        return decode(self.output)
+
+
+class ReplicaWatcher:
+    """`with ReplicaWatcher(app) as watcher: <load>`; then `watcher.samples`: RUNNING replicas of
+    each shard deployment, once per `period_s`, as {"t": wall-clock s, "replicas": {name: n}} (or
+    {"t", "error"} when Serve's status was not readable at that instant)."""
+
+    def __init__(self, app: str, period_s: float = 1.0):
+        self.app, self.period_s = app, period_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="replica-watcher", daemon=True)
+
+    def __enter__(self) -> ReplicaWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        from deployments.run import shard_replicas
+
+        while not self._stop.is_set():
+            started = time.time()
+            try:
+                self.samples.append({"t": started, "replicas": shard_replicas(self.app)})
+            except Exception as exc:  # keep watching through transient controller hiccups
+                self.samples.append({"t": started, "error": type(exc).__name__})
+            self._stop.wait(max(0.0, self.period_s - (time.time() - started)))
 
 
 def tally(hits: list[dict], events: dict[str, float] | None = None) -> dict:

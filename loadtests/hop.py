@@ -18,7 +18,7 @@ import numpy as np
 
 from core.procfs import CpuMeter
 from core.shard_wire import ShardQuery, decode_answer, encode_answer
-from loadtests.record import machine, save
+from loadtests.record import header, save
 
 SHARDS = 4
 DIM = 784
@@ -129,12 +129,10 @@ def _save(args: argparse.Namespace, results: list[dict]) -> None:
     best = {rows: min((r for r in results if r["rows"] == rows),
                       key=lambda r: r["cpu_ms_per_fanout"]["total"])
             for rows in {r["rows"] for r in results}}
-    record = {"name": "hop", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "fanouts": args.fanouts, "shards": SHARDS,
-              "dim": DIM, "k": K, "results": results,
-              "lowest_cpu": {str(rows): r["variant"] for rows, r in best.items()},
-              "not_covered": ["real FAISS work on the shards (see bench.json)", "multi-node hops",
-                              "concurrent fan-outs (one in flight at a time)"]}
+    record = header("hop", tool=None, fanouts=args.fanouts, shards=SHARDS, dim=DIM, k=K, results=results,
+                    lowest_cpu={str(rows): r["variant"] for rows, r in best.items()},
+                    not_covered=["real FAISS work on the shards (see bench.json)", "multi-node hops",
+                                 "concurrent fan-outs (one in flight at a time)"])
     print(f"record: {save(record)}")
 
 

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 from core.datasets import load_dataset
 from core.manifest import read_manifest
 from core.storage import Location
 from loadtests.knee import find_knee
-from loadtests.record import RECORDS, machine, save
+from loadtests.record import RECORDS, header, save
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack, vegeta_version
+from loadtests.vegeta_run import attack
 
 PORT = 18700
 LAYOUTS = ((1, 1), (2, 1), (4, 1), (2, 2), (4, 2))  # (shards, replicas per shard)
@@ -70,8 +69,7 @@ def main() -> None:
     finally:
         if started:
             shutdown_ray()
-    record = {"name": "layouts", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "tool": {"name": "vegeta", "version": vegeta_version()},
+    record = {**header("layouts"),
               "load": {"mode": "concurrency", "levels": list(LEVELS), "duration_s": args.duration,
                        "params": {"nprobe": args.nprobe}, "query": "single vector, k=10"},
               "layouts": layouts}

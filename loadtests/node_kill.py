@@ -11,10 +11,8 @@ python -m loadtests.node_kill --index indexes/fashion-mnist-ivf1024-4 [--rate 10
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,10 +20,11 @@ import httpx
 import numpy as np
 import orjson
 
+from core.background import run_on_loop
 from core.datasets import load_dataset
-from loadtests.during import BackgroundLoad, tally
+from loadtests.during import BackgroundLoad, ReplicaWatcher, tally
 from loadtests.local_cluster import LocalCluster
-from loadtests.record import RECORDS, index_info, machine, save
+from loadtests.record import RECORDS, header, index_info, save
 
 HTTP_PORT = 18500
 WORKERS = [{"shard_host": 4, "node_w1": 1}, {"shard_host": 4, "node_w2": 1}]
@@ -43,15 +42,7 @@ def shard_placement(app: str) -> dict[str, str]:
 
     by_node = {n["NodeID"]: next((r for r in n["Resources"] if r.startswith("node_w")), "head")
                for n in ray.nodes() if n["Alive"]}
-    return {s["name"]: by_node.get(s["node_id"], "?") for s in _on_loop(infos())["shards"]}
-
-
-_loop = asyncio.new_event_loop()
-threading.Thread(target=_loop.run_forever, daemon=True).start()
-
-
-def _on_loop(coroutine):
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result(timeout=60)
+    return {s["name"]: by_node.get(s["node_id"], "?") for s in run_on_loop(infos(), timeout_s=60)["shards"]}
 
 
 def answers_equal_single_node(url: str, index: str, queries: np.ndarray, params: dict) -> bool:
@@ -74,7 +65,7 @@ def node_kill_run(index: str, rate: float = 100.0, duration_s: float = 30.0, lea
         os.environ.update(cluster.driver_env())
         import ray
 
-        from deployments.run import deploy, shard_replicas
+        from deployments.run import deploy
 
         ray.init(address=cluster.address, log_to_driver=False)
         try:
@@ -84,22 +75,8 @@ def node_kill_run(index: str, rate: float = 100.0, duration_s: float = 30.0, lea
             equal = answers_equal_single_node(url, index, queries[:64], params)
             victim = 2
             lost_shards = sorted(s for s, node in placement_before.items() if node == f"node_w{victim}")
-            replicas: list[dict] = []
             events: dict[str, float] = {}
-            stop = threading.Event()
-
-            def watch() -> None:
-                while not stop.is_set():
-                    with_time = {"t": time.time()}
-                    try:
-                        with_time["running"] = shard_replicas("shardserve")
-                    except Exception as exc:
-                        with_time["error"] = type(exc).__name__
-                    replicas.append(with_time)
-                    stop.wait(1.0)
-
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
+            watcher = ReplicaWatcher("shardserve").__enter__()
             with tempfile.TemporaryDirectory() as work:
                 load = BackgroundLoad(url, queries, rate, duration_s, Path(work), params)
                 with load:
@@ -111,13 +88,11 @@ def node_kill_run(index: str, rate: float = 100.0, duration_s: float = 30.0, lea
             while (time.monotonic() < deadline
                    and httpx.get(f"{url}/v1/health", timeout=10).status_code != 200):
                 time.sleep(1)
-            stop.set()
-            watcher.join()
+            watcher.__exit__(None, None, None)
             placement_after = shard_placement("shardserve")
             result = tally(hits, events)
             record = {
-                "name": "node-kill", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(), "index": index_info(url),
+                **header("node-kill"), "index": index_info(url),
                 "cluster": {"nodes": "head (router, pointer, HAProxy) + 2 worker raylets (shards)",
                             "workers": WORKERS, "killed": f"node_w{victim} (SIGKILL raylet + workers)",
                             "shards_on_killed_node": lost_shards},
@@ -128,7 +103,7 @@ def node_kill_run(index: str, rate: float = 100.0, duration_s: float = 30.0, lea
                                         "head-node failure (router, Serve controller) is not tested"},
                 "result": result, "restored_s": restored_after(result),
                 "replicas_timeline": [{"t": round(r["t"] - events["worker_killed"], 1),
-                                       **{k: v for k, v in r.items() if k != "t"}} for r in replicas],
+                                       **{k: v for k, v in r.items() if k != "t"}} for r in watcher.samples],
             }
             return record
         finally:

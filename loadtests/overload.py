@@ -15,9 +15,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from core.datasets import load_dataset
-from loadtests.record import RECORDS, index_info, machine, save
+from loadtests.record import RECORDS, header, index_info, save
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import assert_loopback, attack, vegeta_version
+from loadtests.vegeta_run import assert_loopback, attack
 from serving.edge import write_edge
 
 
@@ -54,9 +54,7 @@ def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_fligh
         finally:
             edge.terminate()
             edge.wait(timeout=10)
-    return {"name": "overload-edge", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine(), "index": index_info(url),
-            "tool": {"name": "vegeta", "version": vegeta_version()},
+    return {**header("overload-edge", index=index_info(url)),
             "edge": {"max_in_flight": max_in_flight, "queue_timeout_ms": queue_timeout_ms},
             "not_covered": "one open-loop rate, single-vector queries, loopback, vegeta on the same "
                            "2 cores as the server",

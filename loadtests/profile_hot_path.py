@@ -23,7 +23,7 @@ from core.datasets import load_dataset
 from core.procfs import cmdline, pids_matching, process_class
 from loadtests.record import index_info, new_record, save
 from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack, vegeta_version
+from loadtests.vegeta_run import attack
 
 PORT = 18000
 
@@ -100,8 +100,7 @@ def main() -> None:
     finally:
         if started:
             shutdown_ray()
-    record = new_record(args.name, [level], index,
-                        {"name": "vegeta", "version": vegeta_version()}, profiles=profiles,
+    record = new_record(args.name, [level], index, profiles=profiles,
                         not_covered=["native (C/C++) frames: FAISS and Ray core show as their Python caller",
                                      "processes other than the router and one shard"])
     print(f"record: {save(record)}")

@@ -43,9 +43,26 @@ def index_info(url: str) -> dict:
             "shards": len(info.get("shards", [])), "num_vectors": info.get("num_vectors")}
 
 
-def new_record(name: str, levels: list[dict], index: dict, tool: dict, **extra) -> dict:
-    record = {"name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine(), "index": index, "tool": tool, "levels": levels}
+VEGETA_TOOL = "vegeta"
+
+
+def header(name: str, tool: str | dict | None = VEGETA_TOOL, **fields) -> dict:
+    """What every record starts with: its name, when, on which machine, with which load tool
+    (`tool=None`: no load generator, e.g. in-process timings); `fields` follow."""
+    record: dict = {"name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "machine": machine()}
+    if tool == VEGETA_TOOL:
+        from loadtests.vegeta_run import vegeta_version
+
+        tool = {"name": "vegeta", "version": vegeta_version()}
+    if tool is not None:
+        record["tool"] = tool
+    record.update(fields)
+    return record
+
+
+def new_record(name: str, levels: list[dict], index: dict, tool: str | dict = VEGETA_TOOL, **extra) -> dict:
+    record = header(name, tool, index=index, levels=levels)
     knee = find_knee(levels) if len({lv["mode"] for lv in levels}) == 1 else None
     if knee:
         record["knee"] = knee

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
-from loadtests.record import RECORDS, index_info, machine, save
+from loadtests.record import RECORDS, header, index_info, save
 
 
 def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: float = 20.0,
@@ -32,8 +32,7 @@ def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: f
             report = swap_index(new_index, **swap_options)
             events["swap_done"] = time.time()
         hits = load.results()
-    return {"name": "swap-under-load", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine(), "index_before": before, "index_after": index_info(url),
+    return {**header("swap-under-load"), "index_before": before, "index_after": index_info(url),
             "load": {"rate": rate, "duration_s": duration_s, "params": params or {},
                      "not_covered": "one open-loop rate, single-vector queries, loopback only; "
                                     "requests refused before vegeta sent them are not counted"},

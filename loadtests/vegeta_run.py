@@ -1,8 +1,10 @@
-"""Run vegeta from Python (the benchmark) with the same flags the shell scripts use."""
+"""Run vegeta from Python, the one place its flags are spelled (the shell scripts in common.sh use
+the same ones): a closed-loop or open-loop attack, and the decoding of its results."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import resource
 import subprocess
@@ -40,6 +42,25 @@ def vegeta_version() -> str:
                 "unknown")
 
 
+def attack_flags(targets: Path, duration_s: float, *, rate: float | None = None,
+                 concurrency: int | None = None, timeout_s: float = 10.0,
+                 max_workers: int = 1024) -> list[str]:
+    """`vegeta attack` flags: open loop at `rate` req/s, or closed loop with `concurrency` workers
+    (rate=0: each worker sends its next request when the last one is answered)."""
+    flags = [f"-duration={duration_s:g}s", f"-timeout={timeout_s:g}s", "-format=json", f"-targets={targets}",
+             "-keepalive=true", "-http2=false"]
+    if concurrency is not None:
+        return [*flags, "-rate=0", f"-workers={int(concurrency)}", f"-max-workers={int(concurrency)}"]
+    return [*flags, f"-rate={rate:g}/s", "-workers=16", f"-max-workers={max_workers}"]
+
+
+def decode(results: Path) -> list[dict]:
+    """Every request of a vegeta results file (`vegeta encode --to json`), as dicts."""
+    encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,
+                             text=True, check=True).stdout
+    return [json.loads(line) for line in encoded.splitlines() if line.strip()]
+
+
 def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: Path, label: str,
            queries_per_request: int = 1, timeout_s: float = 10.0, meter: CpuMeter | None = None) -> dict:
     """One bounded level: closed loop (`concurrency`) or open loop (`rate`) → a records level.
@@ -48,12 +69,8 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / f"{label}.bin"
-    flags = [f"-duration={duration_s}s", f"-timeout={timeout_s}s", "-format=json",
-             f"-targets={targets}", "-keepalive=true", "-http2=false"]
-    if mode == "concurrency":
-        flags += ["-rate=0", f"-workers={int(value)}", f"-max-workers={int(value)}"]
-    else:
-        flags += [f"-rate={value:g}/s", "-workers=16", "-max-workers=1024"]
+    flags = (attack_flags(targets, duration_s, concurrency=int(value), timeout_s=timeout_s)
+             if mode == "concurrency" else attack_flags(targets, duration_s, rate=value, timeout_s=timeout_s))
     if meter is not None:
         meter.start()
     children_before = _children_cpu_s()

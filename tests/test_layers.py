@@ -80,3 +80,12 @@ def test_production_config_has_no_test_switches() -> None:
     from deployments.config import AppArgs
 
     assert [name for name in AppArgs.model_fields if name.startswith("debug")] == []
+
+
+def test_serve_app_builders_take_exactly_one_argument() -> None:
+    """Serve refuses (at deploy time, in the controller) a builder with any other signature."""
+    import inspect
+
+    from deployments.app import build_app, build_index_app
+
+    assert [len(inspect.signature(f).parameters) for f in (build_app, build_index_app)] == [1, 1]

@@ -73,3 +73,37 @@ def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         time.sleep(1)
+
+
+def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster, tmp_path: Path) -> None:
+    """`shardserve serve` that joined someone's cluster (RAY_ADDRESS) deletes, on Ctrl-C, only the
+    apps it deployed: another app on that cluster keeps serving, and the cluster keeps running."""
+    from ray import serve
+
+    from deployments.run import deploy, undeploy, wait_until_healthy
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    bystander = deploy(str(index), port=PORT, app_name="bystander", route_prefix="/bystander",
+                       shard_num_cpus=0.1, router_num_cpus=0.1)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    process = subprocess.Popen([str(Path(sys.executable).parent / "shardserve"), "serve", str(index),
+                                "--port", str(PORT)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=180)
+        assert "shardserve" in serve.status().applications
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=180)
+        assert process.returncode == 0, output
+        apps = serve.status().applications
+        assert not [name for name in apps if name.startswith("shardserve")], list(apps)
+        assert apps["bystander"].status == "RUNNING"
+        assert httpx.get(f"{bystander}/v1/health", timeout=10).status_code == 200
+        assert ray_cluster.is_initialized()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        undeploy("shardserve")
+        undeploy("bystander")
