@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -60,6 +61,45 @@ class Manifest(_Strict):
         for shard in shards:
             digest.update(shard.sha256.encode())
         return digest.hexdigest()[:16]
+
+
+VERSIONS_DIR = "versions"  # versions/<build id>/: one published index version, never changed again
+
+
+def published(manifest: Manifest, version_dir: str) -> Manifest:
+    """The index directory's manifest for a version whose files (and own manifest, with paths
+    relative to it) live in `version_dir`."""
+    def moved(entry: ShardEntry) -> ShardEntry:
+        return entry.model_copy(update={"path": f"{version_dir}/{entry.path}"})
+
+    return manifest.model_copy(update={"shards": [moved(s) for s in manifest.shards],
+                                       "trained": moved(manifest.trained) if manifest.trained else None})
+
+
+def pinned_location(index: str) -> str:
+    """The immutable directory of the version `index` publishes now: deployments bind to it, so a
+    rebuild of `index` (`build --force`) never changes what a running or restarted replica reads.
+    An index built before version directories existed is its own (mutable) location."""
+    location = Location.parse(index)
+    manifest = read_manifest(location)
+    folders = {posixpath.dirname(s.path) for s in manifest.shards}
+    if len(folders) != 1 or not (folder := folders.pop()).startswith(f"{VERSIONS_DIR}/"):
+        return index
+    pinned = location.child(folder)
+    if read_manifest(pinned).index_version != manifest.index_version:
+        raise ShardserveError(f"{pinned.uri}: holds another version than {location.uri}/{MANIFEST} names")
+    return pinned.uri
+
+
+def read_version(location: Location, index_version: str | None) -> Manifest:
+    """The manifest at `location`, refused if it is not the version a replica was deployed for
+    (an index rebuilt in place under a running deployment)."""
+    manifest = read_manifest(location)
+    if index_version is not None and manifest.index_version != index_version:
+        raise ShardserveError(f"{location.uri} now holds index version {manifest.index_version}, not "
+                              f"{index_version} this deployment serves: refusing to mix two indexes "
+                              "(rebuilt in place? build into a new directory, then `shardserve swap`)")
+    return manifest
 
 
 def write_manifest(location: Location, manifest: Manifest) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import posixpath
 import uuid
@@ -39,6 +40,16 @@ class Location:
         if relative.startswith("/") or "\\" in relative or ".." in relative.split("/"):
             raise ShardserveError(f"path {relative!r} escapes the index directory")
         return posixpath.join(self.root, relative)
+
+    def child(self, relative: str) -> Location:
+        """The directory `relative` inside this one (confined like every manifest path)."""
+        return dataclasses.replace(self, root=self.path(relative), uri=f"{self.uri.rstrip('/')}/{relative}")
+
+    def delete_dir(self, only_if_empty: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError, OSError):
+            if only_if_empty and self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True)):
+                return
+            self.fs.delete_dir(self.root)
 
     def exists(self, relative: str) -> bool:
         return self.fs.get_file_info(self.path(relative)).type != pafs.FileType.NotFound

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from core.manifest import read_manifest
-from core.storage import Location
+from core.manifest import pinned_location
 from deployments.config import AppArgs
 from deployments.control import IndexControl
 from deployments.index_version import build_index_app  # noqa: F401  (re-exported for configs)
@@ -20,7 +19,8 @@ HOT_PATH_LOGGING = {"enable_access_log": False}
 def build_app(args: dict) -> Application:
     """The router ingress and the index pointer; the shards live in the index version's own app."""
     app_args = AppArgs.model_validate(args)
-    read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
+    # The version published now, in its immutable directory (fails here, not in every replica).
+    app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
     pinned = {"resources": dict(app_args.router_resources)} if app_args.router_resources else {}
     control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())
     return Router.options(

@@ -19,7 +19,7 @@ from ray.serve.handle import DeploymentHandle
 from core.api import ParsedQuery
 from core.fanout import plain_query, search_batch
 from core.indexes import prepare_vectors
-from core.manifest import read_manifest
+from core.manifest import pinned_location, read_manifest
 from core.searcher import CoarseAssigner
 from core.shard_link import EndpointDirectory
 from core.shard_wire import ShardQuery
@@ -87,7 +87,9 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
     """build_index_app; `shard_class`, a subclass of ShardDeployment's class, replaces it (the
     tests inject faults so)."""
     app_args = AppArgs.model_validate(args)
-    manifest = read_manifest(Location.parse(app_args.index))  # fail here, not in every replica
+    # Bound to the version published now, in its immutable directory (fails here, not per replica).
+    app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
+    manifest = read_manifest(Location.parse(app_args.index))
     link = app_args.shard_transport == "link"
     scaling = ({"autoscaling_config": with_link_policy(app_args.shard_autoscaling) if link
                 else app_args.shard_autoscaling} if app_args.shard_autoscaling
@@ -101,7 +103,7 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
             name=entry.name, **scaling,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options=actor_options, logging_config={"enable_access_log": False},
-        ).bind(app_args.index, position, app_args.faiss_threads, link)
+        ).bind(app_args.index, position, app_args.faiss_threads, link, manifest.index_version)
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

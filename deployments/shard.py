@@ -10,7 +10,7 @@ import faiss
 import ray
 from ray import serve
 
-from core.manifest import read_manifest
+from core.manifest import read_version
 from core.searcher import ShardSearcher
 from core.shard_link import InFlight, serve_link
 from core.shard_wire import ShardQuery, encode_answer
@@ -27,7 +27,8 @@ class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (core.shard_link) or a Serve handle call, both through `search`."""
 
-    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True):
+    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
+                       index_version: str | None = None):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
@@ -35,7 +36,7 @@ class ShardDeployment:
                                            initargs=(faiss_threads,))
         location = Location.parse(index)
         self.searcher = await asyncio.to_thread(
-            lambda: ShardSearcher.load(location, read_manifest(location), shard))
+            lambda: ShardSearcher.load(location, read_version(location, index_version), shard))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
         self.shard = shard

@@ -24,7 +24,7 @@ from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
 from core.groundtruth import ground_truth, recall_at_k
 from core.indexes import supported_params
-from core.manifest import Manifest, read_manifest
+from core.manifest import Manifest, pinned_location, read_manifest
 from core.ray_private import delete_app_nowait, run_app
 from core.storage import Location
 from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
@@ -121,6 +121,7 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
     from deployments.index_version import build_index_app
 
     timings: dict[str, float] = {}
+    new_index = await asyncio.to_thread(pinned_location, new_index)  # its version, not its directory
     control = serve.get_deployment_handle(CONTROL, app_name)
     state = await _describe(control, timeout_s=60.0)
     args = AppArgs.model_validate({**state["args"], "index": new_index})

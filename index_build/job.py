@@ -3,12 +3,18 @@
 Stages: load → sample (seeded) → train the empty index ONCE → tag rows with shard = id mod S →
 Ray Data groupby(shard) → each group adds its rows to a copy of the trained index and writes its shard
 file → the manifest is written last, atomically. A failed build deletes what it wrote.
+
+Every build writes into its own `versions/<build id>/` (shard files and that version's manifest) and
+publishes it by replacing the index directory's manifest.json in one atomic write. A published
+version is never changed again: `--force` builds beside the old version, which keeps serving (and
+stays on disk for the replicas still bound to it) if the rebuild fails.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -25,7 +31,16 @@ from core.indexes import (
     prepare_vectors,
     train_empty_index,
 )
-from core.manifest import MANIFEST, BuildInfo, DatasetInfo, Manifest, ShardEntry, write_manifest
+from core.manifest import (
+    MANIFEST,
+    VERSIONS_DIR,
+    BuildInfo,
+    DatasetInfo,
+    Manifest,
+    ShardEntry,
+    published,
+    write_manifest,
+)
 from core.storage import Location, sha256_hex
 from core.timing import timed
 
@@ -77,10 +92,12 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                        backend: Backend = "ray") -> Manifest:
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    if location.exists(MANIFEST):
-        location.delete(MANIFEST)  # unpublish the old index before its shard files are replaced
+    created = dt.datetime.now(dt.UTC)
+    version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+    index_location, location = location, location.child(version_dir)
     vectors = prepare_vectors(dataset.base, params.metric)
     try:
+        location.fs.create_dir(location.root, recursive=True)
         with timed("train", timings):
             empty = train_empty_index(params.factory, params.metric, training_sample(vectors, params),
                                       params.seed)
@@ -97,14 +114,16 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
             build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
-            created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            created_at=created.isoformat(timespec="seconds"),
         )
-        write_manifest(location, manifest)  # published only now, after every shard was checked
+        write_manifest(location, manifest)  # the version's own manifest: what deployments bind to
+        # Published only now, after every shard was checked: one atomic replace of manifest.json.
+        write_manifest(index_location, published(manifest, version_dir))
     except BaseException:
-        for name in [*(shard_file_name(s) for s in range(params.shards)), TRAINED_FILE]:
-            location.delete(name)
+        location.delete_dir()  # only this build's directory: the published version is untouched
+        index_location.child(VERSIONS_DIR).delete_dir(only_if_empty=True)
         raise
-    return manifest
+    return published(manifest, version_dir)
 
 
 def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from core.datasets import load_dataset
-from core.manifest import read_manifest
+from core.errors import ShardserveError
+from core.manifest import pinned_location, read_manifest, read_version
+from core.searcher import load_all_shards
 from core.storage import Location
 from index_build.job import BuildParams, build_from_dataset, build_index
 from serving.evaluate import evaluate
@@ -33,9 +35,13 @@ def test_manifest_follows_the_contract(synthetic_index: Path) -> None:
     assert manifest["num_vectors"] == 20000 and len(manifest["shards"]) == 4
     assert sum(s["num_vectors"] for s in manifest["shards"]) == 20000
     assert {"ray_version", "faiss_version", "seconds", "params"} <= set(manifest["build"])
-    assert sorted(p.name for p in synthetic_index.iterdir()) == [
+    assert sorted(p.name for p in synthetic_index.iterdir()) == ["manifest.json", "versions"]
+    [version_dir] = (synthetic_index / "versions").iterdir()
+    assert sorted(p.name for p in version_dir.iterdir()) == [
         "manifest.json", "shard-000.faiss", "shard-001.faiss", "shard-002.faiss", "shard-003.faiss",
         "trained.faiss"]
+    assert {s["path"] for s in manifest["shards"]} == {f"versions/{version_dir.name}/shard-{n:03d}.faiss"
+                                                        for n in range(4)}
 
 
 def test_sharded_recall_equals_unsharded(synthetic_index: Path) -> None:
@@ -47,9 +53,9 @@ def test_sharded_recall_equals_unsharded(synthetic_index: Path) -> None:
 
 def test_ray_and_local_builds_are_byte_identical(synthetic_index: Path, tmp_path: Path) -> None:
     build_index("synthetic:20000x32", 4, "IVF64,Flat", str(tmp_path / "local"), backend="local")
-    for shard in range(4):
-        name = f"shard-{shard:03d}.faiss"
-        assert (tmp_path / "local" / name).read_bytes() == (synthetic_index / name).read_bytes()
+    local, ray_built = (read_manifest(Location.parse(str(d))) for d in (tmp_path / "local", synthetic_index))
+    for a, b in zip(local.shards, ray_built.shards, strict=True):
+        assert (tmp_path / "local" / a.path).read_bytes() == (synthetic_index / b.path).read_bytes()
     assert read_manifest(Location.parse(str(tmp_path / "local"))).index_version == \
         read_manifest(Location.parse(str(synthetic_index))).index_version
 
@@ -205,9 +211,10 @@ def test_nan_dataset_via_cli(tmp_path: Path) -> None:
 def test_corrupt_shard_is_refused(synthetic_index: Path, tmp_path: Path) -> None:
     copy = tmp_path / "corrupt"
     shutil.copytree(synthetic_index, copy)
-    data = bytearray((copy / "shard-002.faiss").read_bytes())
+    shard = copy / read_manifest(Location.parse(str(copy))).shards[2].path
+    data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
-    (copy / "shard-002.faiss").write_bytes(bytes(data))
+    shard.write_bytes(bytes(data))
     result = run_cli("eval", str(copy), "--dataset", "synthetic:20000x32")
     _assert_clean_failure(result, "sha256 mismatch")
 
@@ -237,3 +244,44 @@ def test_failure_mid_build_publishes_nothing(tmp_path: Path) -> None:
         build_from_dataset(load_dataset("synthetic:4000x8"), BuildParams("IVF16,Flat", 4, "l2"),
                            location, backend="local")
     assert list((tmp_path / "idx").iterdir()) == []
+
+
+def test_force_builds_beside_the_published_version_and_a_failed_rebuild_keeps_it(tmp_path: Path) -> None:
+    """A published version is never changed: `--force` writes a new version directory and replaces
+    only manifest.json; the old directory (what running replicas are bound to) stays byte-identical,
+    and a rebuild that fails halfway leaves the published index exactly as it was."""
+    out = tmp_path / "idx"
+    build_index("synthetic:4000x8", 2, "IVF16,Flat", str(out), backend="local")
+    first = pinned_location(str(out))
+    first_files = {p.name: p.read_bytes() for p in Path(first).iterdir()}
+    build_index("synthetic:4000x8", 3, "IVF16,Flat", str(out), backend="local", force=True, seed=5)
+    second = pinned_location(str(out))
+    assert second != first and len(read_manifest(Location.parse(second)).shards) == 3
+    assert {p.name: p.read_bytes() for p in Path(first).iterdir()} == first_files
+    assert len(read_manifest(Location.parse(first)).shards) == 2
+    published_bytes = (out / "manifest.json").read_bytes()
+
+    class FailingOnSecondShard(Location):
+        def write_bytes(self, relative: str, data: bytes) -> None:
+            if relative == "shard-001.faiss":
+                raise OSError("disk full (injected)")
+            super().write_bytes(relative, data)
+
+    plain = Location.parse(str(out))
+    with pytest.raises(OSError, match="injected"):
+        build_from_dataset(load_dataset("synthetic:4000x8"), BuildParams("IVF16,Flat", 2, "l2", seed=9),
+                           FailingOnSecondShard(plain.fs, plain.root, plain.uri), backend="local")
+    assert (out / "manifest.json").read_bytes() == published_bytes
+    assert sorted(p.name for p in (out / "versions").iterdir()) == sorted([Path(first).name,
+                                                                            Path(second).name])
+    _, searchers = load_all_shards(str(out))
+    assert len(searchers) == 3
+
+
+def test_a_replica_refuses_another_version_than_it_was_deployed_for(tmp_path: Path) -> None:
+    out = tmp_path / "idx"
+    built = build_index("synthetic:2000x8", 2, "Flat", str(out), backend="local")
+    location = Location.parse(str(out))
+    assert read_version(location, built.index_version).index_version == built.index_version
+    with pytest.raises(ShardserveError, match="refusing to mix two indexes"):
+        read_version(location, "0123456789abcdef")

@@ -111,3 +111,29 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         assert {a.json()["index"] for a in answers} == {_version(old)}
     finally:
         undeploy(APP)
+
+
+def test_rebuild_in_place_never_reaches_a_running_deployment(ray_cluster, tmp_path: Path) -> None:
+    """`build --force` into the directory being served publishes a new version beside the old one; a
+    shard replica restarted afterwards still serves the version its deployment was made for."""
+    from deployments.run import deploy, undeploy, wait_until_healthy
+
+    index, app = tmp_path / "idx", "rebuilt"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=LIMIT, backend="local")
+    served = _version(index)
+    url = deploy(str(index), port=PORT, app_name=app, route_prefix=f"/{app}", shard_num_cpus=0.1,
+                 router_num_cpus=0.1)
+    body = orjson.dumps({"vectors": load_dataset("fashion-mnist", num_queries=20).queries, "k": 10,
+                         "params": {"nprobe": 8}}, option=orjson.OPT_SERIALIZE_NUMPY)
+    try:
+        before = httpx.post(f"{url}/v1/search", content=body, timeout=30).json()
+        build_index("fashion-mnist", 3, "IVF64,Flat", str(index), limit=LIMIT, backend="local",
+                    force=True, seed=7)  # another shard count: mixing would duplicate ids
+        assert _version(index) != served
+        _kill_replica(f"{app}-index", "shard-001")
+        wait_until_healthy(url, timeout_s=120)
+        after = httpx.post(f"{url}/v1/search", content=body, timeout=30).json()
+        assert after["index"] == served and after["coverage"] == {"shards": 2, "answered": 2}
+        assert [r["ids"] for r in after["results"]] == [r["ids"] for r in before["results"]]
+    finally:
+        undeploy(app)
