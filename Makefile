@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -25,7 +25,7 @@ $(FMNIST):
 	$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist \
 	  || { echo "error: could not apt-get install dataset-fashion-mnist (need root or sudo)" >&2; exit 1; }
 
-# The shedding edge (serving/edge.py, its tests and the overload run) uses Debian's haproxy.
+# The shedding edge (serving/edge.py: `shardserve serve` runs one by default) uses Debian's haproxy.
 haproxy:
 	@if ! [ -x /usr/sbin/haproxy ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -50,7 +50,7 @@ $(INDEX)/manifest.json: | install data
 	$(BIN)/shardserve build --dataset fashion-mnist --shards 4 --index IVF1024,Flat --out $(INDEX) --force
 
 # Build the full Fashion-MNIST 4-shard index on a local Ray, evaluate it, then serve it on 127.0.0.1:8000.
-demo: install data $(INDEX)/manifest.json
+demo: install data haproxy $(INDEX)/manifest.json
 	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
 	$(BIN)/shardserve serve $(INDEX) --port 8000
 
@@ -75,6 +75,10 @@ bench-build: install data
 
 bench: install data vegeta $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench --index $(INDEX) --dataset fashion-mnist
+
+# Overload on the default `shardserve serve` (edge) and with --no-edge: loadtests/records/shedding.json.
+bench-shedding: install data vegeta haproxy $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.shedding --index $(INDEX)
 
 clean:
 	rm -rf $(VENV) .bin indexes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 from core.errors import ShardserveError
@@ -17,13 +16,15 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     `shard_class` replaces the shard deployment's class (see build_index_app)."""
     from ray import serve
 
+    from core.manifest import pinned_location
     from core.ray_private import run_app
     from deployments.app import build_app
     from deployments.config import AppArgs, index_app_name
     from deployments.control import forget_pointer
     from deployments.index_version import index_app
 
-    args = AppArgs(index=_absolute(index), **overrides).model_dump()
+    # Both apps bind to the version published now: a rebuild in place never reaches them.
+    args = AppArgs(index=pinned_location(_absolute(index)), **overrides).model_dump()
     serve.start(http_options={"host": host, "port": port})
     forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
@@ -84,48 +85,6 @@ def wait_until_healthy(url: str, timeout_s: float = 180.0) -> None:
             last = type(exc).__name__
         time.sleep(0.5)
     raise ShardserveError(f"{url} not healthy after {timeout_s:.0f} s ({last})")
-
-
-def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000,
-                   replicas_per_shard: int = 1, num_cpus: float | None = None) -> None:
-    """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
-    from ray import serve
-
-    from core.manifest import read_manifest
-    from core.ray_session import ensure_ray, shutdown_ray
-    from core.storage import Location
-    from deployments.app import build_app  # noqa: F401  (import errors before Ray starts)
-
-    manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
-    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
-    # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
-    # (a non-interactive shell starts background jobs with SIGINT ignored). After ray.init: Ray's
-    # own SIGTERM handler in the driver dumps a stack and aborts, leaving the cluster running.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    try:
-        url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
-        print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
-              f"({manifest.num_vectors} vectors, {len(manifest.shards)} shards) at {url}")
-        print(f"  docs:   {url}/docs   health: {url}/v1/health   index: {url}/v1/index")
-        print("  query:  python3 -c 'import json; print(json.dumps({\"vector\": [0.0]*"
-              f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
-              f"--data-binary @- {url}/v1/search")
-        print("  Ctrl-C stops it.", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if started:
-            serve.shutdown()  # our own Ray: every app on it is ours
-            shutdown_ray()
-        else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
-            undeploy(APP_NAME)
-
-
-def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def _absolute(index: str) -> str:

@@ -7,8 +7,6 @@ python -m loadtests.overload --knee-rate 887 --knee-concurrency 64 [--url http:/
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -18,21 +16,7 @@ from core.datasets import load_dataset
 from loadtests.record import RECORDS, header, index_info, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import assert_loopback, attack
-from serving.edge import write_edge
-
-
-def start_edge(work: Path, backend_url: str, listen_port: int, max_in_flight: int,
-               queue_timeout_ms: int) -> subprocess.Popen:
-    haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
-    parsed = urlparse(backend_url)
-    config = write_edge(work, f"{parsed.hostname}:{parsed.port or 80}", f"127.0.0.1:{listen_port}",
-                        max_in_flight, queue_timeout_ms)
-    process = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
-    time.sleep(0.5)
-    if process.poll() is not None:
-        raise RuntimeError(f"edge haproxy exited: {process.stderr.read().decode()[-500:]}")
-    return process
+from serving.edge import EdgeProcess
 
 
 def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_flight: int,
@@ -41,19 +25,16 @@ def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_fligh
     assert_loopback(url)
     queries = load_dataset("fashion-mnist", num_queries=1000).queries
     levels = {}
-    with tempfile.TemporaryDirectory() as work_dir:
+    parsed = urlparse(url)
+    with tempfile.TemporaryDirectory() as work_dir, EdgeProcess(
+            f"{parsed.hostname}:{parsed.port or 80}", f"127.0.0.1:{edge_port}", max_in_flight,
+            queue_timeout_ms):
         work = Path(work_dir)
-        edge = start_edge(work, url, edge_port, max_in_flight, queue_timeout_ms)
-        try:
-            for label, target_url in (("direct", url), ("edge", f"http://127.0.0.1:{edge_port}")):
-                targets = write_targets(work / f"{label}.jsonl", make_targets(queries, target_url, 10,
-                                                                              params))
-                attack(targets, "concurrency", 8, 3, work, f"{label}-warm")
-                levels[label] = attack(targets, "rate", rate, duration_s, work, label)
-                time.sleep(5)  # let the queue of the first run drain before the second
-        finally:
-            edge.terminate()
-            edge.wait(timeout=10)
+        for label, target_url in (("direct", url), ("edge", f"http://127.0.0.1:{edge_port}")):
+            targets = write_targets(work / f"{label}.jsonl", make_targets(queries, target_url, 10, params))
+            attack(targets, "concurrency", 8, 3, work, f"{label}-warm")
+            levels[label] = attack(targets, "rate", rate, duration_s, work, label)
+            time.sleep(5)  # let the queue of the first run drain before the second
     return {**header("overload-edge", index=index_info(url)),
             "edge": {"max_in_flight": max_in_flight, "queue_timeout_ms": queue_timeout_ms},
             "not_covered": "one open-loop rate, single-vector queries, loopback, vegeta on the same "

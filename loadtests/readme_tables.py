@@ -75,12 +75,30 @@ def profile_table(record: dict, top: int = 10) -> str:
     return "\n".join(rows)
 
 
+def shedding_table(record: dict) -> str:
+    rows = ["| `shardserve serve` | c=4 p99 ms | c=32 req/s (Serve) | offered req/s | 200 | 503 "
+            "(with Retry-After) | other | 200 p99 ms (bound) | 503 p99 ms (goal) | goodput req/s | met |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for variant in record["variants"]:
+        c4, c32, over = variant["levels"]
+        v = variant["verdict"]
+        bound = f"{_cell(v['admitted_p99_ms'])} (≤ {_cell(v['admitted_p99_bound_ms'])})"
+        shed = f"{_cell(v['shed_p99_ms'])} (< {_cell(v['shed_p99_goal_ms'])})"
+        rows.append(f"| {variant['variant']} | {_cell(c4['p99_ms'])} | {_cell(c32['qps'])} | "
+                    f"{over['value']} | {v['admitted']} | {v['shed']} ({v['shed_with_retry_after']}) | "
+                    f"{sum(v['other_outcomes'].values())} | {bound} | {shed} | {_cell(over['qps'])} | "
+                    f"{'yes' if v['met'] else 'no'} |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
     profile = json.loads((records / "profile-hot-path.json").read_text())
+    shedding = json.loads((records / "shedding.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
-            "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile)}
+            "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
+            "shedding": shedding_table(shedding)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

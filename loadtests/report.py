@@ -20,6 +20,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
     latencies, computes, server_totals, interface = [], [], [], []
     by_code: dict[str, list[float]] = {}
     codes, errors = Counter(), Counter()
+    shed_without_retry_after = 0
     first = last = None
     for line in lines:
         if not line.strip():
@@ -31,6 +32,8 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         latency_ms = hit["latency"] / 1e6
         latencies.append(latency_ms)
         by_code.setdefault(str(hit["code"]), []).append(latency_ms)
+        if hit["code"] == 503 and not {k.lower() for k in (hit.get("headers") or {})} & {"retry-after"}:
+            shed_without_retry_after += 1
         stamp = parse_timestamp(hit["timestamp"])
         first = stamp if first is None else min(first, stamp)
         last = stamp + latency_ms / 1000 if last is None else max(last, stamp + latency_ms / 1000)
@@ -60,6 +63,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         "errors": dict(errors.most_common(5)),
         # accepted and shed requests have different latency stories: report them apart
         "p99_ms_by_status": {code: _pct(np.asarray(values), 99) for code, values in sorted(by_code.items())},
+        "shed_without_retry_after": shed_without_retry_after,
     }
     return level
 

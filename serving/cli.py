@@ -40,10 +40,11 @@ def _serve(args: argparse.Namespace) -> None:
     from core.ray_session import apply_fast_ingress_env
 
     apply_fast_ingress_env()  # before anything imports ray.serve: it reads these flags at import
-    from deployments.run import serve_blocking
+    from serving.local_server import serve_blocking
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,
-                   replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus)
+                   replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
+                   edge=not args.no_edge, edge_in_flight=args.edge_in_flight)
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -165,9 +166,9 @@ def _plan(args: argparse.Namespace) -> None:
 def _edge_config(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from serving.edge import write_edge
+    from serving.edge import default_in_flight, write_edge
 
-    config = write_edge(Path(args.dir), args.backend, args.listen, args.max_in_flight,
+    config = write_edge(Path(args.dir), args.backend, args.listen, args.max_in_flight or default_in_flight(),
                         args.queue_timeout_ms)
     print(f"wrote {config} (run: haproxy -f {config})")
 
@@ -251,6 +252,10 @@ def parser() -> argparse.ArgumentParser:
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")
+            cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests the shedding edge lets "
+                             "through at once (default: 4 x cores); the rest get a fast 503")
+            cmd.add_argument("--no-edge", action="store_true", help="no HAProxy edge in front of Serve "
+                             "(overload is then shed by the router, later and slower)")
 
     swap = sub.add_parser("swap", help="replace the served index with no downtime (recall-gated)")
     swap.add_argument("index_dir", nargs="?", help="the new index directory or URI")
@@ -279,7 +284,8 @@ def parser() -> argparse.ArgumentParser:
                                                "before Serve (max in flight = the knee concurrency)")
     edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
     edge.add_argument("--listen", default="127.0.0.1:8080")
-    edge.add_argument("--max-in-flight", type=_POSITIVE, required=True, help="the knee's concurrency")
+    edge.add_argument("--max-in-flight", type=_POSITIVE, help="requests let through at once (default: "
+                      "4 x this machine's cores, as `shardserve serve` uses)")
     edge.add_argument("--queue-timeout-ms", type=int, default=5)
     edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
     edge.set_defaults(func=_edge_config)

@@ -6,12 +6,20 @@ HAProxy config has no per-server `maxconn`/`timeout queue`, so this edge does it
 `max_in_flight` requests reach Serve (the knee's concurrency); the rest wait at most
 `queue_timeout_ms` in HAProxy's queue, then get 503 + Retry-After.
 
-`shardserve edge-config` prints the config; `haproxy -f` runs it (Debian package `haproxy`).
+`shardserve serve` runs one in front of its Serve by default (EdgeProcess); `shardserve edge-config`
+prints the config for clusters, where `haproxy -f` runs it (Debian package `haproxy`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
+import time
 from pathlib import Path
+
+from core.errors import ShardserveError
 
 OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 
@@ -46,9 +54,12 @@ backend shardserve
 
 def overloaded_response(retry_after_s: int = 1) -> str:
     """The raw HTTP response HAProxy sends on queue timeout (same JSON error shape as the router)."""
+    # With its length and without `Connection: close` the client's connection stays open: under
+    # overload most answers are 503s, and a new TCP connection for each one costs more CPU than the
+    # query the edge protects.
     return ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Retry-After: {retry_after_s}\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n"
-            + OVERLOADED_BODY)
+            f"Retry-After: {retry_after_s}\r\nCache-Control: no-cache\r\n"
+            f"Content-Length: {len(OVERLOADED_BODY.encode())}\r\n\r\n" + OVERLOADED_BODY)
 
 
 def write_edge(directory: Path, backend: str, listen: str, max_in_flight: int,
@@ -60,3 +71,59 @@ def write_edge(directory: Path, backend: str, listen: str, max_in_flight: int,
     config = directory / "edge-haproxy.cfg"
     config.write_text(edge_config(backend, listen, max_in_flight, queue_timeout_ms, errorfile))
     return config
+
+
+def haproxy_binary() -> str | None:
+    found = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    return found if os.access(found, os.X_OK) else None
+
+
+def default_in_flight(cores: int | None = None) -> int:
+    """Requests let through to Serve at once: enough to fill every core with batches (the knee is
+    near concurrency = cores, 2 x cores per the sweeps), few enough that latency past the knee stays
+    a small multiple of the knee's instead of growing with the queue."""
+    return 4 * (cores or len(os.sched_getaffinity(0)))
+
+
+class EdgeProcess:
+    """One HAProxy edge this process starts and stops (by its own pid): `listen` -> `backend`."""
+
+    def __init__(self, backend: str, listen: str, max_in_flight: int, queue_timeout_ms: int = 5):
+        self.backend, self.listen = backend, listen
+        self.max_in_flight, self.queue_timeout_ms = max_in_flight, queue_timeout_ms
+        self.process: subprocess.Popen | None = None
+        self._work: tempfile.TemporaryDirectory | None = None
+
+    def start(self) -> EdgeProcess:
+        binary = haproxy_binary()
+        if binary is None:
+            raise ShardserveError("haproxy not found (Debian package `haproxy`; `make haproxy`)")
+        self._work = tempfile.TemporaryDirectory(prefix="shardserve-edge-")
+        config = write_edge(Path(self._work.name), self.backend, self.listen, self.max_in_flight,
+                            self.queue_timeout_ms)
+        self.process = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE)
+        time.sleep(0.5)
+        if self.process.poll() is not None:
+            error = self.process.stderr.read().decode(errors="replace").strip().splitlines()
+            self.stop()
+            raise ShardserveError(f"edge haproxy on {self.listen} exited: {(error or ['?'])[-1]}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._work is not None:
+            self._work.cleanup()
+            self._work = None
+
+    def __enter__(self) -> EdgeProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -13,8 +13,9 @@ import orjson
 import pytest
 
 from core.datasets import load_dataset
+from core.errors import ShardserveError
 from index_build.job import build_index
-from serving.edge import edge_config, write_edge
+from serving.edge import EdgeProcess, edge_config, write_edge
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.haproxy
@@ -40,9 +41,7 @@ def test_edge_sheds_a_burst_with_fast_503(ray_cluster, tmp_path: Path) -> None:
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     deploy(str(index), port=PORT, app_name="edge", route_prefix="/edge",
            shard_class=slow_shards(search_s={"shard-000": 0.3}), shard_num_cpus=0.1, router_num_cpus=0.1)
-    config = write_edge(tmp_path / "edge", f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}", max_in_flight=2)
-    edge = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}", max_in_flight=2).start()
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -56,7 +55,6 @@ def test_edge_sheds_a_burst_with_fast_503(ray_cluster, tmp_path: Path) -> None:
             return await asyncio.gather(*[one() for _ in range(20)])
 
     try:
-        time.sleep(0.5)
         outcomes = asyncio.run(burst())
         statuses = [status for status, *_ in outcomes]
         assert set(statuses) == {200, 503}, statuses
@@ -67,6 +65,19 @@ def test_edge_sheds_a_burst_with_fast_503(ray_cluster, tmp_path: Path) -> None:
         answered = [payload for status, _, _, payload in outcomes if status == 200]
         assert all(len(p["ids"]) == 5 and p["coverage"]["answered"] == 2 for p in answered)
     finally:
-        edge.terminate()
-        edge.wait(timeout=10)
+        edge.stop()
         undeploy("edge")
+    assert edge.process.returncode is not None  # the edge this test started is gone
+
+
+def test_edge_that_cannot_listen_fails_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        edge = EdgeProcess("127.0.0.1:9", f"127.0.0.1:{port}", max_in_flight=4)
+        with pytest.raises(ShardserveError, match=f"edge haproxy on 127.0.0.1:{port} exited"):
+            edge.start()
+    assert edge.process.poll() is not None and edge._work is None

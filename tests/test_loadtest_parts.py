@@ -99,3 +99,24 @@ def test_readme_results_are_rendered_from_the_records() -> None:
 
     readme = README.read_text()
     assert render(readme, blocks()) == readme, "run: python -m loadtests.readme_tables"
+
+
+def test_shedding_verdict_needs_every_part_of_the_goal() -> None:
+    """Only 200/503, every 503 with Retry-After, 503 p99 under 10 ms, 200 p99 within 3x the c=4 p99."""
+    from loadtests.shedding import verdict
+
+    def hit(code: int, ms: float, retry_after: bool = True) -> str:
+        line = json.loads(_hit(code, ms, 1.0 if code == 200 else None, "2026-11-22T04:00:00.000000000Z"))
+        line["headers"] = {"Retry-After": ["1"]} if code == 503 and retry_after else {}
+        return json.dumps(line)
+
+    c4 = summarize([hit(200, 20.0)] * 50, "concurrency", 4, 1.0)
+    good = summarize([hit(200, 50.0)] * 90 + [hit(503, 3.0)] * 10, "rate", 100, 1.0)
+    assert verdict(c4, good)["met"] and verdict(c4, good)["shed_with_retry_after"] == 10
+    slow_admitted = summarize([hit(200, 70.0)] * 90 + [hit(503, 3.0)] * 10, "rate", 100, 1.0)
+    slow_shed = summarize([hit(200, 50.0)] * 90 + [hit(503, 12.0)] * 10, "rate", 100, 1.0)
+    no_retry = summarize([hit(200, 50.0)] * 90 + [hit(503, 3.0, retry_after=False)] * 10, "rate", 100, 1.0)
+    lost = summarize([hit(200, 50.0)] * 90 + [hit(0, 10000.0)] * 10, "rate", 100, 1.0)
+    for level in (slow_admitted, slow_shed, no_retry, lost):
+        assert not verdict(c4, level)["met"]
+    assert verdict(c4, lost)["other_outcomes"] == {"0": 10}

@@ -1,0 +1,84 @@
+"""`shardserve serve`: one command from an index directory to a running HTTP endpoint, on a local Ray
+it starts (or one it joins), with overload shed at an HAProxy edge by default.
+
+Why the edge: past the knee the router's event loop is the saturated resource, so a 503 decided in
+Python waits behind the queue it protects. The edge (serving/edge.py) lets at most `edge_in_flight`
+requests reach Serve and answers the rest 503 + Retry-After in C within `queue_timeout_ms`: latency
+past the knee stays bounded by that in-flight count instead of growing with the offered load.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+from core.manifest import read_manifest
+from core.storage import Location
+from deployments.run import APP_NAME, deploy, undeploy
+from serving.edge import EdgeProcess, default_in_flight, haproxy_binary
+
+
+def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
+                   num_cpus: float | None = None, edge: bool = True, edge_in_flight: int | None = None,
+                   queue_timeout_ms: int = 2) -> None:
+    """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
+    from ray import serve
+
+    from core.ray_session import ensure_ray, shutdown_ray
+
+    manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
+    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
+    # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
+    # (a non-interactive shell starts background jobs with SIGINT ignored). After ray.init: Ray's
+    # own SIGTERM handler in the driver dumps a stack and aborts, leaving the cluster running.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    # A joined cluster's Serve already listens where its owner put it: the edge is ours to add only
+    # in front of a Serve this command starts.
+    use_edge = edge and started and haproxy_binary() is not None
+    front: EdgeProcess | None = None
+    try:
+        if use_edge:
+            serve_port = _free_port()
+            deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard)
+            in_flight = edge_in_flight or default_in_flight()
+            front = EdgeProcess(f"127.0.0.1:{serve_port}", f"{host}:{port}", in_flight,
+                                queue_timeout_ms).start()
+            url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+            shedding = (f"edge: {in_flight} requests in flight, the rest 503 within {queue_timeout_ms} ms "
+                        f"(Serve on 127.0.0.1:{serve_port})")
+        else:
+            url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
+            shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
+                                      else "haproxy not installed") + "): the router sheds"
+        print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
+              f"({manifest.num_vectors} vectors, {len(manifest.shards)} shards) at {url}")
+        print(f"  overload: {shedding}")
+        print(f"  docs:   {url}/docs   health: {url}/v1/health   index: {url}/v1/index")
+        print("  query:  python3 -c 'import json; print(json.dumps({\"vector\": [0.0]*"
+              f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
+              f"--data-binary @- {url}/v1/search")
+        print("  Ctrl-C stops it.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if front is not None:
+            front.stop()
+        if started:
+            serve.shutdown()  # our own Ray: every app on it is ours
+            shutdown_ray()
+        else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
+            undeploy(APP_NAME)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
