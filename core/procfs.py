@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 
 
@@ -63,6 +64,19 @@ def stop(pids: list[int], grace_s: float = 10.0) -> None:
             time.sleep(0.05)
         if not any(alive(p) for p in pids):
             return
+
+
+def interrupt(process: subprocess.Popen, timeout_s: float = 120.0) -> int:
+    """Ctrl-C a command we started in its own session (`start_new_session=True`): SIGINT its process
+    group, wait for a clean exit, SIGKILL the group after `timeout_s`. Returns its exit code."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from core.datasets import load_dataset
 from core.manifest import read_manifest
+from core.procfs import interrupt
 from core.storage import Location
 from loadtests.record import RECORDS, header, save
 from loadtests.targets import make_targets, write_targets
@@ -61,12 +61,7 @@ def run_variant(index: str, variant: str, duration_s: float, work: Path, params:
         rate = round(2 * c32["qps"])
         overload = attack(targets, "rate", rate, duration_s, work, f"{variant}-2x")
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        interrupt(server)
     return {"variant": variant, "banner": [line for line in banner if "overload:" in line],
             "levels": [c4, c32, overload], "verdict": verdict(c4, overload)}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 from core.datasets import load_dataset
+from core.procfs import interrupt
 from core.searcher import load_all_shards
 from deployments.config import AppArgs
 from index_build.job import build_index
@@ -66,12 +66,7 @@ def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
         assert [r["ids"] for r in response.json()["results"]] == expected.tolist()
         assert response.json()["index"] == manifest.index_version
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        interrupt(process, timeout_s=60)
         time.sleep(1)
 
 
@@ -93,9 +88,7 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
     try:
         wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=180)
         assert "shardserve" in serve.status().applications
-        os.killpg(process.pid, signal.SIGINT)
-        output, _ = process.communicate(timeout=180)
-        assert process.returncode == 0, output
+        assert interrupt(process, timeout_s=180) == 0, process.stdout.read()
         apps = serve.status().applications
         assert not [name for name in apps if name.startswith("shardserve")], list(apps)
         assert apps["bystander"].status == "RUNNING"
@@ -103,7 +96,6 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
         assert ray_cluster.is_initialized()
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            interrupt(process, timeout_s=0.1)
         undeploy("shardserve")
         undeploy("bystander")
