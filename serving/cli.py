@@ -253,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")
             cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests the shedding edge lets "
-                             "through at once (default: 4 x cores); the rest get a fast 503")
+                             "through at once (default: 3 x cores); the rest get a fast 503")
             cmd.add_argument("--no-edge", action="store_true", help="no HAProxy edge in front of Serve "
                              "(overload is then shed by the router, later and slower)")
 
@@ -285,7 +285,7 @@ def parser() -> argparse.ArgumentParser:
     edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
     edge.add_argument("--listen", default="127.0.0.1:8080")
     edge.add_argument("--max-in-flight", type=_POSITIVE, help="requests let through at once (default: "
-                      "4 x this machine's cores, as `shardserve serve` uses)")
+                      "3 x this machine's cores, as `shardserve serve` uses)")
     edge.add_argument("--queue-timeout-ms", type=int, default=5)
     edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
     edge.set_defaults(func=_edge_config)

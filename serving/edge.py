@@ -79,10 +79,11 @@ def haproxy_binary() -> str | None:
 
 
 def default_in_flight(cores: int | None = None) -> int:
-    """Requests let through to Serve at once: enough to fill every core with batches (the knee is
-    near concurrency = cores, 2 x cores per the sweeps), few enough that latency past the knee stays
-    a small multiple of the knee's instead of growing with the queue."""
-    return 4 * (cores or len(os.sched_getaffinity(0)))
+    """Requests let through to Serve at once: enough to keep every core busy with batches (the knee
+    is near concurrency = cores to 2 x cores per the sweeps), few enough that admitted latency stays
+    within ~3x that at 4 clients instead of growing with the queue (at 4 x cores, one of two runs
+    of loadtests/shedding.py went past 3x)."""
+    return 3 * (cores or len(os.sched_getaffinity(0)))
 
 
 class EdgeProcess:
