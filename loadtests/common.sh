@@ -20,10 +20,10 @@ make_targets() {  # → $WORK/targets.jsonl from real query vectors
 
 run_level() {  # run_level MODE VALUE → $WORK/level-MODE-VALUE.json (+ vegeta plot HTML in $OUT)
   local mode="$1" value="$2" bin="$WORK/$1-$2.bin" flags
-  if [[ "$mode" == concurrency ]]; then flags=(-rate=0 -workers="$value" -max-workers="$value")
-  else flags=(-rate="$value/s" -workers=16 -max-workers=1024); fi
-  "$VEGETA" attack -format=json -targets="$WORK/targets.jsonl" -duration="${DURATION}s" -timeout=10s \
-    "${flags[@]}" > "$bin"
+  # The flags come from loadtests/vegeta_run.py: spelled once, for Python and shell alike.
+  mapfile -t flags < <("$PY" -m loadtests.vegeta_run --targets "$WORK/targets.jsonl" \
+    --duration "$DURATION" --mode "$mode" --value "$value")
+  "$VEGETA" attack "${flags[@]}" > "$bin"
   "$VEGETA" plot -title "$NAME $mode=$value" "$bin" > "$OUT/$NAME-$mode-$value.html"
   "$VEGETA" encode --to json "$bin" | "$PY" -m loadtests.level --mode "$mode" --value "$value" \
     --duration "$DURATION" --queries-per-request "$(( BATCH > 0 ? BATCH : 1 ))" > "$WORK/level-$mode-$value.json"

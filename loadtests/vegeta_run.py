@@ -1,5 +1,5 @@
-"""Run vegeta from Python, the one place its flags are spelled (the shell scripts in common.sh use
-the same ones): a closed-loop or open-loop attack, and the decoding of its results."""
+"""Run vegeta from Python, the one place its flags are spelled (the shell scripts in common.sh ask
+this module for them): a closed-loop or open-loop attack, and the decoding of its results."""
 
 from __future__ import annotations
 
@@ -90,3 +90,23 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         level["cpu_ms_per_request"] = dict(sorted(per_request.items()))
     results.unlink()  # the record keeps the summary; raw results are large
     return level
+
+
+def main() -> None:
+    """`python -m loadtests.vegeta_run --targets T --duration S --mode M --value V`: the attack flags,
+    one per line, for the shell scripts (loadtests/common.sh), so they are spelled in one place."""
+    import argparse
+
+    cli = argparse.ArgumentParser(description=main.__doc__)
+    cli.add_argument("--targets", type=Path, required=True)
+    cli.add_argument("--duration", type=float, required=True)
+    cli.add_argument("--mode", choices=("concurrency", "rate"), required=True)
+    cli.add_argument("--value", type=float, required=True)
+    args = cli.parse_args()
+    flags = (attack_flags(args.targets, args.duration, concurrency=int(args.value))
+             if args.mode == "concurrency" else attack_flags(args.targets, args.duration, rate=args.value))
+    print("\n".join(flags))
+
+
+if __name__ == "__main__":
+    main()

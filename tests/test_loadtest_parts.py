@@ -120,3 +120,19 @@ def test_shedding_verdict_needs_every_part_of_the_goal() -> None:
     for level in (slow_admitted, slow_shed, no_retry, lost):
         assert not verdict(c4, level)["met"]
     assert verdict(c4, lost)["other_outcomes"] == {"0": 10}
+
+
+def test_shell_scripts_get_the_same_vegeta_flags() -> None:
+    """loadtests/common.sh asks vegeta_run for its attack flags: one spelling for Python and shell."""
+    import subprocess
+    import sys
+
+    from loadtests.vegeta_run import attack_flags
+
+    for mode, value, expected in (("concurrency", "32", attack_flags(Path("t.jsonl"), 10, concurrency=32)),
+                                  ("rate", "500", attack_flags(Path("t.jsonl"), 10, rate=500))):
+        printed = subprocess.run([sys.executable, "-m", "loadtests.vegeta_run", "--targets", "t.jsonl",
+                                  "--duration", "10", "--mode", mode, "--value", value],
+                                 capture_output=True, text=True, check=True).stdout.split()
+        assert printed == expected
+    assert "loadtests.vegeta_run" in (Path(__file__).parent.parent / "loadtests" / "common.sh").read_text()
