@@ -4,6 +4,10 @@ second, the RUNNING replicas of each deployment (Serve's status API), QPS, p50/p
 python -m loadtests.autoscale --knee-rate 700 [--url http://127.0.0.1:8000] [--app shardserve]
 Needs a running shardserve whose shard deployments autoscale (e.g. a `shardserve tune` config), on
 the Ray cluster this process can join (RAY_ADDRESS or the local one). Loopback targets only.
+
+python -m loadtests.autoscale --index DIR --knee-rate 300 [--knee-depth 2 --upscale-delay 0.5 ...]
+starts its own local Ray instead, deploys DIR with those autoscaling settings (knee policy, shard
+links), runs the ramp and stops everything it started. The record keeps the settings.
 """
 
 from __future__ import annotations
@@ -105,14 +109,53 @@ def main() -> None:
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--phases", default="0.3:15,3:20,0.3:30", help="multiple-of-knee:seconds,...")
     cli.add_argument("--name", default="autoscale")
+    own = cli.add_argument_group("--index DIR: a local Ray of its own, DIR deployed with these settings")
+    own.add_argument("--index")
+    own.add_argument("--knee-depth", type=float, default=2.0)
+    own.add_argument("--max-replicas", type=int, default=3)
+    own.add_argument("--upscale-delay", type=float, default=0.5)
+    own.add_argument("--downscale-delay", type=float, default=8.0)
+    own.add_argument("--metrics-interval", type=float, default=0.5)
+    own.add_argument("--look-back", type=float, default=1.0)
     args = cli.parse_args()
     assert_loopback(args.url)
+    if args.index:
+        run_own(args)
+        return
     import ray
 
     ray.init(address="auto", log_to_driver=False)
+    ramp(args, settings=None)
+
+
+def run_own(args: argparse.Namespace) -> None:
+    """Own local Ray: deploy `args.index` with autoscaling shards, ramp, stop what we started."""
+    from urllib.parse import urlparse
+
+    from core.ray_session import ensure_ray, shutdown_ray
+    from deployments.autoscaling import autoscaling_config
+    from deployments.run import deploy
+
+    settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
+                                  args.downscale_delay, args.metrics_interval, args.look_back,
+                                  knee_policy=True)
+    started = ensure_ray(fast_ingress=True)
+    try:
+        deploy(args.index, port=urlparse(args.url).port or 8000, app_name=args.app,
+               shard_autoscaling=settings)
+        ramp(args, settings)
+    finally:
+        if started:
+            from ray import serve
+
+            serve.shutdown()
+            shutdown_ray()
+
+
+def ramp(args: argparse.Namespace, settings: dict | None) -> None:
     queries = load_dataset(args.dataset).queries
     phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
-    with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app) as watcher:
+    with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app, period_s=0.5) as watcher:
         targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
             queries, args.url, 10, {"nprobe": args.nprobe} if args.nprobe else None, 0, 2000))
         start = time.time()
@@ -127,6 +170,7 @@ def main() -> None:
         seconds_rows = per_second(results, start)
     samples = watcher.samples
     record = header(args.name, index=index_info(args.url), knee_rate=args.knee_rate,
+                    nprobe=args.nprobe, shard_autoscaling=settings,
                     phases=[{"multiple_of_knee": m, "seconds": s} for m, s in phases], start=start,
                     replicas=samples, seconds=seconds_rows)
     burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
