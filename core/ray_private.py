@@ -82,3 +82,11 @@ def kv_delete(key: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_del
 
     _internal_kv_del(key, namespace=KV_NAMESPACE)
+
+
+def kv_list(prefix: str) -> list[str]:
+    """Keys under `prefix` in shardserve's namespace of the GCS key-value store."""
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return [k.decode() if isinstance(k, bytes) else k
+            for k in _internal_kv_list(prefix, namespace=KV_NAMESPACE)]

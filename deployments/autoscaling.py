@@ -15,7 +15,14 @@ with each index version in its own app they are: tests/test_autoscaling_serve.py
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import time
+
+logger = logging.getLogger("ray.serve")
+KNEE_EVENTS_KEY = "knee-passed/{app}/{deployment}"  # GCS key-value (core.ray_private.kv_get)
+KNEE_EVENTS_KEPT = 50
 
 
 def autoscaling_config(knee_depth: float, min_replicas: int = 1, max_replicas: int = 4,
@@ -66,9 +73,64 @@ def queue_depth(ctx) -> float:
     return float(ctx.total_num_requests) + float(sum(link.values()))
 
 
+RELEASE = 0.5  # past the knee until the depth per replica falls below half the knee depth
+
+
+def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | None) -> int | None:
+    """The replica count at which the queue passed the knee, while it stays past it (a Schmitt
+    trigger: in at depth per replica > knee, out below RELEASE x knee, or once the replica count
+    changed). Without it a depth hovering at the knee flips the decision each tick, and every
+    "no change" restarts Serve's upscale delay: measured, reactions went from 1 s to 22 s."""
+    per_replica = depth / max(current, 1)
+    if passed_at == current and per_replica >= knee_depth * RELEASE:
+        return passed_at
+    return current if per_replica > knee_depth else None
+
+
 def knee_policy(ctx) -> tuple[int, dict]:
     """Serve custom autoscaling policy (`policy_function: deployments.autoscaling:knee_policy`),
-    per shard deployment: its own queue depth against the knee depth (`target_ongoing_requests`)."""
-    return decide(ctx.current_num_replicas, queue_depth(ctx),
-                  float(ctx.config.target_ongoing_requests), ctx.capacity_adjusted_min_replicas,
-                  ctx.capacity_adjusted_max_replicas), {}
+    per shard deployment: its own queue depth against the knee depth (`target_ongoing_requests`).
+
+    While the queue is past the knee the policy asks for at least one more replica, so Serve's
+    upscale delay runs without restarting; replicas still starting are never scaled away (measured:
+    a dip in depth while they started stopped them before they ever served).
+
+    The moment a deployment's queue passes the knee is what its scaling reaction is measured from,
+    so each crossing is logged (controller log) and kept in the GCS key-value store
+    (`knee_events`), where a load test or an operator reads it back."""
+    depth, knee = queue_depth(ctx), float(ctx.config.target_ongoing_requests)
+    current = ctx.current_num_replicas
+    ceiling = ctx.capacity_adjusted_max_replicas
+    target = decide(current, depth, knee, ctx.capacity_adjusted_min_replicas, ceiling)
+    before = (ctx.policy_state or {}).get("knee_passed_at")
+    passed_at = past_knee(current, depth, knee, before)
+    if passed_at is not None:
+        target = max(target, min(current + 1, ceiling))
+        if before != passed_at:
+            event = {"t": time.time(), "depth": round(depth, 2), "knee_depth": knee,
+                     "replicas": current, "target": target}
+            logger.info("knee passed: %s %s", ctx.deployment_name, event)
+            _keep_event(ctx.app_name, ctx.deployment_name, event)
+    if ctx.target_num_replicas > current:  # replicas still starting: not judged before they serve
+        target = max(target, ctx.target_num_replicas)
+    return target, {"knee_passed_at": passed_at}
+
+
+def _keep_event(app: str, deployment: str, event: dict) -> None:
+    """Best effort: a policy must decide even when the key-value store is not reachable."""
+    try:
+        from core.ray_private import kv_get, kv_put
+
+        key = KNEE_EVENTS_KEY.format(app=app, deployment=deployment)
+        events = json.loads(kv_get(key) or b"[]")[-(KNEE_EVENTS_KEPT - 1):]
+        kv_put(key, json.dumps([*events, event]).encode())
+    except Exception as exc:
+        logger.warning("knee event not stored: %s", exc)
+
+
+def knee_events(app: str, deployment: str) -> list[dict]:
+    """When `deployment` of `app` passed its knee (latest last): wall-clock `t`, the depth seen, the
+    knee depth, replicas then and the policy's target. Needs a Ray connection."""
+    from core.ray_private import kv_get
+
+    return json.loads(kv_get(KNEE_EVENTS_KEY.format(app=app, deployment=deployment)) or b"[]")

@@ -21,6 +21,11 @@ class AppArgs(BaseModel):
     replicas_per_shard: int = Field(1, ge=1, description="fixed replicas of each shard deployment")
     shard_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per shard replica")
     faiss_threads: int = Field(1, ge=1, description="OpenMP threads per shard replica (<= its cores)")
+    serving_nice: int = Field(
+        19, ge=0, le=19, description="nice value router and shard replicas take once started (Ray "
+                                     "starts workers at 15), so a replica that is starting "
+                                     "(autoscaling, a restart) gets more CPU than each busy one on "
+                                     "a saturated node; <= 15 leaves them as Ray started them")
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.25, gt=0)
     max_batch_size: int = Field(

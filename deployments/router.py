@@ -30,6 +30,7 @@ from core.api import (
 from core.batcher import AdaptiveBatcher
 from core.fanout import QueryResult, search_grouped
 from core.openapi import docs_page, openapi_document
+from core.procfs import lower_priority
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet
 from deployments.metrics import RouterMetrics
@@ -71,10 +72,9 @@ class Router:
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, a.max_concurrent_batches,
                                        size_of=lambda item: len(item[1].matrix))
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._follow_pointer())]
-        if self.use_links:
-            self._tasks.append(loop.create_task(self._follow_links()))
+        follow = [self._follow_pointer(), *([self._follow_links()] if self.use_links else [])]
+        self._tasks = [asyncio.get_running_loop().create_task(job) for job in follow]
+        lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
 
     async def __call__(self, request: Request) -> Response:
         root = request.scope.get("root_path", "")  # Serve puts the route prefix here

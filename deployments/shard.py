@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
@@ -11,6 +14,7 @@ import ray
 from ray import serve
 
 from core.manifest import read_version
+from core.procfs import age_seconds, cpu_seconds, lower_priority
 from core.searcher import ShardSearcher
 from core.shard_link import InFlight, serve_link
 from core.shard_wire import ShardQuery, encode_answer
@@ -28,15 +32,16 @@ class ShardDeployment:
     (core.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
-                       index_version: str | None = None):
+                       index_version: str | None = None, nice: int = 0):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
                                            initializer=faiss.omp_set_num_threads,
                                            initargs=(faiss_threads,))
-        location = Location.parse(index)
+        location, loading = Location.parse(index), time.monotonic()
         self.searcher = await asyncio.to_thread(
             lambda: ShardSearcher.load(location, read_version(location, index_version), shard))
+        loaded_s = time.monotonic() - loading
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
         self.shard = shard
@@ -51,6 +56,11 @@ class ShardDeployment:
             self._announcer = asyncio.get_running_loop().create_task(self._announce(
                 context.app_name, context.replica_id.unique_id, host,
                 self.link_server.sockets[0].getsockname()[1]))
+        lower_priority(nice)  # last: the start-up itself ran at the node's priority
+        self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),
+                        "cpu_s": round(cpu_seconds(os.getpid()), 3), "index_load_s": round(loaded_s, 3),
+                        "ready_at": time.time()}
+        keep_startup(self.startup)
 
     async def search(self, query: bytes) -> bytes:
         """A router batch (core.shard_wire bytes) → its top-k answer bytes.
@@ -94,8 +104,38 @@ class ShardDeployment:
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),
-                "index_version": self.searcher.index_version, "node_id": self.node_id}
+                "index_version": self.searcher.index_version, "node_id": self.node_id,
+                "startup": self.startup}
 
     def check_health(self) -> None:
         if self.searcher.index.ntotal < 0:
             raise RuntimeError("shard index lost")
+
+
+STARTUP_KEY = "replica-start/{app}/{deployment}/{replica}"  # GCS key-value (core.ray_private)
+
+
+def keep_startup(startup: dict) -> None:
+    """What this replica's start cost (process age and CPU when ready, index load), kept where a
+    load test or an operator reads it back (`replica_startups`): how fast autoscaling can react is
+    bounded by it. Best effort."""
+    try:
+        from core.ray_private import kv_put
+
+        context = serve.get_replica_context()
+        kv_put(STARTUP_KEY.format(app=context.app_name, deployment=context.deployment,
+                                  replica=context.replica_id.unique_id), json.dumps(startup).encode())
+    except Exception as exc:
+        logger.warning("replica start-up not stored: %s", exc)
+
+
+def replica_startups(app: str) -> dict[str, list[dict]]:
+    """Per shard deployment of the index app `app`, the start-up of every replica it ever started
+    (oldest first). Needs a Ray connection."""
+    from core.ray_private import kv_get, kv_list
+
+    found: dict[str, list[dict]] = {}
+    for key in kv_list(f"replica-start/{app}/"):
+        deployment = key.split("/")[2]
+        found.setdefault(deployment, []).append(json.loads(kv_get(key) or b"{}"))
+    return {name: sorted(rows, key=lambda row: row.get("ready_at", 0)) for name, rows in found.items()}

@@ -22,17 +22,23 @@ from pathlib import Path
 import numpy as np
 
 from core.datasets import load_dataset
+from core.procfs import lower_priority
 from loadtests.during import ReplicaWatcher
 from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
 
+HARNESS_NICE = 19  # the load generator and this watcher: no more CPU priority than a serving replica
+
 
 def attack_phase(targets: Path, rate: int, seconds: float, out: Path) -> None:
+    """One open-loop phase. vegeta runs at HARNESS_NICE: on a real cluster the clients are not on
+    the serving node, and here they would otherwise take CPU first from a replica that is starting
+    (Ray starts workers at nice 15, vegeta would run at 0)."""
     with out.open("wb") as sink:
         subprocess.run([str(VEGETA), "attack", *attack_flags(targets, seconds, rate=rate, max_workers=512)],
-                       stdout=sink, check=True)
+                       stdout=sink, check=True, preexec_fn=lambda: lower_priority(HARNESS_NICE))
 
 
 def per_second(results: list[Path], start: float) -> list[dict]:
@@ -58,13 +64,37 @@ def reaction_times(samples: list[dict], start: float, burst_at_s: float) -> dict
     """Per deployment: seconds from the burst's start to its first sample with more replicas than
     it had just before the burst (None: it never scaled up). An upper bound on the reaction to
     the queue passing the knee, which happens at or after the burst's start; the sampling period
-    (1 s) is the resolution."""
+    is the resolution."""
     before = [s for s in samples if "replicas" in s and s["t"] - start < burst_at_s]
     after = [s for s in samples if "replicas" in s and s["t"] - start >= burst_at_s]
     base = before[-1]["replicas"] if before else {}
     names = sorted({n for s in after for n in s["replicas"]})
     return {name: next((round(s["t"] - start - burst_at_s, 1) for s in after
                         if s["replicas"].get(name, 0) > base.get(name, 1)), None) for name in names}
+
+
+def knee_reactions(samples: list[dict], crossings: dict[str, list[dict]], since: float) -> dict[str, dict]:
+    """Per shard deployment, the reaction the issue asks for: from its queue first passing the knee
+    after `since` (the knee policy's crossings, deployments.autoscaling.knee_events) to the first
+    replica-watcher sample with more RUNNING replicas than it had then. None: no scale-up after
+    the crossing (or no crossing). Counted from the FIRST crossing, so a crossing the queue fell
+    back from before a replica came still counts against the reaction; the resolution is the
+    watcher's sampling period."""
+    rows = [s for s in samples if "replicas" in s]
+    result = {}
+    for name in sorted({n for s in rows for n in s["replicas"]}):
+        events = [e for e in crossings.get(name, []) if e["t"] >= since]
+        entry: dict = {"crossings": len(events), "passed_knee_s": None, "reaction_s": None}
+        if events:
+            first = events[0]
+            entry.update(passed_knee_s=round(first["t"] - since, 2), depth_at_knee=first["depth"])
+            scaled = next((s for s in rows if s["t"] >= first["t"]
+                           and s["replicas"].get(name, 0) > first["replicas"]), None)
+            if scaled is not None:
+                entry.update(reaction_s=round(scaled["t"] - first["t"], 2),
+                             replicas_then=scaled["replicas"][name])
+        result[name] = entry
+    return result
 
 
 def plot(record: dict, png: Path) -> None:
@@ -111,12 +141,19 @@ def main() -> None:
     cli.add_argument("--name", default="autoscale")
     own = cli.add_argument_group("--index DIR: a local Ray of its own, DIR deployed with these settings")
     own.add_argument("--index")
-    own.add_argument("--knee-depth", type=float, default=2.0)
+    own.add_argument("--knee-depth", type=float, default=1.0,
+                     help="shard calls in flight per replica: over links each call is a batch and a "
+                          "replica searches one batch at a time (one FAISS thread), so past 1 batches wait")
     own.add_argument("--max-replicas", type=int, default=3)
-    own.add_argument("--upscale-delay", type=float, default=0.5)
+    own.add_argument("--upscale-delay", type=float, default=0.0,
+                     help="the depth is already averaged over --look-back: a crossing scales at once")
     own.add_argument("--downscale-delay", type=float, default=8.0)
     own.add_argument("--metrics-interval", type=float, default=0.5)
     own.add_argument("--look-back", type=float, default=1.0)
+    own.add_argument("--num-cpus", type=float, default=4.0,
+                     help="logical CPUs of the Ray it starts: enough that every shard's extra replicas "
+                          "fit (at shard_num_cpus 0.25), whatever the cores")
+    own.add_argument("--serving-nice", type=int, default=None, help="AppArgs.serving_nice (default: its own)")
     args = cli.parse_args()
     assert_loopback(args.url)
     if args.index:
@@ -139,10 +176,14 @@ def run_own(args: argparse.Namespace) -> None:
     settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
                                   args.downscale_delay, args.metrics_interval, args.look_back,
                                   knee_policy=True)
-    started = ensure_ray(fast_ingress=True)
+    started = ensure_ray(num_cpus=args.num_cpus, fast_ingress=True)
+    if not started:  # e.g. the previous run's Ray, still shutting down: its settings are not ours
+        raise SystemExit("error: --index needs its own Ray, and one is already running here "
+                         "(RAY_ADDRESS or a local cluster); stop it or run without --index")
     try:
+        nice = {} if args.serving_nice is None else {"serving_nice": args.serving_nice}
         deploy(args.index, port=urlparse(args.url).port or 8000, app_name=args.app,
-               shard_autoscaling=settings)
+               shard_autoscaling=settings, **nice)
         ramp(args, settings)
     finally:
         if started:
@@ -152,8 +193,29 @@ def run_own(args: argparse.Namespace) -> None:
             shutdown_ray()
 
 
+def crossings(app: str) -> dict[str, list[dict]]:
+    """The knee policy's recorded crossings for every shard deployment of `app`'s index."""
+    from deployments.autoscaling import knee_events
+    from deployments.config import index_app_name
+    from deployments.run import shard_replicas
+
+    index_app = index_app_name(app)
+    return {name: knee_events(index_app, name) for name in shard_replicas(app)}
+
+
+def startups(app: str, since: float) -> dict[str, list[dict]]:
+    """The start-up cost of every shard replica ready since `since` (deployments.shard.
+    replica_startups; `ready_at` is wall-clock seconds, like the replica samples)."""
+    from deployments.config import index_app_name
+    from deployments.shard import replica_startups
+
+    return {name: [row for row in rows if row.get("ready_at", 0) >= since]
+            for name, rows in replica_startups(index_app_name(app)).items()}
+
+
 def ramp(args: argparse.Namespace, settings: dict | None) -> None:
     queries = load_dataset(args.dataset).queries
+    lower_priority(HARNESS_NICE)  # the replica watcher polls Serve's status from this process
     phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
     with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app, period_s=0.5) as watcher:
         targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
@@ -172,12 +234,18 @@ def ramp(args: argparse.Namespace, settings: dict | None) -> None:
     record = header(args.name, index=index_info(args.url), knee_rate=args.knee_rate,
                     nprobe=args.nprobe, shard_autoscaling=settings,
                     phases=[{"multiple_of_knee": m, "seconds": s} for m, s in phases], start=start,
-                    replicas=samples, seconds=seconds_rows)
+                    replicas=samples, seconds=seconds_rows, harness_nice=HARNESS_NICE)
+    if args.index:  # the Ray this run started, and the app settings it changed
+        record["own_ray"] = {"num_cpus": args.num_cpus, "serving_nice": args.serving_nice}
     burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
     if burst is not None:
         record["burst_at_s"] = sum(s for _, s in phases[:burst])
         record["reaction_s"] = reaction_times(samples, start, record["burst_at_s"])
-        print(f"scale-up reaction (s after the burst began): {record['reaction_s']}")
+        print(f"scale-up (s after the burst began): {record['reaction_s']}")
+    record["knee_events"] = crossings(args.app)
+    record["knee_reactions"] = knee_reactions(samples, record["knee_events"], start)
+    record["replica_startups"] = startups(args.app, start)
+    print(f"scale-up reaction (s from each shard's queue passing the knee): {record['knee_reactions']}")
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{args.name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")

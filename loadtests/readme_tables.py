@@ -91,14 +91,34 @@ def shedding_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
+    """Per shard: when its queue passed the knee, how long until a new replica was RUNNING, and
+    what that replica's start-up cost (the replica the burst added: the first one ready after the
+    crossing)."""
+    rows = ["| shard | knee crossings | first passed the knee (s into the run) | → new replica RUNNING "
+            f"s (goal ≤ {goal_s:g}) | that replica: process age when ready s | its CPU s | index "
+            "load s |", "|---|---|---|---|---|---|---|"]
+    for name, reaction in record["knee_reactions"].items():
+        crossed = [e["t"] for e in record["knee_events"].get(name, []) if e["t"] >= record["start"]]
+        added = [r for r in record["replica_startups"].get(name, [])
+                 if crossed and r["ready_at"] >= crossed[0]]
+        start = added[0] if added else {}
+        rows.append(f"| {name} | {reaction['crossings']} | {_cell(reaction['passed_knee_s'])} | "
+                    f"{_cell(reaction['reaction_s'])} | "
+                    f"{_cell(start.get('process_age_s'))} | {_cell(start.get('cpu_s'))} | "
+                    f"{_cell(start.get('index_load_s'))} |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
     profile = json.loads((records / "profile-hot-path.json").read_text())
     shedding = json.loads((records / "shedding.json").read_text())
+    autoscale = json.loads((records / "autoscale.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
-            "shedding": shedding_table(shedding)}
+            "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

@@ -75,6 +75,16 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
         assert peak >= 2, history
         assert all(h.get(name, 0) <= 1 for h in history for name in ("shard-000", "shard-002")), history
         assert all(count <= 3 for h in history for count in h.values())
+        from deployments.config import index_app_name
+        from deployments.shard import replica_startups
+
+        started = replica_startups(index_app_name("scaling"))["shard-001"]  # each replica's start-up
+        assert len(started) >= 2 and all(row["process_age_s"] > 0 for row in started), started
+        if knee_policy:  # the policy kept when the slow shard's queue passed the knee
+            from deployments.autoscaling import knee_events
+
+            events = knee_events(index_app_name("scaling"), "shard-001")
+            assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 1, events
         deadline = time.monotonic() + 60  # idle now: the slow shard must come back down
         while time.monotonic() < deadline and _running("scaling").get("shard-001", 0) > 1:
             time.sleep(1)
@@ -95,10 +105,31 @@ def test_knee_policy_decisions() -> None:
 
     from types import SimpleNamespace
 
-    ctx = SimpleNamespace(current_num_replicas=2, total_num_requests=9.0, aggregated_metrics={},
-                          config=SimpleNamespace(target_ongoing_requests=3),
-                          capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=5)
-    assert knee_policy(ctx) == (3, {})
+    ctx = SimpleNamespace(current_num_replicas=2, target_num_replicas=2, total_num_requests=6.0,
+                          aggregated_metrics={},
+                          config=SimpleNamespace(target_ongoing_requests=3), policy_state={},
+                          capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=5,
+                          app_name="a", deployment_name="shard-000")
+    assert knee_policy(ctx) == (2, {"knee_passed_at": None})  # 3 per replica: at the knee, not past it
     # Link traffic (reported by each replica) counts as much as Serve's own request count.
     ctx.aggregated_metrics = {"link_in_flight": {"replica-a": 2.5, "replica-b": 3.5}}
-    assert knee_policy(ctx) == (5, {})  # ceil((9 + 6) / 3)
+    assert knee_policy(ctx) == (4, {"knee_passed_at": 2})  # ceil((6 + 6) / 3)
+    # Hovering at the knee after passing it: still one more replica wanted, so Serve's upscale
+    # delay keeps running instead of restarting at every "no change".
+    ctx.policy_state, ctx.aggregated_metrics = {"knee_passed_at": 2}, {}
+    assert knee_policy(ctx) == (3, {"knee_passed_at": 2})
+    ctx.total_num_requests = 2.0  # 1 per replica: below half the knee depth, released
+    assert knee_policy(ctx) == (1, {"knee_passed_at": None})  # and one step down
+    ctx.target_num_replicas = 3  # ...but not while a replica asked for is still starting
+    assert knee_policy(ctx) == (3, {"knee_passed_at": None})
+
+
+def test_past_knee_is_a_schmitt_trigger() -> None:
+    from deployments.autoscaling import past_knee
+
+    assert past_knee(current=1, depth=2.1, knee_depth=2, passed_at=None) == 1  # in above the knee
+    assert past_knee(current=1, depth=1.2, knee_depth=2, passed_at=1) == 1  # held above half of it
+    assert past_knee(current=1, depth=0.9, knee_depth=2, passed_at=1) is None  # out below half
+    assert past_knee(current=1, depth=1.9, knee_depth=2, passed_at=None) is None  # not yet in
+    assert past_knee(current=2, depth=3.0, knee_depth=2, passed_at=1) is None  # replicas changed
+    assert past_knee(current=2, depth=4.2, knee_depth=2, passed_at=1) == 2  # past it again at 2

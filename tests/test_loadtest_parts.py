@@ -136,3 +136,17 @@ def test_shell_scripts_get_the_same_vegeta_flags() -> None:
                                  capture_output=True, text=True, check=True).stdout.split()
         assert printed == expected
     assert "loadtests.vegeta_run" in (Path(__file__).parent.parent / "loadtests" / "common.sh").read_text()
+
+
+def test_knee_reactions_run_from_the_first_crossing() -> None:
+    from loadtests.autoscale import knee_reactions
+
+    samples = [{"t": 100.0 + t, "replicas": {"shard-000": 1 if t < 9 else 2, "shard-001": 1}}
+               for t in range(12)]
+    crossings = {"shard-000": [{"t": 102.0, "depth": 1.2, "replicas": 1},
+                               {"t": 106.5, "depth": 1.4, "replicas": 1}],  # a second one: still from 102
+                 "shard-001": [{"t": 90.0, "depth": 3.0, "replicas": 1}]}   # before the run
+    reactions = knee_reactions(samples, crossings, since=100.0)
+    assert reactions["shard-000"] == {"crossings": 2, "passed_knee_s": 2.0, "reaction_s": 7.0,
+                                      "depth_at_knee": 1.2, "replicas_then": 2}
+    assert reactions["shard-001"] == {"crossings": 0, "passed_knee_s": None, "reaction_s": None}
