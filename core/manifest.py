@@ -130,3 +130,39 @@ def read_shard_checked(location: Location, shard: ShardEntry) -> bytes:
             "(file corrupted or replaced); rebuild the index"
         )
     return data
+
+
+def shard_file_checked(location: Location, shard: ShardEntry, cache_dir: str) -> str:
+    """A local path holding the shard file's published bytes, checked against the manifest's
+    sha256 without reading the file into memory: the file itself when the index is on this
+    machine, else a copy downloaded into `cache_dir` (per version, shared by every replica on the
+    node, written under a temporary name and renamed, so a half-download is never used). What a
+    replica memory-maps: its pages then live in the page cache, once per node."""
+    import os
+    import tempfile
+
+    local = location.local_path(shard.path)
+    if local is None:
+        local = os.path.join(cache_dir, shard.sha256[:16], os.path.basename(shard.path))
+        if not os.path.exists(local):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=os.path.dirname(local), delete=False) as part:
+                digest, size = location.hash_and_copy(shard.path, part)
+            _refuse_unless(shard, location, digest, size, lambda: os.unlink(part.name))
+            os.replace(part.name, local)
+            return local
+        location = Location.parse(os.path.dirname(local))
+        shard = shard.model_copy(update={"path": os.path.basename(local)})
+    digest, size = location.hash_and_copy(shard.path)
+    _refuse_unless(shard, location, digest, size)
+    return local
+
+
+def _refuse_unless(shard: ShardEntry, location: Location, digest: str, size: int, cleanup=None) -> None:
+    if size != shard.bytes or digest != shard.sha256:
+        if cleanup is not None:
+            cleanup()
+        raise ShardserveError(
+            f"shard {shard.name} ({location.uri}/{shard.path}): sha256 mismatch with the manifest "
+            "(file corrupted or replaced); rebuild the index"
+        )

@@ -119,6 +119,23 @@ def age_seconds(pid: int) -> float:
         return 0.0
 
 
+def memory_mb(pid: int) -> dict[str, float]:
+    """Resident memory of a process, split as the kernel does: `rss_anon_mb` is its own (heap,
+    copies), `rss_file_mb` file pages it maps (a memory-mapped index: page cache, shared by every
+    process mapping the same file). Empty when the process is gone."""
+    wanted = {"RssAnon": "rss_anon_mb", "RssFile": "rss_file_mb", "VmRSS": "rss_mb"}
+    found: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                key, _, rest = line.partition(":")
+                if key in wanted:
+                    found[wanted[key]] = round(int(rest.split()[0]) / 1024, 1)  # kB
+    except (OSError, ValueError, IndexError):
+        return {}
+    return found
+
+
 def process_class(command: bytes) -> str | None:
     """Which part of a serving stack a process is, from its command line (None: not ours)."""
     if b"vegeta" in command.split(b"\0", 1)[0]:

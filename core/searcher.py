@@ -3,15 +3,20 @@ replica (shard or router) wraps, and in-process eval uses the same way."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import faiss
 import numpy as np
 
 from core.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
-from core.manifest import Manifest, read_manifest, read_shard_checked
+from core.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from core.shard_wire import ShardQuery
 from core.storage import Location
+
+# Shards on remote storage (s3://, ...) are downloaded here once per node, then memory-mapped.
+CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
+                           os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
 
 
 class ShardSearcher:
@@ -26,10 +31,24 @@ class ShardSearcher:
         self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
 
     @classmethod
-    def load(cls, location: Location, manifest: Manifest, shard: int) -> ShardSearcher:
+    def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
+        """`mmap=True`: FAISS maps the file instead of reading it (`IO_FLAG_MMAP`): IVF lists stay
+        in the page cache, shared by every replica of the shard on the node, so a replica starts
+        without copying them and holds them once. Other index types are read into memory as
+        before (FAISS ignores the flag for them); fast-scan IVF lists are copied too."""
         entry = manifest.shards[shard]
-        index = index_from_bytes(read_shard_checked(location, entry))
+        if mmap:
+            path = shard_file_checked(location, entry, CACHE_DIR)
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        else:
+            index = index_from_bytes(read_shard_checked(location, entry))
         return cls(index, manifest.metric, entry.name, manifest.index_version)
+
+    @property
+    def mmapped(self) -> bool:
+        """Are the IVF lists served from the mapped file (not copied into this process)?"""
+        return self.ivf is not None and isinstance(
+            faiss.downcast_InvertedLists(self.ivf.invlists), faiss.OnDiskInvertedLists)
 
     @property
     def dim(self) -> int:

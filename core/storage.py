@@ -61,6 +61,25 @@ class Location:
         except (FileNotFoundError, OSError) as exc:
             raise ShardserveError(f"cannot read {self.uri}/{relative}: {exc}") from None
 
+    def local_path(self, relative: str) -> str | None:
+        """The file's path on this machine's filesystem, or None for remote storage (s3://, ...)."""
+        return self.path(relative) if isinstance(self.fs, pafs.LocalFileSystem) else None
+
+    def hash_and_copy(self, relative: str, sink=None, chunk_bytes: int = 8 << 20) -> tuple[str, int]:
+        """sha256 and size of a file, read in chunks (never whole in memory); each chunk is also
+        written to `sink` when one is given (a download that proves what it downloaded)."""
+        digest, size = hashlib.sha256(), 0
+        try:
+            with self.fs.open_input_stream(self.path(relative)) as stream:
+                while chunk := stream.read(chunk_bytes):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    if sink is not None:
+                        sink.write(chunk)
+        except (FileNotFoundError, OSError) as exc:
+            raise ShardserveError(f"cannot read {self.uri}/{relative}: {exc}") from None
+        return digest.hexdigest(), size
+
     def write_bytes(self, relative: str, data: bytes) -> None:
         with self.fs.open_output_stream(self.path(relative)) as stream:
             stream.write(data)

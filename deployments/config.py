@@ -21,6 +21,10 @@ class AppArgs(BaseModel):
     replicas_per_shard: int = Field(1, ge=1, description="fixed replicas of each shard deployment")
     shard_num_cpus: float = Field(0.25, gt=0, description="Ray CPUs reserved per shard replica")
     faiss_threads: int = Field(1, ge=1, description="OpenMP threads per shard replica (<= its cores)")
+    shard_mmap: bool = Field(
+        True, description="memory-map shard files (IVF lists stay in the page cache, shared by the "
+                          "replicas on a node; remote indexes are downloaded once per node first); "
+                          "false reads each replica its own copy")
     serving_nice: int = Field(
         19, ge=0, le=19, description="nice value router and shard replicas take once started (Ray "
                                      "starts workers at 15), so a replica that is starting "

@@ -14,7 +14,7 @@ import ray
 from ray import serve
 
 from core.manifest import read_version
-from core.procfs import age_seconds, cpu_seconds, lower_priority
+from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from core.searcher import ShardSearcher
 from core.shard_link import InFlight, serve_link
 from core.shard_wire import ShardQuery, encode_answer
@@ -32,7 +32,7 @@ class ShardDeployment:
     (core.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
-                       index_version: str | None = None, nice: int = 0):
+                       index_version: str | None = None, nice: int = 0, mmap: bool = True):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
@@ -40,7 +40,7 @@ class ShardDeployment:
                                            initargs=(faiss_threads,))
         location, loading = Location.parse(index), time.monotonic()
         self.searcher = await asyncio.to_thread(
-            lambda: ShardSearcher.load(location, read_version(location, index_version), shard))
+            lambda: ShardSearcher.load(location, read_version(location, index_version), shard, mmap))
         loaded_s = time.monotonic() - loading
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
@@ -59,7 +59,7 @@ class ShardDeployment:
         lower_priority(nice)  # last: the start-up itself ran at the node's priority
         self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),
                         "cpu_s": round(cpu_seconds(os.getpid()), 3), "index_load_s": round(loaded_s, 3),
-                        "ready_at": time.time()}
+                        "mmapped": self.searcher.mmapped, **memory_mb(os.getpid()), "ready_at": time.time()}
         keep_startup(self.startup)
 
     async def search(self, query: bytes) -> bytes:

@@ -110,15 +110,32 @@ def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
     return "\n".join(rows)
 
 
+def shard_start_table(record: dict) -> str:
+    rows = [f"| {record['index']['shards']} shards × {record['replicas_per_shard']} replicas, started at "
+            "once | replicas | IVF lists mapped | process age when ready s | CPU s | index load s | own "
+            "memory (RssAnon) MB | mapped file pages (RssFile) MB | own memory, all replicas MB |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for mode, result in record["modes"].items():
+        m = result["summary"]
+        rows.append(f"| `shard_mmap: {str(mode == 'mmap').lower()}` | {m['replicas']} | "
+                    f"{'yes' if m['mmapped'] else 'no'} | {_cell(m['mean_process_age_s'])} | "
+                    f"{_cell(m['mean_cpu_s'])} | {_cell(m['mean_index_load_s'])} | "
+                    f"{_cell(m['mean_rss_anon_mb'])} | {_cell(m['mean_rss_file_mb'])} | "
+                    f"{_cell(m['sum_rss_anon_mb'])} |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
     profile = json.loads((records / "profile-hot-path.json").read_text())
     shedding = json.loads((records / "shedding.json").read_text())
     autoscale = json.loads((records / "autoscale.json").read_text())
+    shard_start = json.loads((records / "shard-start.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
-            "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale)}
+            "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
+            "shard-start": shard_start_table(shard_start)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:
