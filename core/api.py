@@ -10,6 +10,7 @@ pydantic models still document the API at /docs and define the field names the p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,6 +38,9 @@ class SearchRequest(BaseModel):
     params: dict[str, int] | None = Field(
         None, description="per-request search params: nprobe (IVF lists per shard) or efSearch (HNSW)")
     require_full: bool = Field(False, description="503 instead of a partial answer")
+    include: list[str] | None = Field(
+        None, description="metadata columns to return with every hit (`metadata`, aligned with `ids`); "
+                          "the index's columns are in GET /v1/index")
 
 
 class Coverage(BaseModel):
@@ -53,11 +57,13 @@ class Timing(BaseModel):
 class Hits(BaseModel):
     ids: list[int]
     distances: list[float]
+    metadata: list[dict] | None = None
 
 
 class SearchResponse(BaseModel):
     ids: list[int] | None = None
     distances: list[float] | None = None
+    metadata: list[dict] | None = None
     results: list[Hits] | None = None
     coverage: Coverage
     timing_ms: Timing
@@ -84,6 +90,7 @@ class ParsedQuery:
     params: tuple[tuple[str, int], ...]
     single: bool
     require_full: bool
+    include: tuple[str, ...] = ()  # metadata columns to return with every hit
 
     @property
     def group_key(self) -> tuple:
@@ -146,9 +153,12 @@ def parse_query(body: bytes, manifest: Manifest, supported: Collection[str], lim
             raise ApiError(422, f"params.{name}",
                            f"param {name!r} does not apply to {manifest.index_factory} "
                            f"(supported: {sorted(supported) or 'none'})")
+    missing = [c for c in query.include if c not in manifest.dataset.metadata_columns]
+    if missing:
+        raise ApiError(422, "include", f"no metadata column {missing[0]!r} in this index (it has: "
+                                       f"{manifest.dataset.metadata_columns or 'none'})")
     if manifest.metric == "cosine":
-        query = ParsedQuery(prepare_vectors(query.matrix, "cosine"), query.k, query.params,
-                            query.single, query.require_full)
+        query = dataclasses.replace(query, matrix=prepare_vectors(query.matrix, "cosine"))
     return query
 
 
@@ -163,13 +173,18 @@ def coverage_error(query: ParsedQuery, result: QueryResult, retry_after_s: float
     return None
 
 
-def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, index_version: str) -> bytes:
-    """The /v1/search response body (SearchResponse's fields), numpy arrays written by orjson."""
+def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, index_version: str,
+                  metadata: list[list[dict]] | None = None) -> bytes:
+    """The /v1/search response body (SearchResponse's fields), numpy arrays written by orjson.
+    `metadata`: per query, per real hit (`real_ids`), the `include` columns."""
+    answers = [hits(i, d) for i, d in zip(result.ids, result.distances, strict=True)]
+    for answer, rows in zip(answers, metadata or [], strict=False):
+        answer["metadata"] = rows
     payload: dict = {}
     if query.single:
-        payload.update(hits(result.ids[0], result.distances[0]))
+        payload.update(answers[0])
     else:
-        payload["results"] = [hits(i, d) for i, d in zip(result.ids, result.distances, strict=True)]
+        payload["results"] = answers
     payload["coverage"] = {"shards": result.shards, "answered": result.answered}
     payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
                             "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
@@ -202,7 +217,7 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
         raise ApiError(422, "body", f"body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ApiError(422, "body", "body must be a JSON object")
-    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full"}
+    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full", "include"}
     if unknown:
         raise ApiError(422, sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}")
     single = "vector" in payload
@@ -216,7 +231,21 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
     require_full = payload.get("require_full", False)
     if not isinstance(require_full, bool):
         raise ApiError(422, "require_full", "require_full must be true or false")
-    return ParsedQuery(matrix, k, _params(payload.get("params")), single, require_full)
+    return ParsedQuery(matrix, k, _params(payload.get("params")), single, require_full,
+                       _include(payload.get("include")))
+
+
+def _include(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
+        raise ApiError(422, "include", "include must be a list of metadata column names")
+    return tuple(dict.fromkeys(value))
+
+
+def real_ids(result: QueryResult) -> list[np.ndarray]:
+    """Per query, the ids a response carries (FAISS's -1 padding dropped, as `hits` does)."""
+    return [ids[ids >= 0] for ids in result.ids]
 
 
 _NUMBER_TYPES = {float, int}

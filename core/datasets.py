@@ -11,6 +11,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,33 +37,62 @@ class Dataset:
     queries: np.ndarray
     metric: str
     neighbors: np.ndarray | None = field(default=None, compare=False)
+    ids: np.ndarray | None = field(default=None, compare=False)  # the user's int64 id per base row
+    metadata: Any = field(default=None, compare=False)  # pyarrow Table, one row per base row
 
     @property
     def dim(self) -> int:
         return int(self.base.shape[1])
 
     def fingerprint(self) -> str:
-        """Content hash of base + queries + metric: caches keyed on it can never go stale."""
+        """Content hash of base + queries + metric (+ ids): caches keyed on it can never go stale."""
         digest = hashlib.sha256()
         digest.update(f"{self.metric}:{self.base.shape}:{self.queries.shape}".encode())
         digest.update(memoryview(self.base).cast("B"))
         digest.update(memoryview(self.queries).cast("B"))
+        if self.ids is not None:
+            digest.update(memoryview(self.ids).cast("B"))
         return digest.hexdigest()[:16]
 
+    def index_ids(self) -> np.ndarray:
+        """The id stored for each base row: the user's ids, else the row numbers."""
+        return self.ids if self.ids is not None else np.arange(len(self.base), dtype=np.int64)
 
-def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = None) -> Dataset:
-    """Load a dataset by name (`fashion-mnist`, `synthetic:NxD`, `glove-50`) or by file path.
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """Base row of each id an index returned (-1 for -1 and for ids this dataset lacks)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.ids is None:
+            return np.where((ids >= 0) & (ids < len(self.base)), ids, -1)
+        order = np.argsort(self.ids, kind="stable")
+        position = np.clip(np.searchsorted(self.ids, ids, sorter=order), 0, len(order) - 1)
+        rows = order[position]
+        return np.where(self.ids[rows] == ids, rows, -1)
+
+
+def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = None,
+                 vector_column: str | None = None, id_column: str | None = None,
+                 metadata_columns: list[str] | None = None) -> Dataset:
+    """Load a dataset by name (`fashion-mnist`, `synthetic:NxD`, `glove-50`) or by path: a file, or
+    a directory or glob of parquet files (read in name order).
 
     limit: keep only the first `limit` base vectors (shipped ground truth is then dropped).
     num_queries: keep only the first `num_queries` queries.
+    vector_column / id_column: parquet columns of the vectors (default: the first list column) and of
+    the user's int64 ids (default: none, the index returns row numbers).
+    metadata_columns: parquet columns kept per row, returned on request (`include`).
     """
-    if spec == "fashion-mnist":
+    if (vector_column or id_column or metadata_columns) and not _is_parquet_spec(spec):
+        raise ShardserveError("--vector-column/--id-column/--metadata-columns apply to parquet data, "
+                              f"not {spec!r}")
+    if _is_parquet_spec(spec):
+        dataset = _load_parquet(spec, vector_column, id_column, metadata_columns or [])
+    elif spec == "fashion-mnist":
         dataset = _load_fashion_mnist()
     elif spec.startswith("synthetic:"):
         dataset = _load_synthetic(spec)
     elif spec == "glove-50":
         dataset = _load_glove50()
-    elif Path(spec).suffix.lower() in VECTOR_FILE_SUFFIXES or Path(spec).exists():
+    elif Path(spec).suffix.lower() in VECTOR_FILE_SUFFIXES or Path(spec).is_file():
         dataset = _load_file(Path(spec))
     else:
         raise ShardserveError(
@@ -74,16 +104,19 @@ def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = 
 
 def _sliced(dataset: Dataset, limit: int | None, num_queries: int | None) -> Dataset:
     base, queries, neighbors = dataset.base, dataset.queries, dataset.neighbors
+    ids, metadata = dataset.ids, dataset.metadata
     if limit is not None:
         if limit < 1:
             raise ShardserveError(f"--limit must be >= 1, got {limit}")
         if limit < len(base):
             base, neighbors = base[:limit], None
+            ids = None if ids is None else ids[:limit]
+            metadata = None if metadata is None else metadata.slice(0, limit)
     if num_queries is not None and num_queries < len(queries):
         queries = queries[:num_queries]
         neighbors = None if neighbors is None else neighbors[:num_queries]
     return Dataset(dataset.name, np.ascontiguousarray(base), np.ascontiguousarray(queries),
-                   dataset.metric, neighbors)
+                   dataset.metric, neighbors, None if ids is None else np.ascontiguousarray(ids), metadata)
 
 
 def _validated(dataset: Dataset) -> Dataset:
@@ -105,7 +138,24 @@ def _validated(dataset: Dataset) -> Dataset:
         )
     if dataset.metric not in METRICS:
         raise ShardserveError(f"dataset {dataset.name}: unknown metric {dataset.metric!r}")
+    if dataset.ids is not None:
+        _check_ids(dataset.name, dataset.ids, len(dataset.base))
     return dataset
+
+
+def _check_ids(name: str, ids: np.ndarray, rows: int) -> None:
+    """User ids come back in answers as they are: one per row, int64, >= 0 (FAISS uses -1 for "no
+    result"), and unique (a duplicate would make two rows indistinguishable)."""
+    if ids.shape != (rows,) or ids.dtype != np.int64:
+        raise ShardserveError(f"dataset {name}: ids must be one int64 per row, got {ids.dtype} {ids.shape}")
+    if ids.size and ids.min() < 0:
+        raise ShardserveError(f"dataset {name}: ids must be >= 0, found {int(ids.min())} "
+                              f"(row {int(np.argmin(ids))})")
+    unique, counts = np.unique(ids, return_counts=True)
+    if unique.size != ids.size:
+        repeated = unique[counts > 1]
+        raise ShardserveError(f"dataset {name}: {int(ids.size - unique.size)} duplicate ids, e.g. id "
+                              f"{int(repeated[0])} on {int(counts[counts > 1][0])} rows")
 
 
 def _as_float32(matrix: np.ndarray) -> np.ndarray:
@@ -180,11 +230,15 @@ def _load_glove50() -> Dataset:
 
 def hold_out(vectors: np.ndarray, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
     """Split a query set off a base-only file with a fixed seed, so every run uses the same one."""
-    num_queries = max(1, min(num_queries, len(vectors) // 10))
-    order = np.random.default_rng(HELD_OUT_SEED).permutation(len(vectors))
-    query_rows = np.sort(order[:num_queries])
-    base_rows = np.sort(order[num_queries:])
+    base_rows, query_rows = hold_out_rows(len(vectors), num_queries)
     return _as_float32(vectors[base_rows]), _as_float32(vectors[query_rows])
+
+
+def hold_out_rows(rows: int, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base rows, query rows) of `hold_out`, sorted."""
+    num_queries = max(1, min(num_queries, rows // 10))
+    order = np.random.default_rng(HELD_OUT_SEED).permutation(rows)
+    return np.sort(order[num_queries:]), np.sort(order[:num_queries])
 
 
 # --- files -----------------------------------------------------------------------------------------
@@ -270,6 +324,104 @@ def _load_vecs(path: Path) -> Dataset:
         return Dataset(stem, base, queries, "l2", neighbors)
     base, queries = hold_out(base, 1000)
     return Dataset(stem, base, queries, "l2")
+
+
+def _is_parquet_spec(spec: str) -> bool:
+    """A directory of parquet files, a glob of them, or one parquet file."""
+    if any(c in spec for c in "*?["):
+        return spec.endswith(".parquet") or spec.endswith("*")
+    path = Path(spec)
+    return path.suffix.lower() == ".parquet" or (path.is_dir() and any(path.glob("*.parquet")))
+
+
+def parquet_files(spec: str) -> list[Path]:
+    import glob
+
+    if any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(spec))
+    elif Path(spec).is_dir():
+        files = sorted(Path(spec).glob("*.parquet"))
+    else:
+        files = [Path(spec)]
+    if not files:
+        raise ShardserveError(f"no parquet files match {spec!r}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ShardserveError(f"dataset file not found: {missing[0]}")
+    return files
+
+
+def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
+                  metadata_columns: list[str]) -> Dataset:
+    """Vectors (ids, metadata) of every file, in file order; a seeded held-out query set, as for
+    any base-only file. Read in memory: the build holds the matrix in the object store once."""
+    files = parquet_files(spec)
+    parts = [read_parquet_columns(path, vector_column, id_column) for path in files]
+    dims = {matrix.shape[1] for matrix, _ in parts}
+    if len(dims) != 1:
+        raise ShardserveError(f"{spec}: files hold vectors of different dimensions {sorted(dims)}")
+    matrix = np.concatenate([m for m, _ in parts]) if len(parts) > 1 else parts[0][0]
+    ids = None if id_column is None else np.concatenate([i for _, i in parts])
+    base_rows, query_rows = hold_out_rows(len(matrix), 1000)
+    name = Path(spec.rstrip("/*")).stem or "parquet"
+    metadata = None
+    if metadata_columns:
+        import pyarrow as pa
+
+        tables = [read_metadata_columns(path, metadata_columns, id_column) for path in files]
+        metadata = pa.concat_tables(tables).take(pa.array(base_rows))
+    return Dataset(name, _as_float32(matrix[base_rows]), _as_float32(matrix[query_rows]), "l2",
+                   ids=None if ids is None else ids[base_rows], metadata=metadata)
+
+
+def read_metadata_columns(path: Path, columns: list[str], id_column: str | None):
+    """The metadata columns of one parquet file: strings, numbers or booleans (what JSON answers
+    carry), refused otherwise with the column named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+    for column in columns:
+        if column not in schema.names:
+            raise ShardserveError(f"{path}: no metadata column {column!r} (columns: {schema.names})")
+        if column in ("id", id_column):
+            raise ShardserveError(f"metadata column {column!r}: ids are returned as `ids` already")
+        kind = schema.field(column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
+                or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
+            raise ShardserveError(f"{path}: metadata column {column!r} is {kind}: only strings, numbers "
+                                  "and booleans are returned")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+
+
+def read_parquet_columns(path: Path, vector_column: str | None,
+                         id_column: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The vector column as a float32 matrix, and the id column as int64 (None without one)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    matrix = read_parquet_vectors(path, vector_column)
+    if id_column is None:
+        return matrix, None
+    try:
+        schema = pq.read_schema(path)
+        if id_column not in schema.names:
+            raise ShardserveError(f"{path}: no column {id_column!r} (columns: {schema.names})")
+        if not pa.types.is_integer(schema.field(id_column).type):
+            raise ShardserveError(f"{path}: id column {id_column!r} is {schema.field(id_column).type}, "
+                                  "expected integers")
+        column = pq.read_table(path, columns=[id_column]).column(id_column)
+    except (pa.ArrowException, OSError) as exc:
+        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+    if column.null_count:
+        raise ShardserveError(f"{path}: id column {id_column!r} has {column.null_count} nulls")
+    return matrix, column.to_numpy().astype(np.int64)
 
 
 def read_parquet_vectors(path: Path, column: str | None = None) -> np.ndarray:

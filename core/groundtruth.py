@@ -71,11 +71,11 @@ def recall_at_k(found_ids: np.ndarray, dataset: Dataset, k: int, truth: np.ndarr
     """
     if k > truth.shape[1]:
         raise ShardserveError(f"k={k} exceeds the ground truth depth {truth.shape[1]}")
-    found_ids = found_ids[:, :k]
+    found_rows = dataset.rows_of(found_ids[:, :k])  # the user's ids (or row numbers) → base rows
     base = prepare_vectors(dataset.base, dataset.metric)
     queries = prepare_vectors(dataset.queries, dataset.metric)
-    valid = found_ids >= 0
-    safe_ids = np.where(valid, found_ids, 0)
+    valid = found_rows >= 0
+    safe_ids = np.where(valid, found_rows, 0)
     true_kth = _exact_distance(queries, base[truth[:, k - 1]][:, None, :], dataset.metric)[:, 0]
     hits = 0
     for start in range(0, len(queries), 512):

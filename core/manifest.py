@@ -30,6 +30,11 @@ class ShardEntry(_Strict):
 class DatasetInfo(_Strict):
     name: str
     fingerprint: str
+    # parquet data: where the vectors and the user's ids came from (eval and the swap gate read the
+    # same columns). No id column: the index stores row numbers.
+    vector_column: str | None = None
+    id_column: str | None = None
+    metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
 
 
 class BuildInfo(_Strict):
@@ -50,15 +55,19 @@ class Manifest(_Strict):
     # The trained, still-empty index every shard was copied from: the router runs its IVF coarse
     # quantizer once per batch for all shards. None in indexes built before it was written.
     trained: ShardEntry | None = None
+    # Per shard, its rows' metadata columns (core.metadata), when the build was given some.
+    metadata: list[ShardEntry] | None = None
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str
 
     @staticmethod
-    def content_version(shards: list[ShardEntry], factory: str, metric: str) -> str:
-        """Index version = hash of what the index answers with: shard contents + how they are read."""
+    def content_version(shards: list[ShardEntry], factory: str, metric: str,
+                        metadata: list[ShardEntry] | None = None) -> str:
+        """Index version = hash of what the index answers with: shard contents + how they are read
+        (+ the metadata it returns)."""
         digest = hashlib.sha256(f"{factory}|{metric}".encode())
-        for shard in shards:
+        for shard in [*shards, *(metadata or [])]:
             digest.update(shard.sha256.encode())
         return digest.hexdigest()[:16]
 
@@ -72,8 +81,10 @@ def published(manifest: Manifest, version_dir: str) -> Manifest:
     def moved(entry: ShardEntry) -> ShardEntry:
         return entry.model_copy(update={"path": f"{version_dir}/{entry.path}"})
 
-    return manifest.model_copy(update={"shards": [moved(s) for s in manifest.shards],
-                                       "trained": moved(manifest.trained) if manifest.trained else None})
+    return manifest.model_copy(update={
+        "shards": [moved(s) for s in manifest.shards],
+        "trained": moved(manifest.trained) if manifest.trained else None,
+        "metadata": [moved(m) for m in manifest.metadata] if manifest.metadata else None})
 
 
 def pinned_location(index: str) -> str:

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 from ray.serve.handle import DeploymentHandle
 
-from core.api import ParsedQuery
+from core.api import ParsedQuery, real_ids
 from core.fanout import Prepare, QueryResult, ShardCall, hedged, plain_query, search_batch
 from core.indexes import supported_params
 from core.manifest import Manifest, read_manifest
+from core.metadata import combine
 from core.ray_private import deployment_handle_unchecked
 from core.searcher import CoarseAssigner
 from core.shard_link import ShardLinks
@@ -95,6 +96,22 @@ class IndexSet:
 
     async def shard_infos(self, timeout_s: float) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*[s.info.remote() for s in self.shards]), timeout_s)
+
+    async def metadata(self, query: ParsedQuery, result: QueryResult,
+                       timeout_s: float) -> list[list[dict]] | None:
+        """The `include` columns of every hit the response carries, per query (None: no `include`).
+        Fetched after the merge, for the final top-k only: every shard is asked for the ids (each
+        holds its own rows' metadata, core.metadata), through Serve: a side path, not the search hop."""
+        if not query.include:
+            return None
+        per_query = real_ids(result)
+        wanted = sorted({int(i) for ids in per_query for i in ids})
+        calls = [handle.options(method_name="metadata", request_serialization="cloudpickle",
+                                response_serialization="cloudpickle").remote(wanted, list(query.include))
+                 for handle in self.shards]
+        found = combine(await asyncio.wait_for(asyncio.gather(*calls), timeout_s), len(wanted))
+        by_id = dict(zip(wanted, found, strict=True))
+        return [[by_id[int(i)] or {} for i in ids] for ids in per_query]
 
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""

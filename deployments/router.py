@@ -111,8 +111,9 @@ class Router:
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
                 raise error
+            extra = await index_set.metadata(query, result, self.args.shard_timeout_s)  # `include`
             total_ms = (time.perf_counter() - started) * 1000.0
-            return Response(render_search(query, result, total_ms, index_set.manifest.index_version),
+            return Response(render_search(query, result, total_ms, index_set.manifest.index_version, extra),
                             media_type=JSON)
         except ApiError as error:
             status = error.status

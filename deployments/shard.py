@@ -14,6 +14,7 @@ import ray
 from ray import serve
 
 from core.manifest import read_version
+from core.metadata import MetadataTable
 from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from core.searcher import ShardSearcher
 from core.shard_link import InFlight, serve_link
@@ -39,8 +40,10 @@ class ShardDeployment:
                                            initializer=faiss.omp_set_num_threads,
                                            initargs=(faiss_threads,))
         location, loading = Location.parse(index), time.monotonic()
-        self.searcher = await asyncio.to_thread(
-            lambda: ShardSearcher.load(location, read_version(location, index_version), shard, mmap))
+        manifest = read_version(location, index_version)
+        self.searcher = await asyncio.to_thread(ShardSearcher.load, location, manifest, shard, mmap)
+        self.metadata_table = None if manifest.metadata is None else await asyncio.to_thread(
+            MetadataTable.load, location, manifest.metadata[shard])
         loaded_s = time.monotonic() - loading
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
@@ -101,6 +104,12 @@ class ShardDeployment:
             self._announcer.cancel()
         if self.link_server is not None:
             self.link_server.close()
+
+    def metadata(self, ids: list[int], columns: list[str]) -> list[dict | None]:
+        """The metadata of those `ids` this shard holds (None for the others'); `include` answers."""
+        if self.metadata_table is None:
+            return [None] * len(ids)
+        return self.metadata_table.lookup(ids, columns)
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),

@@ -41,6 +41,7 @@ from core.manifest import (
     published,
     write_manifest,
 )
+from core.metadata import write_metadata
 from core.storage import Location, sha256_hex
 from core.timing import timed
 
@@ -68,7 +69,8 @@ class BuildParams:
 
 def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: str | None = None,
                 limit: int | None = None, backend: Backend = "ray", force: bool = False,
-                train_size: int = 0, seed: int = 1234) -> Manifest:
+                train_size: int = 0, seed: int = 1234, vector_column: str | None = None,
+                id_column: str | None = None, metadata_columns: list[str] | None = None) -> Manifest:
     """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest."""
     if shards < 1:
         raise ShardserveError(f"--shards must be >= 1, got {shards}")
@@ -76,7 +78,8 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     location.ensure_writable()
     if location.exists(MANIFEST) and not force:
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
-    dataset = load_dataset(dataset_spec, limit=limit)
+    dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,
+                           metadata_columns=metadata_columns)
     params = BuildParams(factory, shards, metric or dataset.metric, train_size, seed)
     make_empty_index(factory, dataset.dim, params.metric)  # fail on a bad factory before any work
     if len(dataset.base) < shards:
@@ -85,11 +88,12 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         from core.ray_session import ensure_ray
 
         ensure_ray(fast_ingress=False)
-    return build_from_dataset(dataset, params, location, backend)
+    return build_from_dataset(dataset, params, location, backend, vector_column, id_column)
 
 
 def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,
-                       backend: Backend = "ray") -> Manifest:
+                       backend: Backend = "ray", vector_column: str | None = None,
+                       id_column: str | None = None) -> Manifest:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     created = dt.datetime.now(dt.UTC)
@@ -103,14 +107,24 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                                       params.seed)
         with timed(f"add+write {params.shards} shards ({backend})", timings):
             add = add_shards_ray if backend == "ray" else add_shards_local
-            entries = add(vectors, empty, params.shards, location)
+            entries = add(vectors, dataset.index_ids(), empty, params.shards, location)
         entries = sorted(entries, key=lambda e: e.name)
         trained = write_file(location, TRAINED_FILE, empty, 0)
+        metadata = None
+        if dataset.metadata is not None:  # the same rows as each shard's index: i mod S
+            with timed("metadata", timings):
+                ids = dataset.index_ids()
+                metadata = [write_metadata(location, s, ids[s::params.shards],
+                                           dataset.metadata.take(np.arange(s, len(ids), params.shards)))
+                            for s in range(params.shards)]
         manifest = Manifest(
-            index_version=Manifest.content_version(entries, params.factory, params.metric),
+            index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
             dim=dataset.dim, metric=params.metric, index_factory=params.factory,
-            num_vectors=len(vectors), shards=entries, trained=trained,
-            dataset=DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint()),
+            num_vectors=len(vectors), shards=entries, trained=trained, metadata=metadata,
+            dataset=DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint(),
+                                vector_column=vector_column, id_column=id_column,
+                                metadata_columns=[] if dataset.metadata is None
+                                else dataset.metadata.column_names),
             build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
@@ -161,14 +175,16 @@ def write_file(location: Location, name: str, data: bytes, num_vectors: int) -> 
                       sha256=sha256_hex(data), bytes=len(data))
 
 
-def add_shards_local(vectors: np.ndarray, empty: bytes, shards: int, location: Location) -> list[ShardEntry]:
-    """Single-process reference: the same adds, one shard after another, all cores per add."""
-    ids = np.arange(len(vectors), dtype=np.int64)
+def add_shards_local(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: int,
+                     location: Location) -> list[ShardEntry]:
+    """Single-process reference: the same adds, one shard after another, all cores per add.
+    Row i (id `ids[i]`: the user's, or i) goes to shard i mod S."""
     return [write_shard(location, s, add_to_copy(empty, vectors[s::shards], ids[s::shards]))
             for s in range(shards)]
 
 
-def add_shards_ray(vectors: np.ndarray, empty: bytes, shards: int, location: Location) -> list[ShardEntry]:
+def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: int,
+                   location: Location) -> list[ShardEntry]:
     """Ray Data over shard specs: one task per shard adds its rows (id mod S) and writes its file.
 
     The base matrix and the trained index go into the object store once; each task maps them
@@ -180,7 +196,7 @@ def add_shards_ray(vectors: np.ndarray, empty: bytes, shards: int, location: Loc
     specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
     written = specs.map_batches(
         _add_and_write_shard, batch_size=1, batch_format="numpy", num_cpus=1,
-        fn_kwargs={"refs": [ray.put(vectors), ray.put(empty)], "shards": shards,
+        fn_kwargs={"refs": [ray.put(vectors), ray.put(ids), ray.put(empty)], "shards": shards,
                    "location_uri": location.uri})
     rows = written.take_all()
     if len(rows) != shards:
@@ -190,15 +206,15 @@ def add_shards_ray(vectors: np.ndarray, empty: bytes, shards: int, location: Loc
 
 def _add_and_write_shard(batch: dict[str, np.ndarray], refs: list, shards: int,
                          location_uri: str) -> dict[str, np.ndarray]:
-    """Ray Data task body: rows id ≡ shard (mod S) of the shared matrix → one shard file."""
+    """Ray Data task body: rows i ≡ shard (mod S) of the shared matrix, with their ids → one shard file."""
     import ray
 
     faiss.omp_set_num_threads(1)  # one CPU per task; also makes HNSW insertion order deterministic
-    vectors, empty = ray.get(refs)
+    vectors, ids, empty = ray.get(refs)
     entries = []
     for shard in batch["shard"].tolist():
-        ids = np.arange(shard, len(vectors), shards, dtype=np.int64)
-        index = add_to_copy(empty, np.ascontiguousarray(vectors[shard::shards]), ids)
+        index = add_to_copy(empty, np.ascontiguousarray(vectors[shard::shards]),
+                            np.ascontiguousarray(ids[shard::shards]))
         entries.append(write_shard(Location.parse(location_uri), shard, index).model_dump_json())
     return {"entry": np.array(entries)}
 

@@ -15,7 +15,9 @@ def _build(args: argparse.Namespace) -> None:
 
     manifest = build_index(args.dataset, args.shards, args.index, args.out, metric=args.metric,
                            limit=args.limit, backend=args.backend, force=args.force,
-                           train_size=args.train_size, seed=args.seed)
+                           train_size=args.train_size, seed=args.seed,
+                           vector_column=args.vector_column, id_column=args.id_column,
+                           metadata_columns=args.metadata_columns)
     print(f"built {manifest.index_factory} index {manifest.index_version}: {manifest.num_vectors} "
           f"vectors in {len(manifest.shards)} shards at {args.out} ({manifest.build.seconds:.1f} s)")
 
@@ -210,7 +212,8 @@ def parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build", help="build a sharded FAISS index with a Ray Data job")
     build.add_argument("--dataset", required=True,
-                       help="fashion-mnist | synthetic:NxD | glove-50 | file path")
+                       help="fashion-mnist | synthetic:NxD | glove-50 | a file | a directory or glob "
+                            "of parquet files")
     build.add_argument("--shards", type=_POSITIVE, required=True)
     build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat")
     build.add_argument("--out", required=True, help="local dir or pyarrow URI (s3://bucket/idx)")
@@ -218,6 +221,12 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--limit", type=_POSITIVE, help="index only the first N base vectors")
     build.add_argument("--train-size", type=_at_least(0), default=0, help="training sample size (0 = auto)")
     build.add_argument("--seed", type=int, default=1234)
+    build.add_argument("--vector-column", help="parquet: the list<float> column (default: the first one)")
+    build.add_argument("--id-column", help="parquet: int64 ids returned in answers instead of row numbers "
+                                           "(unique, >= 0)")
+    build.add_argument("--metadata-columns", type=lambda text: [c for c in text.split(",") if c],
+                       help="parquet: columns a,b stored per shard and returned on request "
+                            "(`include` in /v1/search)")
     build.add_argument("--backend", choices=["ray", "local"], default="ray",
                        help="ray: Ray Data job (default); local: single-process reference")
     build.add_argument("--force", action="store_true", help="replace an index already at --out")

@@ -60,7 +60,8 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     params = params or {}
     manifest, searchers = load_all_shards(index_uri)
     assigner = load_assigner(index_uri)
-    dataset = load_dataset(dataset_spec, limit=limit)
+    dataset = load_dataset(dataset_spec, limit=limit, vector_column=manifest.dataset.vector_column,
+                           id_column=manifest.dataset.id_column)  # the columns the build read
     _check_compatible(manifest, dataset)
     truth = ground_truth(dataset)
     if url:
@@ -102,7 +103,7 @@ def _evaluate_unsharded(manifest: Manifest, dataset: Dataset, k: int, params: di
     vectors = prepare_vectors(dataset.base, manifest.metric)
     empty = train_empty_index(build_params.factory, build_params.metric,
                               training_sample(vectors, build_params), build_params.seed)
-    index = add_to_copy(empty, vectors, np.arange(len(vectors)))
+    index = add_to_copy(empty, vectors, dataset.index_ids())
     searcher = ShardSearcher(index, manifest.metric, "unsharded", "unsharded")
     start = time.perf_counter()
     _, ids, _ = searcher.search(dataset.queries, k, params)

@@ -1,0 +1,176 @@
+"""The user's own int64 ids from a parquet column: stored in the index, returned in answers, graded
+right by eval; duplicates, negatives, a missing or non-integer column refused with one line.
+Real parquet files, real FAISS; the local build backend (the Ray backend is the same adds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from core.datasets import load_dataset
+from core.errors import ShardserveError
+from core.searcher import load_all_shards
+from index_build.job import build_index
+from serving.evaluate import evaluate
+from tests.conftest import run_cli
+
+ROWS, DIM, FILES = 6000, 16, 3
+SERVE_PORT = 18321  # one Serve HTTP port per test cluster: the port every test uses
+
+
+def _source_id(row: np.ndarray) -> np.ndarray:
+    """The id the source gives row r: sparse and large, nothing like a row number."""
+    return row.astype(np.int64) * 1_000_003 + 2**40
+
+
+def write_parquet(directory: Path, ids: np.ndarray | None = None, id_type: pa.DataType | None = None) -> Path:
+    """FILES parquet files: `emb` (list<float32>, component 0 = the source row), `doc_id`, `caption`."""
+    rng = np.random.default_rng(7)
+    centers = rng.normal(size=(32, DIM)).astype(np.float32)
+    vectors = centers[rng.integers(0, 32, ROWS)] + 0.1 * rng.normal(size=(ROWS, DIM)).astype(np.float32)
+    vectors[:, 0] = np.arange(ROWS)  # lets a test find the source row of any base row
+    ids = _source_id(np.arange(ROWS)) if ids is None else ids
+    directory.mkdir(parents=True, exist_ok=True)
+    for number, rows in enumerate(np.array_split(np.arange(ROWS), FILES)):
+        table = pa.table({
+            "emb": pa.array(list(vectors[rows]), type=pa.list_(pa.float32())),
+            "doc_id": pa.array(ids[rows]).cast(id_type or pa.int64()),
+            "caption": pa.array([f"caption {r}" for r in rows]),
+        })
+        pq.write_table(table, directory / f"part-{number:02d}.parquet")
+    return directory
+
+
+def test_ids_follow_their_rows_through_the_held_out_split(tmp_path: Path) -> None:
+    data = load_dataset(str(write_parquet(tmp_path / "emb")), vector_column="emb", id_column="doc_id")
+    assert len(data.base) + len(data.queries) == ROWS
+    np.testing.assert_array_equal(data.ids, _source_id(data.base[:, 0]))
+    rows = np.array([[5, 0, -1], [len(data.base) - 1, 2, 3]])
+    np.testing.assert_array_equal(data.rows_of(np.where(rows >= 0, data.ids[rows], -1)), rows)
+    assert data.rows_of(np.array([12345]))[0] == -1  # an id the dataset does not have
+    # A glob of the same files is the same dataset.
+    same = load_dataset(str(tmp_path / "emb" / "part-*.parquet"), vector_column="emb", id_column="doc_id")
+    assert same.fingerprint() == data.fingerprint()
+    assert load_dataset(str(tmp_path / "emb")).fingerprint() != data.fingerprint()  # no ids: row numbers
+
+
+def test_answers_carry_the_users_ids_and_eval_grades_them(tmp_path: Path) -> None:
+    source = write_parquet(tmp_path / "emb")
+    with_ids = build_index(str(source), 2, "IVF32,Flat", str(tmp_path / "ids"), backend="local",
+                           vector_column="emb", id_column="doc_id")
+    plain = build_index(str(source), 2, "IVF32,Flat", str(tmp_path / "rows"), backend="local",
+                        vector_column="emb")
+    assert with_ids.dataset.id_column == "doc_id" and plain.dataset.id_column is None
+    data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
+    _, searchers = load_all_shards(str(tmp_path / "ids"))
+    found = np.concatenate([s.search(data.queries[:20], 5)[1] for s in searchers], axis=1)
+    assert set(found.ravel().tolist()) <= set(data.ids.tolist())  # only the user's ids come back
+    # Same data, same training: the same neighbours, named by id in one index and by row in the other.
+    graded = evaluate(str(tmp_path / "ids"), str(source), k=10, params={"nprobe": 8})
+    by_row = evaluate(str(tmp_path / "rows"), str(source), k=10, params={"nprobe": 8})
+    assert graded["recall"] == by_row["recall"] > 0.8
+
+
+@pytest.mark.parametrize("ids, id_type, message", [
+    (np.where(np.arange(ROWS) == 77, _source_id(np.array(5)), _source_id(np.arange(ROWS))), pa.int64(),
+     "duplicate ids"),
+    (np.where(np.arange(ROWS) == 9, -4, _source_id(np.arange(ROWS))), pa.int64(), "ids must be >= 0"),
+    (_source_id(np.arange(ROWS)), pa.float64(), "expected integers"),
+])
+def test_bad_ids_are_refused_in_one_line(tmp_path: Path, ids, id_type, message: str) -> None:
+    source = write_parquet(tmp_path / "emb", ids, id_type)
+    with pytest.raises(ShardserveError, match=message):
+        load_dataset(str(source), id_column="doc_id")
+    result = run_cli("build", "--dataset", str(source), "--id-column", "doc_id", "--shards", "2",
+                     "--index", "Flat", "--out", str(tmp_path / "out"), "--backend", "local")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("shardserve: error:")
+    assert message in result.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_missing_columns_are_refused(tmp_path: Path) -> None:
+    source = write_parquet(tmp_path / "emb")
+    with pytest.raises(ShardserveError, match="no column 'nope'"):
+        load_dataset(str(source), id_column="nope")
+    with pytest.raises(ShardserveError, match="no column 'vec'"):
+        load_dataset(str(source), vector_column="vec")
+    with pytest.raises(ShardserveError, match="apply to parquet"):
+        load_dataset("synthetic:100x4", id_column="doc_id")
+    with pytest.raises(ShardserveError, match="no parquet files"):
+        load_dataset(str(tmp_path / "none-*.parquet"))
+
+
+def _source_row(ids: np.ndarray) -> np.ndarray:
+    return (np.asarray(ids) - 2**40) // 1_000_003
+
+
+def test_metadata_is_stored_per_shard_and_found_by_id(tmp_path: Path) -> None:
+    from core.manifest import read_manifest
+    from core.metadata import MetadataTable, combine
+    from core.storage import Location
+
+    source = write_parquet(tmp_path / "emb")
+    manifest = build_index(str(source), 3, "IVF32,Flat", str(tmp_path / "idx"), backend="local",
+                           vector_column="emb", id_column="doc_id", metadata_columns=["caption"])
+    assert manifest.dataset.metadata_columns == ["caption"] and len(manifest.metadata) == 3
+    location = Location.parse(str(tmp_path / "idx"))
+    assert read_manifest(location).index_version == manifest.index_version
+    data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
+    tables = [MetadataTable.load(location, entry) for entry in manifest.metadata]
+    wanted = [int(i) for i in data.ids[::97]] + [123]  # ... and an id no shard has
+    found = combine([table.lookup(wanted, ["caption"]) for table in tables], len(wanted))
+    assert found[-1] is None
+    assert [row["caption"] for row in found[:-1]] == [f"caption {r}" for r in _source_row(wanted[:-1])]
+    # Each id is in exactly one shard's table: the shard whose index holds it.
+    _, searchers = load_all_shards(str(tmp_path / "idx"))
+    for searcher, table in zip(searchers, tables, strict=True):
+        _, ids = searcher.search(data.queries[:5], 3)[:2]
+        assert all(row is not None for row in table.lookup(ids.ravel().tolist(), ["caption"]))
+
+
+@pytest.mark.parametrize("columns, message", [
+    (["nope"], "no metadata column 'nope'"),
+    (["doc_id"], "ids are returned as `ids` already"),
+    (["emb"], "only strings, numbers and booleans"),
+])
+def test_bad_metadata_columns_are_refused(tmp_path: Path, columns: list[str], message: str) -> None:
+    with pytest.raises(ShardserveError, match=message):
+        load_dataset(str(write_parquet(tmp_path / "emb")), vector_column="emb", id_column="doc_id",
+                     metadata_columns=columns)
+
+
+@pytest.mark.slow
+def test_include_returns_each_hits_metadata_over_http(ray_cluster, tmp_path: Path) -> None:
+    """Real Serve: `include` adds the right caption for every hit (checked against the parquet
+    source), per result for batches; an unknown column is a 422 naming `include`."""
+    import httpx
+
+    from deployments.run import deploy, undeploy
+
+    source = write_parquet(tmp_path / "emb")
+    build_index(str(source), 2, "IVF32,Flat", str(tmp_path / "idx"), backend="local",
+                vector_column="emb", id_column="doc_id", metadata_columns=["caption"])
+    data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
+    url = deploy(str(tmp_path / "idx"), port=SERVE_PORT, app_name="meta", route_prefix="/meta",
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    try:
+        single = httpx.post(f"{url}/v1/search", json={"vector": data.queries[0].tolist(), "k": 5,
+                                                      "include": ["caption"]}, timeout=30).json()
+        batch = httpx.post(f"{url}/v1/search", json={"vectors": data.queries[1:4].tolist(), "k": 4,
+                                                     "include": ["caption"]}, timeout=30).json()
+        plain = httpx.post(f"{url}/v1/search", json={"vector": data.queries[0].tolist(), "k": 5},
+                           timeout=30).json()
+        bad = httpx.post(f"{url}/v1/search", json={"vector": data.queries[0].tolist(),
+                                                   "include": ["url"]}, timeout=30)
+    finally:
+        undeploy("meta")
+    for answer in [single, *batch["results"]]:
+        assert answer["ids"] and set(answer["ids"]) <= set(data.ids.tolist())
+        assert answer["metadata"] == [{"caption": f"caption {r}"} for r in _source_row(answer["ids"])]
+    assert plain["ids"] == single["ids"] and "metadata" not in plain
+    assert bad.status_code == 422 and bad.json()["field"] == "include"
