@@ -122,10 +122,11 @@ class CoarseAssigner:
         return ShardQuery(matrix, k, params, assign, coarse)
 
 
-def load_all_shards(uri: str) -> tuple[Manifest, list[ShardSearcher]]:
+def load_all_shards(uri: str, mmap: bool = True) -> tuple[Manifest, list[ShardSearcher]]:
+    """`mmap=False` when the indexes will be cloned or merged (FAISS cannot clone mapped lists)."""
     location = Location.parse(uri)
     manifest = read_manifest(location)
-    return manifest, [ShardSearcher.load(location, manifest, s) for s in range(len(manifest.shards))]
+    return manifest, [ShardSearcher.load(location, manifest, s, mmap) for s in range(len(manifest.shards))]
 
 
 def load_assigner(uri: str) -> CoarseAssigner | None:

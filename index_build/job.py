@@ -22,6 +22,7 @@ from typing import Literal
 import faiss
 import numpy as np
 
+from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
 from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
 from core.indexes import (
@@ -70,8 +71,10 @@ class BuildParams:
 def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: str | None = None,
                 limit: int | None = None, backend: Backend = "ray", force: bool = False,
                 train_size: int = 0, seed: int = 1234, vector_column: str | None = None,
-                id_column: str | None = None, metadata_columns: list[str] | None = None) -> Manifest:
-    """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest."""
+                id_column: str | None = None, metadata_columns: list[str] | None = None,
+                memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Manifest:
+    """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest.
+    `factory="auto"` picks one from the data's size and `memory_budget` (core.auto_index)."""
     if shards < 1:
         raise ShardserveError(f"--shards must be >= 1, got {shards}")
     location = Location.parse(out)
@@ -80,6 +83,10 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,
                            metadata_columns=metadata_columns)
+    auto = None
+    if factory == "auto":
+        factory, auto = choose_factory(len(dataset.base), dataset.dim, memory_budget)
+        log.info("--index auto: %s (%s)", factory, auto)
     params = BuildParams(factory, shards, metric or dataset.metric, train_size, seed)
     make_empty_index(factory, dataset.dim, params.metric)  # fail on a bad factory before any work
     if len(dataset.base) < shards:
@@ -88,12 +95,12 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         from core.ray_session import ensure_ray
 
         ensure_ray(fast_ingress=False)
-    return build_from_dataset(dataset, params, location, backend, vector_column, id_column)
+    return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto)
 
 
 def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,
                        backend: Backend = "ray", vector_column: str | None = None,
-                       id_column: str | None = None) -> Manifest:
+                       id_column: str | None = None, auto: str | None = None) -> Manifest:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     created = dt.datetime.now(dt.UTC)
@@ -125,7 +132,8 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                                 vector_column=vector_column, id_column=id_column,
                                 metadata_columns=[] if dataset.metadata is None
                                 else dataset.metadata.column_names),
-            build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings},
+            build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings,
+                                    **({"auto": auto} if auto else {})},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
             created_at=created.isoformat(timespec="seconds"),

@@ -24,7 +24,7 @@ INDEX_ENV = "SHARDSERVE_BASELINE_INDEX"
 
 
 def merged_searcher(index_uri: str) -> tuple[ShardSearcher, frozenset[str]]:
-    manifest, shards = load_all_shards(index_uri)
+    manifest, shards = load_all_shards(index_uri, mmap=False)  # merged into one in-memory index
     first = shards[0].index
     if faiss.try_extract_index_ivf(first) is None:
         raise SystemExit("baseline server merges IVF shards only")

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from core.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
 from core.errors import ShardserveError
 
 
@@ -17,7 +18,7 @@ def _build(args: argparse.Namespace) -> None:
                            limit=args.limit, backend=args.backend, force=args.force,
                            train_size=args.train_size, seed=args.seed,
                            vector_column=args.vector_column, id_column=args.id_column,
-                           metadata_columns=args.metadata_columns)
+                           metadata_columns=args.metadata_columns, memory_budget=args.memory_budget)
     print(f"built {manifest.index_factory} index {manifest.index_version}: {manifest.num_vectors} "
           f"vectors in {len(manifest.shards)} shards at {args.out} ({manifest.build.seconds:.1f} s)")
 
@@ -205,6 +206,13 @@ def _at_least(minimum: int):
 _POSITIVE = _at_least(1)
 
 
+def _bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ShardserveError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     root = _Parser(prog="shardserve", description=__doc__)
     root.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -215,7 +223,10 @@ def parser() -> argparse.ArgumentParser:
                        help="fashion-mnist | synthetic:NxD | glove-50 | a file | a directory or glob "
                             "of parquet files")
     build.add_argument("--shards", type=_POSITIVE, required=True)
-    build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat")
+    build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat, or `auto`: "
+                                                       "picked from the data's size and --memory-budget")
+    build.add_argument("--memory-budget", type=_bytes, default=DEFAULT_MEMORY_BUDGET,
+                       help="--index auto: memory the whole index may take, e.g. 4GB (default)")
     build.add_argument("--out", required=True, help="local dir or pyarrow URI (s3://bucket/idx)")
     build.add_argument("--metric", choices=["l2", "ip", "cosine"], help="default: the dataset's")
     build.add_argument("--limit", type=_POSITIVE, help="index only the first N base vectors")

@@ -90,3 +90,12 @@ def test_corrupt_remote_shard_is_refused_and_not_cached(ivf_index: Path, tmp_pat
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-trusted left
     with pytest.raises(ShardserveError, match="sha256 mismatch"):  # and the local path checks too
         ShardSearcher.load(Location.parse(str(copy)), manifest, 1)
+
+
+def test_the_baseline_still_merges_shards_loaded_in_memory(ivf_index: Path) -> None:
+    """Mapped IVF lists cannot be cloned or merged (FAISS): the uvicorn baseline reads its shards."""
+    from loadtests.baseline_server import merged_searcher
+
+    merged, _ = merged_searcher(str(ivf_index))
+    manifest = read_manifest(Location.parse(str(ivf_index)))
+    assert merged.index.ntotal == manifest.num_vectors and not merged.mmapped
