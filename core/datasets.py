@@ -263,9 +263,6 @@ def _load_file(path: Path) -> Dataset:
             raise ShardserveError(f"{path}: expected a 2-D array, got shape {matrix.shape}")
         base, queries = hold_out(_as_float32(matrix), 1000)
         return Dataset(path.stem, base, queries, "l2")
-    if suffix == ".parquet":
-        base, queries = hold_out(read_parquet_vectors(path), 1000)
-        return Dataset(path.stem, base, queries, "l2")
     raise ShardserveError(f"{path}: unsupported file type {suffix!r}")
 
 
@@ -353,30 +350,30 @@ def parquet_files(spec: str) -> list[Path]:
 
 def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
                   metadata_columns: list[str]) -> Dataset:
-    """Vectors (ids, metadata) of every file, in file order; a seeded held-out query set, as for
-    any base-only file. Read in memory: the build holds the matrix in the object store once."""
-    files = parquet_files(spec)
-    parts = [read_parquet_columns(path, vector_column, id_column) for path in files]
-    dims = {matrix.shape[1] for matrix, _ in parts}
+    """Vectors (ids, metadata) of every file, in file order; a seeded held-out query set, as for any
+    base-only file. Read in memory: the build holds the matrix in the object store once."""
+    parts = [read_parquet_file(path, vector_column, id_column, metadata_columns)
+             for path in parquet_files(spec)]
+    dims = {matrix.shape[1] for matrix, _, _ in parts}
     if len(dims) != 1:
         raise ShardserveError(f"{spec}: files hold vectors of different dimensions {sorted(dims)}")
-    matrix = np.concatenate([m for m, _ in parts]) if len(parts) > 1 else parts[0][0]
-    ids = None if id_column is None else np.concatenate([i for _, i in parts])
+    matrix = np.concatenate([m for m, _, _ in parts]) if len(parts) > 1 else parts[0][0]
     base_rows, query_rows = hold_out_rows(len(matrix), 1000)
-    name = Path(spec.rstrip("/*")).stem or "parquet"
+    ids = None if id_column is None else np.concatenate([i for _, i, _ in parts])[base_rows]
     metadata = None
     if metadata_columns:
         import pyarrow as pa
 
-        tables = [read_metadata_columns(path, metadata_columns, id_column) for path in files]
-        metadata = pa.concat_tables(tables).take(pa.array(base_rows))
+        metadata = pa.concat_tables([t for _, _, t in parts]).take(pa.array(base_rows))
+    name = Path(spec.rstrip("/*")).stem or "parquet"
     return Dataset(name, _as_float32(matrix[base_rows]), _as_float32(matrix[query_rows]), "l2",
-                   ids=None if ids is None else ids[base_rows], metadata=metadata)
+                   ids=ids, metadata=metadata)
 
 
-def read_metadata_columns(path: Path, columns: list[str], id_column: str | None):
-    """The metadata columns of one parquet file: strings, numbers or booleans (what JSON answers
-    carry), refused otherwise with the column named."""
+def read_parquet_file(path: Path, vector_column: str | None = None, id_column: str | None = None,
+                      metadata_columns: list[str] | None = None):
+    """One parquet file, reading only the columns asked for (schema checked first, each problem
+    named): (float32 vector matrix, int64 ids or None, pyarrow table of the metadata columns)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -384,71 +381,45 @@ def read_metadata_columns(path: Path, columns: list[str], id_column: str | None)
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
         raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-    for column in columns:
-        if column not in schema.names:
-            raise ShardserveError(f"{path}: no metadata column {column!r} (columns: {schema.names})")
-        if column in ("id", id_column):
-            raise ShardserveError(f"metadata column {column!r}: ids are returned as `ids` already")
-        kind = schema.field(column).type
+    column = vector_column or next((f.name for f in schema if pa.types.is_list(f.type)
+                                    or pa.types.is_fixed_size_list(f.type) or pa.types.is_large_list(f.type)),
+                                   None)
+    if column is None:
+        raise ShardserveError(f"{path}: no list<float> column")
+    metadata_columns = metadata_columns or []
+    for name in [column, *([id_column] if id_column else []), *metadata_columns]:
+        if name not in schema.names:
+            what = "metadata column" if name in metadata_columns else "column"
+            raise ShardserveError(f"{path}: no {what} {name!r} (columns: {schema.names})")
+    value_type = getattr(schema.field(column).type, "value_type", None)
+    if value_type is None or not (pa.types.is_floating(value_type) or pa.types.is_integer(value_type)):
+        raise ShardserveError(f"{path}: column {column!r} is {schema.field(column).type}, "
+                              "expected a list of numbers")
+    if id_column and not pa.types.is_integer(schema.field(id_column).type):
+        raise ShardserveError(f"{path}: id column {id_column!r} is {schema.field(id_column).type}, "
+                              "expected integers")
+    for name in metadata_columns:
+        kind = schema.field(name).type
+        if name in ("id", id_column):
+            raise ShardserveError(f"metadata column {name!r}: ids are returned as `ids` already")
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_integer(kind)
                 or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
-            raise ShardserveError(f"{path}: metadata column {column!r} is {kind}: only strings, numbers "
+            raise ShardserveError(f"{path}: metadata column {name!r} is {kind}: only strings, numbers "
                                   "and booleans are returned")
     try:
-        return pq.read_table(path, columns=columns)
+        table = pq.read_table(path, columns=list(dict.fromkeys([column, *([id_column] if id_column else []),
+                                                                 *metadata_columns])))
     except (pa.ArrowException, OSError) as exc:
         raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-
-
-def read_parquet_columns(path: Path, vector_column: str | None,
-                         id_column: str | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """The vector column as a float32 matrix, and the id column as int64 (None without one)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    matrix = read_parquet_vectors(path, vector_column)
-    if id_column is None:
-        return matrix, None
-    try:
-        schema = pq.read_schema(path)
-        if id_column not in schema.names:
-            raise ShardserveError(f"{path}: no column {id_column!r} (columns: {schema.names})")
-        if not pa.types.is_integer(schema.field(id_column).type):
-            raise ShardserveError(f"{path}: id column {id_column!r} is {schema.field(id_column).type}, "
-                                  "expected integers")
-        column = pq.read_table(path, columns=[id_column]).column(id_column)
-    except (pa.ArrowException, OSError) as exc:
-        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-    if column.null_count:
-        raise ShardserveError(f"{path}: id column {id_column!r} has {column.null_count} nulls")
-    return matrix, column.to_numpy().astype(np.int64)
-
-
-def read_parquet_vectors(path: Path, column: str | None = None) -> np.ndarray:
-    """The first list<float> column (or `column`) of a parquet file as a float32 matrix."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-    if column is None:
-        list_columns = [f.name for f in table.schema
-                        if pa.types.is_list(f.type) or pa.types.is_fixed_size_list(f.type)
-                        or pa.types.is_large_list(f.type)]
-        if not list_columns:
-            raise ShardserveError(f"{path}: no list<float> column")
-        column = list_columns[0]
-    if column not in table.column_names:
-        raise ShardserveError(f"{path}: no column {column!r} (columns: {table.column_names})")
-    field_type = table.schema.field(column).type
-    value_type = getattr(field_type, "value_type", None)
-    if value_type is None or not (pa.types.is_floating(value_type) or pa.types.is_integer(value_type)):
-        raise ShardserveError(f"{path}: column {column!r} is {field_type}, expected a list of numbers")
     values = table.column(column).combine_chunks()
     lengths = np.asarray(values.value_lengths()) if hasattr(values, "value_lengths") else None
     if lengths is not None and (lengths.size == 0 or (lengths != lengths[0]).any()):
         raise ShardserveError(f"{path}: column {column!r} has rows of different lengths or is empty")
-    flat = np.asarray(values.flatten(), dtype=np.float32)
-    return flat.reshape(len(values), -1)
+    matrix = np.asarray(values.flatten(), dtype=np.float32).reshape(len(values), -1)
+    ids = None
+    if id_column:
+        id_values = table.column(id_column)
+        if id_values.null_count:
+            raise ShardserveError(f"{path}: id column {id_column!r} has {id_values.null_count} nulls")
+        ids = id_values.to_numpy().astype(np.int64)
+    return matrix, ids, table.select(metadata_columns)

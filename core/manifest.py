@@ -36,6 +36,10 @@ class DatasetInfo(_Strict):
     id_column: str | None = None
     metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
 
+    def columns(self) -> dict[str, str | None]:
+        """`load_dataset` keywords that read the data the way this index's build did."""
+        return {"vector_column": self.vector_column, "id_column": self.id_column}
+
 
 class BuildInfo(_Strict):
     params: dict
@@ -135,11 +139,7 @@ def read_manifest(location: Location) -> Manifest:
 def read_shard_checked(location: Location, shard: ShardEntry) -> bytes:
     """The shard file's bytes, after proving they are the bytes the manifest published."""
     data = location.read_bytes(shard.path)
-    if len(data) != shard.bytes or sha256_hex(data) != shard.sha256:
-        raise ShardserveError(
-            f"shard {shard.name} ({location.uri}/{shard.path}): sha256 mismatch with the manifest "
-            "(file corrupted or replaced); rebuild the index"
-        )
+    _refuse_unless(shard, location, sha256_hex(data), len(data))
     return data
 
 

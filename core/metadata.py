@@ -55,10 +55,6 @@ class MetadataTable:
 
         return cls(pq.read_table(pa.BufferReader(read_shard_checked(location, entry))))
 
-    @property
-    def columns(self) -> list[str]:
-        return self.table.column_names
-
     def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """Per id, its `columns` (None: the id is not in this shard)."""
         wanted = np.asarray(ids, dtype=np.int64)

@@ -31,8 +31,8 @@ def lower_priority(nice: int) -> int:
     value is per thread; threads started later inherit it). Returns the nice value now in effect.
 
     Why a serving process does this once it is up: on a saturated node, a replica that is starting
-    (a new Ray worker: ~2.5 s of CPU for Python, Ray, Serve and FAISS imports) otherwise gets the
-    same CPU share as each busy one, and an autoscaled replica took 5-10 s to come up under a burst.
+    (a new Ray worker: about 2 s of CPU for Python, Ray, Serve and FAISS imports and the index)
+    otherwise gets only the share of each busy one (loadtests/records/autoscale.json).
     Lowering one's own priority needs no privilege; raising it back does."""
     tasks = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
     for tid in tasks:

@@ -42,7 +42,7 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
     """Held-out queries and exact ground truth of the data the index was built from (checked by
     fingerprint, so a gate can never grade an index against the wrong data)."""
     dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=manifest.num_vectors,
-                           vector_column=manifest.dataset.vector_column, id_column=manifest.dataset.id_column)
+                           **manifest.dataset.columns())
     if dataset.fingerprint() != manifest.dataset.fingerprint:
         raise ShardserveError(
             f"the recall gate needs the dataset the index was built from ({manifest.dataset.name}, "

@@ -132,9 +132,7 @@ def faiss_ms_per_query(index_dir: str, params: dict, batch: int = 32) -> float:
     from core.searcher import load_all_shards
 
     manifest, searchers = load_all_shards(index_dir)
-    matrix = load_dataset(manifest.dataset.name, num_queries=batch,
-                          vector_column=manifest.dataset.vector_column,
-                          id_column=manifest.dataset.id_column).queries
+    matrix = load_dataset(manifest.dataset.name, num_queries=batch, **manifest.dataset.columns()).queries
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()

@@ -60,8 +60,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     params = params or {}
     manifest, searchers = load_all_shards(index_uri)
     assigner = load_assigner(index_uri)
-    dataset = load_dataset(dataset_spec, limit=limit, vector_column=manifest.dataset.vector_column,
-                           id_column=manifest.dataset.id_column)  # the columns the build read
+    dataset = load_dataset(dataset_spec, limit=limit, **manifest.dataset.columns())
     _check_compatible(manifest, dataset)
     truth = ground_truth(dataset)
     if url:
