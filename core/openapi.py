@@ -6,10 +6,14 @@ router's CPU under load); FastAPI is still what renders the schema and the Swagg
 
 from __future__ import annotations
 
+import functools
+
+import orjson
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
 from core.api import SearchRequest, SearchResponse
+from core.http_front import Reply
 
 _ERRORS = {413: {"description": "body too large"},
            422: {"description": "a field is wrong: the body names it"},
@@ -41,6 +45,20 @@ def _describe() -> FastAPI:
 
 def openapi_document() -> dict:
     return _describe().openapi()
+
+
+@functools.cache
+def _openapi_json() -> bytes:
+    return orjson.dumps(openapi_document())
+
+
+def docs_reply(route: str, root: str) -> Reply | None:
+    """GET /openapi.json or /docs under the route prefix `root` (None: not a docs route)."""
+    if route == "/openapi.json":
+        return Reply(200, _openapi_json())
+    if route == "/docs":
+        return Reply(200, docs_page(f"{root}/openapi.json"), "text/html")
+    return None
 
 
 def docs_page(openapi_url: str) -> bytes:

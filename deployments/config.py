@@ -39,6 +39,12 @@ class AppArgs(BaseModel):
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")
+    front_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="each router replica also answers HTTP itself on this port (core.http_front: "
+                    "SO_REUSEPORT, shared by the replicas on a node), off Serve's per-request HTTP "
+                    "path; `shardserve serve` points its edge here. None = Serve's HTTP only")
+    front_host: str = Field("127.0.0.1", description="address the front door binds (keep it private)")
     router_max_ongoing_requests: int = Field(512, ge=1)
     router_max_queued_requests: int = Field(1024, ge=-1, description="beyond this Serve answers 503")
     shard_max_ongoing_requests: int = Field(16, ge=1)

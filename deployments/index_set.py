@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
 
 logger = logging.getLogger("ray.serve")
+LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)
 
 
 @dataclass(frozen=True)
@@ -123,3 +124,12 @@ class IndexSet:
         manifest = read_manifest(location)
         return (manifest, CoarseAssigner.load(location, manifest),
                 frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
+
+
+async def follow_links(active: Callable[[], IndexSet], gauge) -> None:
+    """Keep the served version's shard links in step with its replicas (once a second); `active`
+    is read each time, so a swap's new version is followed from its next round."""
+    while True:
+        await asyncio.sleep(LINK_REFRESH_S)
+        await active().refresh_links()
+        gauge.set(sum(active().link_counts()))

@@ -29,24 +29,34 @@ from core.api import (
 )
 from core.batcher import AdaptiveBatcher
 from core.fanout import QueryResult, search_grouped
-from core.openapi import docs_page, openapi_document
+from core.http_front import FrontDoor, Reply
+from core.openapi import docs_reply
 from core.procfs import lower_priority
 from deployments.config import AppArgs, index_app_name
-from deployments.index_set import IndexSet
+from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
 
-JSON = "application/json"
-LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)
 logger = logging.getLogger("ray.serve")
 
 
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(payload), status_code=status, media_type=JSON)
+def _json(payload: object, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(payload))
 
 
-def _error(error: ApiError) -> Response:
-    headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else None
-    return Response(error.body(), status_code=error.status, media_type=JSON, headers=headers)
+def _error(error: ApiError) -> Reply:
+    headers = {"Retry-After": str(int(error.retry_after))} if error.retry_after else {}
+    return Reply(error.status, error.body(), headers=headers)
+
+
+async def _read_request(request: Request, args: AppArgs) -> tuple[str, str, bytes]:
+    """(route, route prefix, body) of a request on Serve's path; the body bounded in size and time,
+    so an upload holds no admission slot."""
+    root = request.scope.get("root_path", "")  # Serve puts the route prefix here
+    body = b""
+    if request.method == "POST":
+        body = await receive_body(request.stream(), request.headers.get("content-length"),
+                                  args.max_body_bytes, args.body_timeout_s)
+    return request.scope.get("path", "")[len(root):], root, body
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -67,36 +77,44 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
-        self.openapi = orjson.dumps(openapi_document())
         # The coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, a.max_concurrent_batches,
                                        size_of=lambda item: len(item[1].matrix))
-        follow = [self._follow_pointer(), *([self._follow_links()] if self.use_links else [])]
+        follow = [self._follow_pointer(),
+                  *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in follow]
+        self.front = FrontDoor(self.respond, a.max_body_bytes, a.body_timeout_s)  # own HTTP door
+        if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
+            await self.front.listen(a.front_host, a.front_port)
         lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
 
     async def __call__(self, request: Request) -> Response:
-        root = request.scope.get("root_path", "")  # Serve puts the route prefix here
-        route, method = request.scope.get("path", "")[len(root):].rstrip("/") or "/", request.method
+        """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""
+        try:
+            route, root, body = await _read_request(request, self.args)
+            reply = await self.respond(request.method, route, body, root)
+        except ApiError as error:
+            reply = _error(error)
+        return Response(reply.body, reply.status, reply.headers, reply.content_type)
+
+    async def respond(self, method: str, route: str, body: bytes, root: str = "") -> Reply:
+        """Every route, for both doors: Serve's HTTP path and this replica's own (core.http_front)."""
+        route = route.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
-            return await self.search(request)
+            return await self.search(body)
         if method == "GET" and route == "/v1/health":
             return await self.health()
         if method == "GET" and route == "/v1/index":
             return _json(index_summary(self.active.manifest, self.active.supported, self.limits))
-        if method == "GET" and route == "/openapi.json":
-            return Response(self.openapi, media_type=JSON)
-        if method == "GET" and route == "/docs":
-            return Response(docs_page(f"{root}/openapi.json"), media_type="text/html")
+        if method == "GET" and (docs := docs_reply(route, root)) is not None:
+            return docs
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
-    async def search(self, request: Request) -> Response:
+    async def search(self, body: bytes) -> Reply:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
         started, status, index_set = time.perf_counter(), 200, None
-        try:  # the body first, bounded in size and time: an upload holds no admission slot
-            body = await receive_body(request.stream(), request.headers.get("content-length"),
-                                      self.limits.max_body_bytes, self.args.body_timeout_s)
+        try:
             if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: a fast 503
                 self.metrics.shed.inc()
                 raise ApiError(503, None, f"overloaded: {self.in_flight} requests in flight",
@@ -113,8 +131,7 @@ class Router:
                 raise error
             extra = await index_set.metadata(query, result, self.args.shard_timeout_s)  # `include`
             total_ms = (time.perf_counter() - started) * 1000.0
-            return Response(render_search(query, result, total_ms, index_set.manifest.index_version, extra),
-                            media_type=JSON)
+            return Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra))
         except ApiError as error:
             status = error.status
             return _error(error)
@@ -127,7 +144,7 @@ class Router:
                 self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.observe_request(started, status)
 
-    async def health(self) -> Response:
+    async def health(self) -> Reply:
         """200 when every shard of the served index answers, else 503 with Retry-After."""
         try:
             infos = await self.active.shard_infos(timeout_s=5.0)
@@ -163,10 +180,3 @@ class Router:
             except Exception as exc:  # control restarting, manifest unreadable: keep serving, retry
                 logger.warning("index pointer poll failed: %s", exc)
             await asyncio.sleep(self.args.pointer_poll_s)
-
-    async def _follow_links(self) -> None:
-        """Keep the served version's shard links in step with its replicas (once a second)."""
-        while True:
-            await asyncio.sleep(LINK_REFRESH_S)
-            await self.active.refresh_links()
-            self.metrics.shard_links.set(sum(self.active.link_counts()))

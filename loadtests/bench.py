@@ -3,9 +3,10 @@
 (a) in-process FAISS on the merged (unsharded-equivalent) index: one query at a time and batched;
 (b) plain uvicorn + FastAPI + FAISS, one worker per core (loadtests/baseline_server.py);
 (c) a Ray Serve no-op deployment on the same cluster: the framework's floor;
-(d) shardserve with 4 shards and 1 shard, single-vector and 256-vector batch requests, and 4 shards
-    with the router -> shard hop as Serve handle calls instead of shard links, and with the
-    replicas at the priority Ray starts them at instead of `serving_nice`.
+(d) shardserve with 4 shards and 1 shard through the router's own HTTP door (core.http_front),
+    single-vector and 256-vector batch requests; the same 4-shard app through Serve's HTTP ingress
+    and through the shedding edge (`shardserve serve`'s default: one more HAProxy hop), and 4 shards
+    with the router -> shard hop as Serve handle calls instead of shard links.
 Every Serve system runs on its own fresh local Ray.
 Closed-loop vegeta levels on loopback, each bounded by --duration seconds.
 """
@@ -34,6 +35,8 @@ from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack
 
 SERVE_PORT = 18000
+FRONT_PORT = 18002
+EDGE_PORT = 18004
 BASELINE_PORT = 18100
 
 
@@ -129,17 +132,19 @@ def run_baseline(bench: Bench, index: str) -> None:
 
 def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     """Each Serve system on a fresh local Ray: measured here, a Ray that had already served (and
-    deleted) other apps gave the next app up to ~1.5x less throughput, whichever came second."""
+    deleted) other apps gave the next app up to ~1.5x less throughput, whichever came second.
+    Every shardserve app is driven at the router's front door; the 4-shard app also through Serve's
+    HTTP ingress and through the edge, on the same deployment."""
     from ray import serve
 
     from core.ray_session import ensure_ray, shutdown_ray
     from deployments.noop import NoopDeployment
     from deployments.run import deploy
+    from serving.edge import EdgeProcess
 
+    front = f"http://127.0.0.1:{FRONT_PORT}"
     systems = [("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
                ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}),
-               # serving_nice 0: replicas keep the nice 15 Ray starts workers at (the default: 19)
-               ("shardserve-4shard-ray-nice", index_4, {"serving_nice": 0}),
                ("serve-noop", None, {})]
     for label, index, overrides in systems:
         started = ensure_ray(fast_ingress=True)
@@ -150,12 +155,22 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                 url = f"http://127.0.0.1:{SERVE_PORT}/noop"
                 _wait_http(url + "/v1/health")
             else:
-                url = deploy(index, port=SERVE_PORT, app_name="bench", **overrides)
+                serve_http = deploy(index, port=SERVE_PORT, app_name="bench", front_port=FRONT_PORT,
+                                    **overrides)
+                url = front
             bench.warm_up(url)
             bench.run(url, label, 1)
             bench.run(url, label, 32)
             if label in ("shardserve-4shard", "shardserve-1shard"):
                 bench.run(url, f"{label}-batch256", 2, batch=256)
+            if label == "shardserve-4shard":
+                bench.run(serve_http, f"{label}-serve-http", 1)
+                bench.run(serve_http, f"{label}-serve-http", 32)
+                # The edge's hop, not its shedding: admission wide enough that c=32 is not shed.
+                with EdgeProcess(f"127.0.0.1:{FRONT_PORT}", f"127.0.0.1:{EDGE_PORT}", 64):
+                    edge = f"http://127.0.0.1:{EDGE_PORT}"
+                    bench.run(edge, f"{label}-edge", 1)
+                    bench.run(edge, f"{label}-edge", 32)
         finally:
             serve.shutdown()
             if started:
@@ -190,8 +205,14 @@ def ratios(levels: list[dict], limit: dict) -> dict:
             server_cpu(ours) / server_cpu(_level(levels, "shardserve-4shard-serve-calls", 32)), 3),
         "c1_p50_serve_calls_minus_links_ms": round(
             _level(levels, "shardserve-4shard-serve-calls", 1)["p50_ms"] - one["p50_ms"], 3),
-        "qps_c32_serving_nice19_vs_ray_nice15": round(
-            ours["qps"] / _level(levels, "shardserve-4shard-ray-nice", 32)["qps"], 3),
+        "qps_c32_front_vs_serve_http": round(
+            ours["qps"] / _level(levels, "shardserve-4shard-serve-http", 32)["qps"], 3),
+        "cpu_per_request_c32_front_vs_serve_http": round(
+            server_cpu(ours) / server_cpu(_level(levels, "shardserve-4shard-serve-http", 32)), 3),
+        "c1_p50_serve_http_minus_front_ms": round(
+            _level(levels, "shardserve-4shard-serve-http", 1)["p50_ms"] - one["p50_ms"], 3),
+        "cpu_per_request_c32_edge_vs_front": round(
+            server_cpu(_level(levels, "shardserve-4shard-edge", 32)) / server_cpu(ours), 3),
     }
 
 
@@ -204,8 +225,12 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            "qps_c32_links_vs_serve_calls": (">=", 1.0),
            "cpu_per_request_c32_links_vs_serve_calls": ("<=", 1.0),
            "c1_p50_serve_calls_minus_links_ms": (">=", 0.0),
-           # process hygiene: the lower priority serving replicas take once up costs no throughput
-           "qps_c32_serving_nice19_vs_ray_nice15": (">=", 0.95)}
+           # the router's own HTTP door against Serve's HTTP ingress for the same app
+           "qps_c32_front_vs_serve_http": (">=", 1.0),
+           "cpu_per_request_c32_front_vs_serve_http": ("<=", 1.0),
+           "c1_p50_serve_http_minus_front_ms": (">=", 0.0),
+           # what `shardserve serve`'s shedding edge adds per request (one HAProxy hop)
+           "cpu_per_request_c32_edge_vs_front": ("<=", 1.25)}
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ python -m loadtests.shedding --index DIR [--variants default,no-edge] [--duratio
 
 Per variant: start `shardserve serve DIR` (its own local Ray; `no-edge` adds --no-edge), then closed
 loop at 4 clients through the user's port (the p99 to hold), closed loop at 32 clients straight into
-Serve's port (the throughput; through the edge most of those 32 would be shed), then open loop at 2x
+what the edge fronts, the router's own HTTP door (with --no-edge: Serve's port) (the throughput;
+through the edge most of those 32 would be shed), then open loop at 2x
 that throughput through the user's port. The goal, per variant: every request a 200 or a 503 with
 Retry-After, p99 of the 503s under 10 ms, p99 of the 200s at most 3x the p99 at 4 clients.
 Record: loadtests/records/shedding.json.
@@ -49,8 +50,9 @@ def run_variant(index: str, variant: str, duration_s: float, work: Path, params:
         while server.stdout and not any("overload:" in line for line in banner):
             banner.append(server.stdout.readline().rstrip())
         url = f"http://127.0.0.1:{PORT}"
+        # capacity is measured behind the edge: at the router's front door (or Serve's port)
         serve_port = next((int(m.group(1)) for line in banner
-                           if (m := re.search(r"Serve on 127\.0\.0\.1:(\d+)", line))), PORT)
+                           if (m := re.search(r"(?:front door|Serve) on 127\.0\.0\.1:(\d+)", line))), PORT)
         queries = load_dataset(read_manifest(Location.parse(index)).dataset.name, num_queries=1000).queries
         targets = write_targets(work / f"{variant}.jsonl", make_targets(queries, url, 10, params))
         direct = write_targets(work / f"{variant}-serve.jsonl",

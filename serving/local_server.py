@@ -3,8 +3,10 @@ it starts (or one it joins), with overload shed at an HAProxy edge by default.
 
 Why the edge: past the knee the router's event loop is the saturated resource, so a 503 decided in
 Python waits behind the queue it protects. The edge (serving/edge.py) lets at most `edge_in_flight`
-requests reach Serve and answers the rest 503 + Retry-After in C within `queue_timeout_ms`: latency
-past the knee stays bounded by that in-flight count instead of growing with the offered load.
+requests reach the router and answers the rest 503 + Retry-After in C within `queue_timeout_ms`:
+latency past the knee stays bounded by that in-flight count instead of growing with the offered load.
+The edge sends requests to the router replicas' own HTTP door (core.http_front), not through Serve's
+HTTP ingress: that path cost more server CPU per request than the whole monolith baseline spends.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     front: EdgeProcess | None = None
     try:
         if use_edge:
-            serve_port = _free_port()
-            deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard)
+            serve_port, front_port = _free_port(), _free_port()
+            deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard,
+                   front_port=front_port)
             in_flight = edge_in_flight or default_in_flight()
-            front = EdgeProcess(f"127.0.0.1:{serve_port}", f"{host}:{port}", in_flight,
+            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", in_flight,
                                 queue_timeout_ms).start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             shedding = (f"edge: {in_flight} requests in flight, the rest 503 within {queue_timeout_ms} ms "
-                        f"(Serve on 127.0.0.1:{serve_port})")
+                        f"(router front door on 127.0.0.1:{front_port}, Serve on 127.0.0.1:{serve_port})")
         else:
             url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started

@@ -22,6 +22,8 @@ from tests.faults import slow_shards
 pytestmark = pytest.mark.slow
 PORT = 18321
 URL = f"http://127.0.0.1:{PORT}"
+FRONT_PORT = 18322  # the router replica's own HTTP door (core.http_front), beside Serve's
+DOORS = {"serve": PORT, "front": FRONT_PORT}
 LIMIT = "20000"
 
 
@@ -36,10 +38,16 @@ def fm_index(ray_cluster, tmp_path_factory) -> Path:
 def served(fm_index: Path):
     from deployments.run import deploy, undeploy
 
-    url = deploy(str(fm_index), port=PORT, max_vectors=256)
+    url = deploy(str(fm_index), port=PORT, max_vectors=256, front_port=FRONT_PORT)
     assert url == URL
     yield URL
     undeploy()
+
+
+@pytest.fixture(params=sorted(DOORS))
+def door(request, served) -> str:
+    """Both ways in: Serve's HTTP path and the router's front door answer every route the same."""
+    return f"http://127.0.0.1:{DOORS[request.param]}"
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +55,16 @@ def queries() -> np.ndarray:
     return load_dataset("fashion-mnist", num_queries=200).queries
 
 
-def _post(payload: dict | bytes, **kwargs) -> httpx.Response:
+def _post(payload: dict | bytes, url: str = URL, **kwargs) -> httpx.Response:
     content = (payload if isinstance(payload, bytes)
                else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
-    return httpx.post(f"{URL}/v1/search", content=content,
+    return httpx.post(f"{url}/v1/search", content=content,
                       headers={"content-type": "application/json"}, timeout=30, **kwargs)
 
 
-def test_recall_over_http_equals_in_process(served, fm_index: Path) -> None:
+def test_recall_over_http_equals_in_process(door: str, fm_index: Path) -> None:
     result = run_cli("eval", str(fm_index), "--dataset", "fashion-mnist", "--limit", LIMIT,
-                     "--nprobe", "16", "--url", served, "--json")
+                     "--nprobe", "16", "--url", door, "--json")
     assert result.returncode == 0, result.stderr
     over_http = json.loads(result.stdout)
     in_process = evaluate(str(fm_index), "fashion-mnist", k=10, params={"nprobe": 16}, limit=int(LIMIT))
@@ -64,12 +72,12 @@ def test_recall_over_http_equals_in_process(served, fm_index: Path) -> None:
     assert abs(over_http["recall"] - in_process["recall"]) <= 0.005
 
 
-def test_single_and_batch_agree_with_in_process(served, fm_index: Path, queries: np.ndarray) -> None:
+def test_single_and_batch_agree_with_in_process(door: str, fm_index: Path, queries: np.ndarray) -> None:
     from serving.evaluate import sharded_search
 
     manifest, searchers = load_all_shards(str(fm_index))
     distances, ids = sharded_search(searchers, queries[:20], 7, {"nprobe": 8}, manifest.metric)
-    batch = _post({"vectors": queries[:20], "k": 7, "params": {"nprobe": 8}})
+    batch = _post({"vectors": queries[:20], "k": 7, "params": {"nprobe": 8}}, door)
     assert batch.status_code == 200, batch.text
     body = batch.json()
     assert body["coverage"] == {"shards": 4, "answered": 4}
@@ -78,7 +86,7 @@ def test_single_and_batch_agree_with_in_process(served, fm_index: Path, queries:
     for row, hits in enumerate(body["results"]):
         assert hits["ids"] == ids[row].tolist()
         np.testing.assert_allclose(hits["distances"], distances[row], rtol=1e-6)
-        single = _post({"vector": queries[row], "k": 7, "params": {"nprobe": 8}}).json()
+        single = _post({"vector": queries[row], "k": 7, "params": {"nprobe": 8}}, door).json()
         assert single["ids"] == hits["ids"]
 
 
@@ -93,14 +101,14 @@ def test_single_and_batch_agree_with_in_process(served, fm_index: Path, queries:
     (b'{"vector": [NaN' + b', 0.0' * 783 + b"]}", 422, "vector"),
     (b"not json", 422, "body"),
 ])
-def test_bad_requests_get_4xx_naming_the_field(served, payload, status: int, field: str) -> None:
-    response = _post(payload)
+def test_bad_requests_get_4xx_naming_the_field(door: str, payload, status: int, field: str) -> None:
+    response = _post(payload, door)
     assert response.status_code == status, response.text
     assert response.json()["field"] == field and response.json()["error"]
 
 
-def test_oversized_body_is_413(served) -> None:
-    response = _post(b"[" + b"0.0," * 5_000_000 + b"0.0]")
+def test_oversized_body_is_413(door: str) -> None:
+    response = _post(b"[" + b"0.0," * 5_000_000 + b"0.0]", door)
     assert response.status_code == 413
 
 
@@ -131,7 +139,7 @@ def _response_length(data: bytes) -> int:
     return len(head) + 4 + length
 
 
-def test_chunked_body_is_cut_off_at_the_limit_not_buffered(served) -> None:
+def test_chunked_body_is_cut_off_at_the_limit_not_buffered(door: str) -> None:
     """No Content-Length: the router counts while reading and answers 413 at 16 MB of a 256 MB
     upload (one `vector` of ~64M numbers), before any of it is parsed; its memory does not grow by
     the body's size."""
@@ -141,7 +149,7 @@ def test_chunked_body_is_cut_off_at_the_limit_not_buffered(served) -> None:
     chunk = b"0.0," * 262_144  # 1 MiB of numbers
     before = _router_rss_bytes()
     sent = 0
-    with socket.create_connection(("127.0.0.1", PORT), timeout=30) as conn:
+    with socket.create_connection(("127.0.0.1", int(door.rsplit(":", 1)[1])), timeout=30) as conn:
         conn.sendall(b"POST /v1/search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         framed = b"%x\r\n" % (len(chunk) + 12) + b'{"vector": [' + chunk + b"\r\n"
@@ -161,22 +169,25 @@ def test_chunked_body_is_cut_off_at_the_limit_not_buffered(served) -> None:
     assert _router_rss_bytes() - before < 64 * 2**20
 
 
-def test_health_index_and_docs(served, fm_index: Path) -> None:
-    health = httpx.get(f"{URL}/v1/health", timeout=10)
+def test_health_index_and_docs(door: str, fm_index: Path) -> None:
+    health = httpx.get(f"{door}/v1/health", timeout=10)
     assert health.status_code == 200 and health.json()["shards"] == 4
     deadline = time.monotonic() + 15  # shard replicas announce their links; the router follows
     while health.json()["links"] != [1, 1, 1, 1] and time.monotonic() < deadline:
         time.sleep(0.5)
-        health = httpx.get(f"{URL}/v1/health", timeout=10)
+        health = httpx.get(f"{door}/v1/health", timeout=10)
     assert health.json()["links"] == [1, 1, 1, 1]  # every shard is reached over its link
-    info = httpx.get(f"{URL}/v1/index", timeout=10).json()
+    info = httpx.get(f"{door}/v1/index", timeout=10).json()
     assert info["num_vectors"] == int(LIMIT) and info["params"] == ["nprobe"]
     assert [s["name"] for s in info["shards"]] == ["shard-000", "shard-001", "shard-002", "shard-003"]
-    assert httpx.get(f"{URL}/docs", timeout=10).status_code == 200
-    assert "/v1/search" in httpx.get(f"{URL}/openapi.json", timeout=10).json()["paths"]
+    assert httpx.get(f"{door}/docs", timeout=10).status_code == 200
+    assert "/v1/search" in httpx.get(f"{door}/openapi.json", timeout=10).json()["paths"]
+    missing = httpx.get(f"{door}/v2/nothing", timeout=10)
+    assert missing.status_code == 404 and "no route GET /v2/nothing" in missing.json()["error"]
 
 
-def test_concurrent_mixed_params_get_their_own_answers(served, fm_index: Path, queries: np.ndarray) -> None:
+def test_concurrent_mixed_params_get_their_own_answers(door: str, fm_index: Path,
+                                                       queries: np.ndarray) -> None:
     """Requests with different k / nprobe batched together each get exactly their in-process answer."""
     from serving.evaluate import sharded_search
 
@@ -192,8 +203,8 @@ def test_concurrent_mixed_params_get_their_own_answers(served, fm_index: Path, q
                 row, k, nprobe = case
                 body = orjson.dumps({"vector": queries[row], "k": k, "params": {"nprobe": nprobe}},
                                     option=orjson.OPT_SERIALIZE_NUMPY)
-                return case, await client.post(f"{URL}/v1/search", content=body)
-            bad = [client.post(f"{URL}/v1/search", content=b'{"vector": [1]}') for _ in range(10)]
+                return case, await client.post(f"{door}/v1/search", content=body)
+            bad = [client.post(f"{door}/v1/search", content=b'{"vector": [1]}') for _ in range(10)]
             results = await asyncio.gather(*[one(c) for c in cases], *bad)
             return [r for r in results if isinstance(r, tuple)]
 
@@ -263,9 +274,9 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
 
     from deployments.run import deploy, undeploy
 
-    url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
-                 body_timeout_s=1.5, shard_class=slow_shards(search_s={"shard-000": 0.5}), shard_num_cpus=0.1,
-                 router_num_cpus=0.1)
+    serve_url = deploy(str(fm_index), port=PORT, app_name="tight", route_prefix="/tight", max_in_flight=4,
+                       body_timeout_s=1.5, shard_class=slow_shards(search_s={"shard-000": 0.5}),
+                       shard_num_cpus=0.1, router_num_cpus=0.1, front_port=FRONT_PORT + 1)
     body = orjson.dumps({"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def burst() -> list[tuple[int, float, str | None]]:
@@ -297,15 +308,16 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
             return [r.status_code for r in normal], await asyncio.gather(*uploads)
 
     try:
-        normal, uploads = asyncio.run(slow_uploads_then_normal_requests())
-        assert normal == [200, 200], normal
-        assert set(uploads) <= {408, 0} and 408 in uploads, uploads
-        outcomes = asyncio.run(burst())
-        statuses = [status for status, _, _ in outcomes]
-        assert set(statuses) <= {200, 503}, statuses
-        assert statuses.count(200) >= 4 and statuses.count(503) >= 8, statuses
-        shed = [seconds for status, seconds, retry in outcomes if status == 503 and retry == "1"]
-        assert len(shed) == statuses.count(503)
-        assert max(shed) < 0.4  # answered before the slow shard could have answered anything
+        for url in (serve_url, f"http://127.0.0.1:{FRONT_PORT + 1}"):  # both doors shed alike
+            normal, uploads = asyncio.run(slow_uploads_then_normal_requests())
+            assert normal == [200, 200], (url, normal)
+            assert set(uploads) <= {408, 0} and 408 in uploads, (url, uploads)
+            outcomes = asyncio.run(burst())
+            statuses = [status for status, _, _ in outcomes]
+            assert set(statuses) <= {200, 503}, (url, statuses)
+            assert statuses.count(200) >= 4 and statuses.count(503) >= 8, (url, statuses)
+            shed = [seconds for status, seconds, retry in outcomes if status == 503 and retry == "1"]
+            assert len(shed) == statuses.count(503)
+            assert max(shed) < 0.4  # answered before the slow shard could have answered anything
     finally:
         undeploy("tight")

@@ -1,0 +1,195 @@
+"""The router's front door in-process (plain asyncio, no Ray): real HTTP clients and raw sockets
+against core.http_front, for keep-alive, pipelining, bad heads and bounded bodies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from core.http_front import FrontDoor, Reply
+
+
+async def _echo(method: str, path: str, body: bytes) -> Reply:
+    if path == "/boom":
+        raise RuntimeError("handler bug")
+    if path == "/slow":
+        await asyncio.sleep(0.05)
+    return Reply(200, orjson.dumps({"method": method, "path": path, "bytes": len(body)}),
+                 headers={"X-Echo": "1"})
+
+
+async def _front(max_body_bytes: int = 1024, body_timeout_s: float = 5.0) -> tuple[FrontDoor, int]:
+    front = FrontDoor(_echo, max_body_bytes, body_timeout_s)
+    _, port = await front.listen("127.0.0.1", 0)
+    return front, port
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(-1), 10)
+    writer.close()
+    return answer
+
+
+def test_keep_alive_client_gets_every_answer_on_one_connection() -> None:
+    async def run():
+        front, port = await _front()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answers = [await client.post("/v1/search?x=1", content=b"x" * n) for n in (0, 10, 1024)]
+            got = await client.get("/v1/index")
+        front.close()
+        return answers, got
+
+    answers, got = asyncio.run(run())
+    assert [a.json()["bytes"] for a in answers] == [0, 10, 1024]
+    assert all(a.status_code == 200 and a.headers["x-echo"] == "1" for a in answers)
+    assert answers[0].json()["path"] == "/v1/search"  # the query string is not part of the route
+    assert got.json() == {"method": "GET", "path": "/v1/index", "bytes": 0}
+
+
+def test_chunked_bodies_are_read_whole_with_extensions_and_trailers() -> None:
+    async def run():
+        front, port = await _front()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            async def parts():
+                for piece in (b"a" * 100, b"b" * 200, b"c"):
+                    yield piece
+            streamed = await client.post("/v1/search", content=parts())  # httpx sends it chunked
+        by_hand = await _raw(port, b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n"
+                                   b"\r\n3;ext=1\r\nabc\r\n0\r\nTrailer: t\r\n\r\n")
+        front.close()
+        return streamed, by_hand
+
+    streamed, by_hand = asyncio.run(run())
+    assert streamed.status_code == 200 and streamed.json()["bytes"] == 301
+    assert by_hand.startswith(b"HTTP/1.1 200 ") and b'"bytes":3' in by_hand
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    async def run():
+        front, port = await _front()
+        two = (b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+               b"GET /second HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await _raw(port, two)
+        front.close()
+        return answer
+
+    answer = asyncio.run(run())
+    assert answer.count(b"HTTP/1.1 200 OK") == 2
+    assert answer.index(b'"/slow"') < answer.index(b'"/second"')
+    assert answer.rstrip().endswith(b'"bytes":0}')
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "says"), [
+    (b"POST /v1/search HTTP/1.1\r\nContent-Length: 999999\r\n\r\n", 413, b"exceeds 1024"),
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n" + b"x" * 1024 + b"\r\n1\r\n",
+     413, b"exceeds 1024 bytes (stopped reading at 1025)"),
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, b"malformed chunk"),
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400, b"unsupported Transfer"),
+    (b"GARBAGE\r\n\r\n", 400, b"malformed request line"),
+    (b"POST / HTTP/1.1\r\nContent-Length: -3\r\n\r\n", 400, b"bad Content-Length"),
+    (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400, b"malformed header"),
+    (b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000, 431, b"request head over"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem_and_the_connection_closes(
+        request_bytes: bytes, status: int, says: bytes) -> None:
+    async def run():
+        front, port = await _front()
+        answer = await _raw(port, request_bytes)
+        front.close()
+        return answer
+
+    answer = asyncio.run(run())
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:80]
+    assert says in answer and b"Connection: close" in answer
+
+
+def test_a_body_over_the_limit_is_refused_from_its_declared_length_before_it_is_sent() -> None:
+    """The client sends only the head: the 413 comes back without waiting for 1 GB of body."""
+    async def run():
+        front, port = await _front()
+        answer = await _raw(port, b"POST /v1/search HTTP/1.1\r\nContent-Length: 1000000000\r\n\r\n")
+        front.close()
+        return answer
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 413 ")
+
+
+def test_a_stalled_body_gets_408_and_other_connections_keep_being_answered() -> None:
+    async def run():
+        front, port = await _front(body_timeout_s=0.3)
+        stalled = asyncio.ensure_future(_raw(port, b"POST /v1/search HTTP/1.1\r\nContent-Length: 100\r\n\r\n"
+                                                   b"only part of it"))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            ok = await client.post("/v1/search", content=b"{}")
+        answer = await stalled
+        front.close()
+        return ok, answer
+
+    ok, answer = asyncio.run(run())
+    assert ok.status_code == 200
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within 0.3 s" in answer
+
+
+def test_a_failing_handler_is_a_500_on_that_request_not_a_dead_connection() -> None:
+    async def run():
+        front, port = await _front()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            failed = await client.get("/boom")
+            after = await client.get("/fine")
+        front.close()
+        return failed, after
+
+    failed, after = asyncio.run(run())
+    assert failed.status_code == 500 and failed.json()["error"] == "internal error"
+    assert after.status_code == 200
+
+
+def test_replicas_on_one_node_share_the_port() -> None:
+    """SO_REUSEPORT: a second router replica binds the same port, and the kernel spreads new
+    connections over both (40 connections all landing on one has odds of 2^-39)."""
+    served = {"first": 0, "second": 0}
+
+    def counting(name: str):
+        async def handler(method: str, path: str, body: bytes) -> Reply:
+            served[name] += 1
+            return Reply(200, b"{}")
+        return handler
+
+    async def run():
+        first = FrontDoor(counting("first"), 1024, 5.0)
+        _, port = await first.listen("127.0.0.1", 0)
+        second = FrontDoor(counting("second"), 1024, 5.0)
+        await second.listen("127.0.0.1", port)
+        answers = [await _raw(port, b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n") for _ in range(40)]
+        first.close()
+        second.close()
+        return answers
+
+    answers = asyncio.run(run())
+    assert all(a.startswith(b"HTTP/1.1 200 ") for a in answers)
+    assert served["first"] > 0 and served["second"] > 0 and sum(served.values()) == 40
+
+
+def test_a_client_still_uploading_after_a_refusal_reads_the_answer_not_a_reset() -> None:
+    """Lingering close: the 408 goes out, the write side shuts, and what the client sends after it
+    is read and dropped, so the client (as httpx does) can finish its upload and read the 408."""
+    async def run():
+        front, port = await _front(max_body_bytes=10**6, body_timeout_s=0.2)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/search HTTP/1.1\r\nContent-Length: 500000\r\n\r\n" + b"x" * 1000)
+        await asyncio.sleep(0.5)  # past the body timeout
+        for _ in range(20):  # the rest of the upload, after the answer is already out
+            writer.write(b"x" * 10000)
+            await writer.drain()
+        answer = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+        front.close()
+        return answer
+
+    assert asyncio.run(run()).startswith(b"HTTP/1.1 408 ")
