@@ -8,6 +8,7 @@ gauges for in-flight requests; counters for coverage outcomes.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from ray.util import metrics
 
@@ -61,15 +62,16 @@ class RouterMetrics:
         self.request_ms.observe((time.perf_counter() - started) * 1000.0,
                                 tags={"endpoint": "search", "status": str(status)})
 
-    def observe_batch(self, items: list, first, in_flight: int) -> None:
-        """Per batch, not per request: its size, the fan-out time and the in-flight gauge (sampled)."""
+    def observe_batch(self, items: list, results: list, in_flight: int) -> None:
+        """Per batch, not per request: its size, the fan-out time, the in-flight gauge (sampled) and
+        the answers by coverage (one counter call per outcome, not one per request)."""
         self.batch_size.observe(float(sum(len(query.matrix) for _, query in items)))
         self.in_flight.set(in_flight)
-        self.fanout_ms.observe(first.fanout_ms)
-
-    def count_coverage(self, result) -> None:
-        full = result.answered == result.shards
-        self.coverage.inc(tags={"coverage": "full" if full else "partial" if result.answered else "none"})
+        self.fanout_ms.observe(results[0].fanout_ms)
+        outcomes = Counter("full" if r.answered == r.shards else "partial" if r.answered else "none"
+                           for r in results)
+        for coverage, count in outcomes.items():
+            self.coverage.inc(count, tags={"coverage": coverage})
 
     def shard_done(self, shard: int, search_ms: float | None) -> None:
         """One shard call finished: its search time, or None when it missed the deadline / failed."""

@@ -124,7 +124,6 @@ class Router:
             self.in_flight_by_generation[index_set.generation] += 1
             query = parse_query(body, index_set.manifest, index_set.supported, self.limits)
             result: QueryResult = await self.batcher.submit((index_set, query))
-            self.metrics.count_coverage(result)
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
@@ -158,7 +157,7 @@ class Router:
         a = self.args
         results = await search_grouped(items, lambda index_set, queries: index_set.search(
             queries, self.executor, a.shard_timeout_s, a.hedge_after_ms / 1000.0, self.metrics))
-        self.metrics.observe_batch(items, results[0], self.in_flight)
+        self.metrics.observe_batch(items, results, self.in_flight)
         return results
 
     async def _follow_pointer(self) -> None:

@@ -1,6 +1,7 @@
 """Where the router's and a shard's CPU goes under load: py-spy samples while vegeta runs.
 
-Deploys the index on a local Ray (fast ingress), drives it closed-loop at `--concurrency` for
+Deploys the index on a local Ray (fast ingress), drives the router's front door (core.http_front,
+the path `shardserve serve` sends users to) closed-loop at `--concurrency` for
 `--duration` seconds, and samples the router replica and one shard replica with `py-spy record`
 (raw collapsed stacks, native frames off). The record keeps, per process, the top frames by own
 samples and by inclusive samples, so a change to the hot path can be judged by where time moved.
@@ -26,6 +27,7 @@ from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack
 
 PORT = 18000
+FRONT_PORT = 18002
 
 
 def top_frames(collapsed: str, limit: int = 25) -> dict:
@@ -77,7 +79,8 @@ def main() -> None:
     queries = load_dataset(args.dataset).queries
     started = ensure_ray(fast_ingress=True)
     try:
-        url = deploy(args.index, port=PORT)
+        deploy(args.index, port=PORT, front_port=FRONT_PORT)
+        url = f"http://127.0.0.1:{FRONT_PORT}"
         index = {**index_info(url), "replicas": 1, "params": {"nprobe": args.nprobe}}
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
