@@ -81,10 +81,10 @@ def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = 
     the user's int64 ids (default: none, the index returns row numbers).
     metadata_columns: parquet columns kept per row, returned on request (`include`).
     """
-    if (vector_column or id_column or metadata_columns) and not _is_parquet_spec(spec):
+    if (vector_column or id_column or metadata_columns) and not is_parquet_spec(spec):
         raise ShardserveError("--vector-column/--id-column/--metadata-columns apply to parquet data, "
                               f"not {spec!r}")
-    if _is_parquet_spec(spec):
+    if is_parquet_spec(spec):
         dataset = _load_parquet(spec, vector_column, id_column, metadata_columns or [])
     elif spec == "fashion-mnist":
         dataset = _load_fashion_mnist()
@@ -323,7 +323,7 @@ def _load_vecs(path: Path) -> Dataset:
     return Dataset(stem, base, queries, "l2")
 
 
-def _is_parquet_spec(spec: str) -> bool:
+def is_parquet_spec(spec: str) -> bool:
     """A directory of parquet files, a glob of them, or one parquet file."""
     if any(c in spec for c in "*?["):
         return spec.endswith(".parquet") or spec.endswith("*")
@@ -377,6 +377,21 @@ def read_parquet_file(path: Path, vector_column: str | None = None, id_column: s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    columns = parquet_columns(path, vector_column, id_column, metadata_columns)
+    try:
+        table = pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+    return parquet_arrays(path, table, columns[0], id_column, metadata_columns or [])
+
+
+def parquet_columns(path: Path | str, vector_column: str | None, id_column: str | None,
+                    metadata_columns: list[str] | None) -> list[str]:
+    """The columns to read from `path` (the vector column first), its schema checked: every problem
+    named in one line. Reads the footer only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
@@ -406,11 +421,11 @@ def read_parquet_file(path: Path, vector_column: str | None = None, id_column: s
                 or pa.types.is_floating(kind) or pa.types.is_boolean(kind)):
             raise ShardserveError(f"{path}: metadata column {name!r} is {kind}: only strings, numbers "
                                   "and booleans are returned")
-    try:
-        table = pq.read_table(path, columns=list(dict.fromkeys([column, *([id_column] if id_column else []),
-                                                                 *metadata_columns])))
-    except (pa.ArrowException, OSError) as exc:
-        raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+    return list(dict.fromkeys([column, *([id_column] if id_column else []), *metadata_columns]))
+
+
+def parquet_arrays(path: Path | str, table, column: str, id_column: str | None, metadata_columns: list[str]):
+    """(float32 matrix, int64 ids or None, metadata table) of rows read by `parquet_columns`."""
     values = table.column(column).combine_chunks()
     lengths = np.asarray(values.value_lengths()) if hasattr(values, "value_lengths") else None
     if lengths is not None and (lengths.size == 0 or (lengths != lengths[0]).any()):

@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,7 +24,7 @@ import faiss
 import numpy as np
 
 from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
-from core.datasets import Dataset, load_dataset
+from core.datasets import Dataset, is_parquet_spec, load_dataset
 from core.errors import ShardserveError
 from core.indexes import (
     add_to_copy,
@@ -81,6 +82,19 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     location.ensure_writable()
     if location.exists(MANIFEST) and not force:
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
+    if is_parquet_spec(dataset_spec):  # streamed row group by row group: no process holds the base set
+        from index_build.streaming import build_streaming
+
+        def factory_for(rows: int, dim: int) -> tuple[str, str | None]:
+            if factory != "auto":
+                return factory, None
+            chosen, reason = choose_factory(rows, dim, memory_budget)
+            log.info("--index auto: %s (%s)", chosen, reason)
+            return chosen, reason
+
+        params = BuildParams(factory, shards, metric or "l2", train_size, seed)
+        return build_streaming(dataset_spec, params, location, backend, vector_column, id_column,
+                               metadata_columns, limit, factory_for)
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,
                            metadata_columns=metadata_columns)
     auto = None
@@ -101,38 +115,55 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
 def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,
                        backend: Backend = "ray", vector_column: str | None = None,
                        id_column: str | None = None, auto: str | None = None) -> Manifest:
+    """The in-memory build: `dataset` holds the base matrix; Ray (or this process) adds per shard."""
+    vectors = prepare_vectors(dataset.base, params.metric)
+
+    def add(empty: bytes, at: Location, timings: dict) -> tuple[list[ShardEntry], list[ShardEntry] | None]:
+        with timed(f"add+write {params.shards} shards ({backend})", timings):
+            add_shards = add_shards_ray if backend == "ray" else add_shards_local
+            entries = add_shards(vectors, dataset.index_ids(), empty, params.shards, at)
+        metadata = None
+        if dataset.metadata is not None:  # the same rows as each shard's index: i mod S
+            with timed("metadata", timings):
+                ids = dataset.index_ids()
+                metadata = [write_metadata(at, s, ids[s::params.shards],
+                                           dataset.metadata.take(np.arange(s, len(ids), params.shards)))
+                            for s in range(params.shards)]
+        return entries, metadata
+
+    info = DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint(), vector_column=vector_column,
+                       id_column=id_column, metadata_columns=[] if dataset.metadata is None
+                       else dataset.metadata.column_names)
+    return publish_build(location, params, info, dataset.dim, len(vectors),
+                         lambda: training_sample(vectors, params), add, {"backend": backend}, auto)
+
+
+TrainSample = Callable[[], np.ndarray]
+AddShards = Callable[[bytes, Location, dict], tuple[list[ShardEntry], list[ShardEntry] | None]]
+
+
+def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
+                  sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None) -> Manifest:
+    """What every build shares: its own version directory, train ONCE, `add` the shards (and their
+    metadata), the trained file, the version's manifest, then publish with one atomic replace of
+    manifest.json. A failure deletes this build's directory and leaves the published version as it was."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     created = dt.datetime.now(dt.UTC)
     version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
     index_location, location = location, location.child(version_dir)
-    vectors = prepare_vectors(dataset.base, params.metric)
     try:
         location.fs.create_dir(location.root, recursive=True)
         with timed("train", timings):
-            empty = train_empty_index(params.factory, params.metric, training_sample(vectors, params),
-                                      params.seed)
-        with timed(f"add+write {params.shards} shards ({backend})", timings):
-            add = add_shards_ray if backend == "ray" else add_shards_local
-            entries = add(vectors, dataset.index_ids(), empty, params.shards, location)
+            empty = train_empty_index(params.factory, params.metric, sample(), params.seed)
+        entries, metadata = add(empty, location, timings)
         entries = sorted(entries, key=lambda e: e.name)
         trained = write_file(location, TRAINED_FILE, empty, 0)
-        metadata = None
-        if dataset.metadata is not None:  # the same rows as each shard's index: i mod S
-            with timed("metadata", timings):
-                ids = dataset.index_ids()
-                metadata = [write_metadata(location, s, ids[s::params.shards],
-                                           dataset.metadata.take(np.arange(s, len(ids), params.shards)))
-                            for s in range(params.shards)]
         manifest = Manifest(
             index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
-            dim=dataset.dim, metric=params.metric, index_factory=params.factory,
-            num_vectors=len(vectors), shards=entries, trained=trained, metadata=metadata,
-            dataset=DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint(),
-                                vector_column=vector_column, id_column=id_column,
-                                metadata_columns=[] if dataset.metadata is None
-                                else dataset.metadata.column_names),
-            build=BuildInfo(params={**_public(params), "backend": backend, "stages_s": timings,
+            dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
+            shards=entries, trained=trained, metadata=metadata, dataset=dataset,
+            build=BuildInfo(params={**_public(params), **extra, "stages_s": timings,
                                     **({"auto": auto} if auto else {})},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
@@ -150,15 +181,24 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
 
 def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:
     """A seeded, sorted row sample: deterministic for the same data and params."""
-    size = params.train_size
+    rows = training_rows(params.factory, vectors.shape[1], params.metric, len(vectors), params.train_size,
+                         params.seed)
+    return vectors if rows is None else vectors[rows]
+
+
+def training_rows(factory: str, dim: int, metric: str, base_rows: int, train_size: int, seed: int,
+                  max_bytes: int | None = None) -> np.ndarray | None:
+    """Sorted base rows to train on (None: all of them). `train_size` 0 = what the factory needs
+    (256 x nlist for IVF, else 100K), capped at `max_bytes` of float32 when given."""
+    size = train_size
     if size <= 0:
-        probe = make_empty_index(params.factory, vectors.shape[1], params.metric)
-        ivf = faiss.try_extract_index_ivf(probe)
+        ivf = faiss.try_extract_index_ivf(make_empty_index(factory, dim, metric))
         size = 256 * ivf.nlist if ivf is not None else 100_000
-    if size >= len(vectors):
-        return vectors
-    rows = np.sort(np.random.default_rng(params.seed).choice(len(vectors), size, replace=False))
-    return vectors[rows]
+    if max_bytes is not None:
+        size = min(size, max(1, max_bytes // (4 * dim)))
+    if size >= base_rows:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(base_rows, size, replace=False))
 
 
 def shard_file_name(shard: int) -> str:

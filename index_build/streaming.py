@@ -1,0 +1,267 @@
+"""The streaming build for parquet data bigger than one process: no process ever holds the base set.
+
+Stages (every read is one parquet row group, through pyarrow, with only the asked columns):
+1. one sequential pass in the driver: check every row group (dimension, NaN/Inf, ids), hash the data
+   into the same content fingerprint the in-memory reader gives, keep the training sample and the
+   ids (8 bytes a row: the duplicate check needs them all; the vectors are never kept);
+2. train the empty index ONCE on that bounded sample;
+3. Ray Data over shard specs: each task streams the row groups again and adds only its own rows
+   (base row i goes to shard i mod S, as in the in-memory build), then writes its shard file and
+   its metadata file. Memory per task: one row group plus the shard it builds.
+
+Row numbers, the held-out queries, the training rows and the row -> shard rule are those of the
+in-memory path (core.datasets, index_build.job), so both builds of the same files write
+byte-identical shards and the same index version (tested). The cost of this simple design: every
+shard task reads the whole dataset (S reads; from the page cache after the first). Adding per
+(row group, shard) partial indexes and merging them per shard (`merge_from`) would spread the adds
+over more tasks than shards; it is not built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.datasets import (
+    _check_ids,
+    hold_out_rows,
+    parquet_arrays,
+    parquet_columns,
+    parquet_files,
+)
+from core.errors import ShardserveError
+from core.indexes import make_empty_index, prepare_vectors
+from core.manifest import Manifest
+from core.metadata import write_metadata
+from core.storage import Location
+
+NUM_QUERIES = 1000  # held out of the base, as core.datasets does for any base-only file
+TRAIN_MAX_BYTES = 256 * 2**20  # the training sample's cap, whatever the factory asks for
+
+
+@dataclass(frozen=True)
+class ParquetSource:
+    """Parquet files read row group by row group, with the in-memory reader's column rules."""
+
+    name: str
+    files: tuple[str, ...]
+    columns: tuple[str, ...]  # vector column first
+    id_column: str | None
+    metadata_columns: tuple[str, ...]
+    row_groups: tuple[tuple[int, int, int], ...]  # (file number, row group, rows)
+
+    @classmethod
+    def open(cls, spec: str, vector_column: str | None, id_column: str | None,
+             metadata_columns: list[str] | None) -> ParquetSource:
+        import pyarrow.parquet as pq
+
+        files = [str(path) for path in parquet_files(spec)]
+        columns = [parquet_columns(path, vector_column, id_column, metadata_columns) for path in files]
+        if len({tuple(c) for c in columns}) != 1:
+            raise ShardserveError(f"{spec}: files differ in their columns "
+                                  f"({sorted({', '.join(c) for c in columns})})")
+        groups = []
+        for number, path in enumerate(files):
+            meta = pq.ParquetFile(path).metadata
+            groups += [(number, group, meta.row_group(group).num_rows) for group in range(meta.num_row_groups)
+                       if meta.row_group(group).num_rows]
+        from pathlib import Path
+
+        return cls(Path(spec.rstrip("/*")).stem or "parquet", tuple(files), tuple(columns[0]), id_column,
+                   tuple(metadata_columns or ()), tuple(groups))
+
+    @property
+    def rows(self) -> int:
+        return sum(rows for _, _, rows in self.row_groups)
+
+    def read(self) -> Iterator[tuple[np.ndarray, np.ndarray | None, object]]:
+        """(float32 matrix, ids or None, metadata table) of each row group, in file order."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        handles: dict[int, pq.ParquetFile] = {}
+        for number, group, _ in self.row_groups:
+            path = self.files[number]
+            try:
+                reader = handles.setdefault(number, pq.ParquetFile(path))
+                table = reader.read_row_group(group, columns=list(self.columns))
+            except (pa.ArrowException, OSError) as exc:
+                raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
+            if len(handles) > 1:  # one open file at a time
+                handles = {number: reader}
+            yield parquet_arrays(path, table, self.columns[0], self.id_column, list(self.metadata_columns))
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What the driver's pass learned: enough to train and to write the manifest, not the data."""
+
+    base_rows: int
+    dim: int
+    fingerprint: str  # == core.datasets.Dataset.fingerprint() of the same files
+    train: np.ndarray  # the training sample, prepared for the metric
+    ids: np.ndarray  # the id of every base row: the user's, else row numbers
+
+
+def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limit: int | None) -> Scan:
+    """One pass over every row group: checks, the fingerprint, the sample, the ids.
+
+    `train_rows`: sorted base positions to keep for training (None: all of them, for small data).
+    """
+    total = source.rows
+    kept, held_out = hold_out_rows(total, NUM_QUERIES)
+    base_rows = len(kept) if limit is None else min(limit, len(kept))
+    digest = hashlib.sha256()
+    queries, train, ids, dim, start = [], [], [], None, 0
+    for matrix, group_ids, _ in source.read():
+        if dim is None:
+            dim = matrix.shape[1]
+            digest.update(f"{metric}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
+        elif matrix.shape[1] != dim:
+            raise ShardserveError(f"{source.name}: files hold vectors of different dimensions "
+                                  f"{sorted({dim, matrix.shape[1]})}")
+        bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
+        rows = np.arange(start, start + len(matrix))
+        is_query = np.isin(rows, held_out, assume_unique=True)
+        if bad.size:
+            part = "queries" if is_query[bad[0]] else "base"
+            raise ShardserveError(f"dataset {source.name}: {part} rows contain NaN/Inf (first at file row "
+                                  f"{start + int(bad[0])})")
+        position = rows - np.searchsorted(held_out, rows)  # base position of each non-query row
+        base = ~is_query & (position < base_rows)
+        if base.any():
+            digest.update(memoryview(np.ascontiguousarray(matrix[base])).cast("B"))
+        queries.append(matrix[is_query])
+        if group_ids is not None:
+            ids.append(group_ids[base])
+        if train_rows is None:
+            train.append(matrix[base])
+        else:
+            wanted = np.isin(position[base], train_rows, assume_unique=True)
+            train.append(matrix[base][wanted])
+        start += len(matrix)
+    if dim is None:
+        raise ShardserveError(f"dataset {source.name}: no rows")
+    digest.update(memoryview(np.ascontiguousarray(np.concatenate(queries))).cast("B"))
+    all_ids = np.concatenate(ids) if ids else np.arange(base_rows, dtype=np.int64)
+    if source.id_column:
+        _check_ids(source.name, all_ids, base_rows)
+        digest.update(memoryview(all_ids).cast("B"))
+    return Scan(base_rows, dim, digest.hexdigest()[:16],
+                prepare_vectors(np.concatenate(train), metric), all_ids)
+
+
+def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard: int, shards: int,
+                        base_rows: int, location: Location) -> tuple[str, str | None]:
+    """Stream every row group, add this shard's rows (base position mod S), write the shard file
+    and its metadata; return their manifest entries as JSON."""
+    import faiss
+    import pyarrow as pa
+
+    from core.indexes import index_from_bytes, index_to_bytes
+    from index_build.job import shard_file_name, write_file
+
+    faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
+    total = source.rows
+    _, held_out = hold_out_rows(total, NUM_QUERIES)
+    index = index_from_bytes(empty)
+    ids_kept, tables, start = [], [], 0
+    for matrix, group_ids, table in source.read():
+        rows = np.arange(start, start + len(matrix))
+        start += len(matrix)
+        position = rows - np.searchsorted(held_out, rows)
+        mine = (~np.isin(rows, held_out, assume_unique=True) & (position < base_rows)
+                & (position % shards == shard))
+        if not mine.any():
+            continue
+        ids = group_ids[mine] if group_ids is not None else position[mine].astype(np.int64)
+        index.add_with_ids(prepare_vectors(np.ascontiguousarray(matrix[mine]), metric), ids)
+        ids_kept.append(ids)
+        if source.metadata_columns:
+            tables.append(table.filter(pa.array(mine)))
+    entry = write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
+    meta = None
+    if source.metadata_columns:
+        ids = np.concatenate(ids_kept) if ids_kept else np.zeros(0, np.int64)
+        table = pa.concat_tables(tables).combine_chunks()
+        meta = write_metadata(location, shard, ids, table).model_dump_json()
+    return entry.model_dump_json(), meta
+
+
+def build_streaming(spec: str, params, location: Location, backend: str, vector_column: str | None,
+                    id_column: str | None, metadata_columns: list[str] | None, limit: int | None,
+                    factory_for: Callable[[int, int], tuple[str, str | None]]) -> Manifest:
+    """Build `spec` (parquet files) without holding its base set anywhere. `factory_for(rows, dim)`
+    resolves `--index auto` once the size is known; `params.factory` is used otherwise."""
+    from core.manifest import DatasetInfo
+    from index_build.job import BuildParams, publish_build, training_rows
+
+    source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
+    if limit is not None and limit < 1:
+        raise ShardserveError(f"--limit must be >= 1, got {limit}")
+    kept, _ = hold_out_rows(source.rows, NUM_QUERIES)
+    base_rows = len(kept) if limit is None else min(limit, len(kept))
+    dim = next(source.read())[0].shape[1]
+    factory, auto = factory_for(base_rows, dim)
+    params = BuildParams(factory, params.shards, params.metric, params.train_size, params.seed)
+    make_empty_index(factory, dim, params.metric)  # a bad factory fails before the pass
+    if base_rows < params.shards:
+        raise ShardserveError(f"{params.shards} shards need at least {params.shards} vectors, "
+                              f"got {base_rows}")
+    rows = training_rows(factory, dim, params.metric, base_rows, params.train_size, params.seed,
+                         TRAIN_MAX_BYTES)
+    scanned = scan(source, params.metric, rows, limit)
+    info = DatasetInfo(name=source.name, fingerprint=scanned.fingerprint, vector_column=vector_column,
+                       id_column=id_column, metadata_columns=list(source.metadata_columns))
+
+    def add(empty: bytes, at: Location, timings: dict):
+        from core.manifest import ShardEntry
+        from core.timing import timed
+
+        with timed(f"stream+add+write {params.shards} shards ({backend})", timings):
+            if backend == "ray":
+                written = _add_shards_ray(source, empty, params.metric, params.shards, base_rows, at)
+            else:
+                written = [add_shard_streaming(source, empty, params.metric, s, params.shards, base_rows, at)
+                           for s in range(params.shards)]
+        entries = [ShardEntry.model_validate_json(entry) for entry, _ in written]
+        metadata = ([ShardEntry.model_validate_json(meta) for _, meta in written]
+                    if source.metadata_columns else None)
+        return entries, metadata
+
+    if backend == "ray":  # every check passed: only now start (or join) Ray
+        from core.ray_session import ensure_ray
+
+        ensure_ray(fast_ingress=False)
+    extra = {"backend": backend, "streaming": {"row_groups": len(source.row_groups),
+                                               "train_rows": len(scanned.train),
+                                               "train_max_bytes": TRAIN_MAX_BYTES}}
+    return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto)
+
+
+def _add_shards_ray(source: ParquetSource, empty: bytes, metric: str, shards: int, base_rows: int,
+                    location: Location) -> list[tuple[str, str | None]]:
+    """Ray Data over shard specs: one task per shard streams the row groups and builds its shard."""
+    import ray
+
+    specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
+    written = specs.map_batches(
+        _stream_shard_task, batch_size=1, batch_format="numpy", num_cpus=1,
+        fn_kwargs={"source": source, "empty": ray.put(empty), "metric": metric, "shards": shards,
+                   "base_rows": base_rows, "location_uri": location.uri})
+    rows = written.take_all()
+    if len(rows) != shards:
+        raise ShardserveError(f"Ray build wrote {len(rows)} of {shards} shards")
+    return sorted((row["entry"], row["meta"] or None) for row in rows)
+
+
+def _stream_shard_task(batch: dict[str, np.ndarray], source: ParquetSource, empty, metric: str,
+                       shards: int, base_rows: int, location_uri: str) -> dict[str, np.ndarray]:
+    import ray
+
+    written = [add_shard_streaming(source, ray.get(empty), metric, int(shard), shards, base_rows,
+                                   Location.parse(location_uri)) for shard in batch["shard"].tolist()]
+    return {"entry": np.array([e for e, _ in written]), "meta": np.array([m or "" for _, m in written])}
