@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -79,6 +79,11 @@ bench: install data vegeta $(INDEX)/manifest.json
 # Overload on the default `shardserve serve` (edge) and with --no-edge: loadtests/records/shedding.json.
 bench-shedding: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.shedding --index $(INDEX)
+
+# Millions of vectors (default 4M x 128, 2 GB of parquet) streamed into a build on a Ray whose object
+# store is capped at 1 GB, served and graded over HTTP: loadtests/records/bench-scale.json. Not in make test.
+bench-scale: install
+	$(BIN)/python -m loadtests.bench_scale
 
 clean:
 	rm -rf $(VENV) .bin indexes

@@ -21,6 +21,7 @@ FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/
 METRICS = ("l2", "ip", "cosine")
 ANN_BENCHMARKS_DISTANCE = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
 HELD_OUT_SEED = 20260101
+PARQUET_METRIC = "l2"  # parquet carries no metric: the data's natural one (its fingerprint says this)
 VECTOR_FILE_SUFFIXES = (".npy", ".fvecs", ".bvecs", ".parquet", ".hdf5", ".h5")
 
 
@@ -366,7 +367,7 @@ def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
 
         metadata = pa.concat_tables([t for _, _, t in parts]).take(pa.array(base_rows))
     name = Path(spec.rstrip("/*")).stem or "parquet"
-    return Dataset(name, _as_float32(matrix[base_rows]), _as_float32(matrix[query_rows]), "l2",
+    return Dataset(name, _as_float32(matrix[base_rows]), _as_float32(matrix[query_rows]), PARQUET_METRIC,
                    ids=ids, metadata=metadata)
 
 

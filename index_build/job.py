@@ -24,7 +24,7 @@ import faiss
 import numpy as np
 
 from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
-from core.datasets import Dataset, is_parquet_spec, load_dataset
+from core.datasets import PARQUET_METRIC, Dataset, is_parquet_spec, load_dataset
 from core.errors import ShardserveError
 from core.indexes import (
     add_to_copy,
@@ -92,7 +92,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
             log.info("--index auto: %s (%s)", chosen, reason)
             return chosen, reason
 
-        params = BuildParams(factory, shards, metric or "l2", train_size, seed)
+        params = BuildParams(factory, shards, metric or PARQUET_METRIC, train_size, seed)
         return build_streaming(dataset_spec, params, location, backend, vector_column, id_column,
                                metadata_columns, limit, factory_for)
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.datasets import (
+    PARQUET_METRIC,
     _check_ids,
     hold_out_rows,
     parquet_arrays,
@@ -115,11 +116,15 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
     kept, held_out = hold_out_rows(total, NUM_QUERIES)
     base_rows = len(kept) if limit is None else min(limit, len(kept))
     digest = hashlib.sha256()
-    queries, train, ids, dim, start = [], [], [], None, 0
+    # The sample is filled in place: one copy of it in memory, however many row groups feed it.
+    train: np.ndarray | None = None
+    queries, ids, dim, start, filled = [], [], None, 0, 0
     for matrix, group_ids, _ in source.read():
         if dim is None:
             dim = matrix.shape[1]
-            digest.update(f"{metric}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
+            # the data's fingerprint, as core.datasets.Dataset.fingerprint() has it (not the build's metric)
+            digest.update(f"{PARQUET_METRIC}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
+            train = np.empty((base_rows if train_rows is None else len(train_rows), dim), np.float32)
         elif matrix.shape[1] != dim:
             raise ShardserveError(f"{source.name}: files hold vectors of different dimensions "
                                   f"{sorted({dim, matrix.shape[1]})}")
@@ -137,11 +142,10 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
         queries.append(matrix[is_query])
         if group_ids is not None:
             ids.append(group_ids[base])
-        if train_rows is None:
-            train.append(matrix[base])
-        else:
-            wanted = np.isin(position[base], train_rows, assume_unique=True)
-            train.append(matrix[base][wanted])
+        wanted = base if train_rows is None else base & np.isin(position, train_rows)
+        taken = int(wanted.sum())
+        train[filled:filled + taken] = matrix[wanted]
+        filled += taken
         start += len(matrix)
     if dim is None:
         raise ShardserveError(f"dataset {source.name}: no rows")
@@ -150,8 +154,11 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
     if source.id_column:
         _check_ids(source.name, all_ids, base_rows)
         digest.update(memoryview(all_ids).cast("B"))
-    return Scan(base_rows, dim, digest.hexdigest()[:16],
-                prepare_vectors(np.concatenate(train), metric), all_ids)
+    if metric == "cosine":  # as prepare_vectors does, in place
+        import faiss
+
+        faiss.normalize_L2(train)
+    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids)
 
 
 def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard: int, shards: int,

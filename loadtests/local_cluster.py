@@ -112,6 +112,10 @@ class LocalCluster:
         if done.returncode != 0:
             raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")
 
+    def processes(self) -> list[int]:
+        """This cluster's own processes (GCS, raylets, agents); Ray workers run under its raylets."""
+        return self._own_processes()
+
     def _raylets(self) -> list[int]:
         return [pid for pid in self._own_processes() if b"raylet/raylet" in procfs.cmdline(pid)]
 

@@ -136,6 +136,25 @@ def scan_cost_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def bench_scale_table(record: dict) -> str:
+    """The streaming build at scale: memory, speed against one process, recall over HTTP."""
+    d, b, served, single = record["dataset"], record["build"], record["served"], record["single_process"]
+    peak, goal = b["peak_rss_mb"], b["goal_mb"]
+    rows = ["| data | index (`--index auto`) | build s | vectors/s/core (one process) | peak RSS MB: "
+            "driver / any Ray process (goal) | recall@10 over HTTP (goal) | `include` captions wrong |",
+            "|---|---|---|---|---|---|---|"]
+    size = f"{d['bytes'] / 2**30:.2f} GiB"
+    rows.append(f"| {d['rows']:,} × {d['dim']} in {d['files']} parquet files ({size}) | "
+                f"`{b['factory']}`, {b['shards']} shards | {_cell(b['seconds'])} | "
+                f"{_cell(b['vectors_per_s_per_core'])} ({_cell(single['vectors_per_s_per_core'])}: "
+                f"{b['vs_single_process_per_core']:.2f}×) | {_cell(peak['driver'])} / "
+                f"{_cell(peak['any_ray_process'])} (≤ {goal['driver']} / ≤ {goal['any_ray_process']}) | "
+                f"{served['recall']:.4f} at nprobe {served['params']['nprobe']} "
+                f"(≥ {served['goal_recall']}) | "
+                f"{served['include']['wrong_captions']} of {served['include']['hits']} |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
@@ -144,10 +163,12 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     autoscale = json.loads((records / "autoscale.json").read_text())
     shard_start = json.loads((records / "shard-start.json").read_text())
     scan_cost = json.loads((records / "scan-cost.json").read_text())
+    scale = json.loads((records / "bench-scale.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
-            "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost)}
+            "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
+            "bench-scale": bench_scale_table(scale)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

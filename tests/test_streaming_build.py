@@ -33,16 +33,18 @@ def parquet_dir(tmp_path: Path) -> Path:
     return _with_row_groups(write_parquet(tmp_path / "emb"))
 
 
-@pytest.mark.parametrize(("factory", "with_ids"),
-                         [("IVF32,Flat", True), ("IVF32,PQ4", False), ("Flat", True)])
+@pytest.mark.parametrize(("factory", "with_ids", "metric"),
+                         [("IVF32,Flat", True, "l2"), ("IVF32,PQ4", False, "l2"), ("Flat", True, "l2"),
+                          ("IVF32,Flat", False, "cosine")])
 def test_streaming_build_writes_the_in_memory_build_byte_for_byte(
-        parquet_dir: Path, tmp_path: Path, factory: str, with_ids: bool) -> None:
+        parquet_dir: Path, tmp_path: Path, factory: str, with_ids: bool, metric: str) -> None:
     id_column = "doc_id" if with_ids else None
     meta = ["caption"] if with_ids else None
     streamed = build_index(str(parquet_dir), 3, factory, str(tmp_path / "streamed"), backend="local",
-                           vector_column="emb", id_column=id_column, metadata_columns=meta)
+                           metric=metric, vector_column="emb", id_column=id_column, metadata_columns=meta)
     data = load_dataset(str(parquet_dir), vector_column="emb", id_column=id_column, metadata_columns=meta)
-    in_memory = build_from_dataset(data, BuildParams(factory, 3, "l2"), Location.parse(str(tmp_path / "mem")),
+    in_memory = build_from_dataset(data, BuildParams(factory, 3, metric),
+                                   Location.parse(str(tmp_path / "mem")),
                                    backend="local", vector_column="emb", id_column=id_column)
     assert streamed.index_version == in_memory.index_version
     assert [s.sha256 for s in streamed.shards] == [s.sha256 for s in in_memory.shards]
