@@ -21,6 +21,7 @@ FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/
 METRICS = ("l2", "ip", "cosine")
 ANN_BENCHMARKS_DISTANCE = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
 HELD_OUT_SEED = 20260101
+HELD_OUT_QUERIES = 1000  # query rows held out of a base-only file (parquet, .npy, ...)
 PARQUET_METRIC = "l2"  # parquet carries no metric: the data's natural one (its fingerprint says this)
 VECTOR_FILE_SUFFIXES = (".npy", ".fvecs", ".bvecs", ".parquet", ".hdf5", ".h5")
 
@@ -140,11 +141,11 @@ def _validated(dataset: Dataset) -> Dataset:
     if dataset.metric not in METRICS:
         raise ShardserveError(f"dataset {dataset.name}: unknown metric {dataset.metric!r}")
     if dataset.ids is not None:
-        _check_ids(dataset.name, dataset.ids, len(dataset.base))
+        check_ids(dataset.name, dataset.ids, len(dataset.base))
     return dataset
 
 
-def _check_ids(name: str, ids: np.ndarray, rows: int) -> None:
+def check_ids(name: str, ids: np.ndarray, rows: int) -> None:
     """User ids come back in answers as they are: one per row, int64, >= 0 (FAISS uses -1 for "no
     result"), and unique (a duplicate would make two rows indistinguishable)."""
     if ids.shape != (rows,) or ids.dtype != np.int64:
@@ -359,7 +360,7 @@ def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
     if len(dims) != 1:
         raise ShardserveError(f"{spec}: files hold vectors of different dimensions {sorted(dims)}")
     matrix = np.concatenate([m for m, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-    base_rows, query_rows = hold_out_rows(len(matrix), 1000)
+    base_rows, query_rows = hold_out_rows(len(matrix), HELD_OUT_QUERIES)
     ids = None if id_column is None else np.concatenate([i for _, i, _ in parts])[base_rows]
     metadata = None
     if metadata_columns:

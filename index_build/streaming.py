@@ -22,12 +22,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from core.datasets import (
+    HELD_OUT_QUERIES,
     PARQUET_METRIC,
-    _check_ids,
+    check_ids,
     hold_out_rows,
     parquet_arrays,
     parquet_columns,
@@ -39,7 +41,6 @@ from core.manifest import Manifest
 from core.metadata import write_metadata
 from core.storage import Location
 
-NUM_QUERIES = 1000  # held out of the base, as core.datasets does for any base-only file
 TRAIN_MAX_BYTES = 256 * 2**20  # the training sample's cap, whatever the factory asks for
 
 
@@ -69,8 +70,6 @@ class ParquetSource:
             meta = pq.ParquetFile(path).metadata
             groups += [(number, group, meta.row_group(group).num_rows) for group in range(meta.num_row_groups)
                        if meta.row_group(group).num_rows]
-        from pathlib import Path
-
         return cls(Path(spec.rstrip("/*")).stem or "parquet", tuple(files), tuple(columns[0]), id_column,
                    tuple(metadata_columns or ()), tuple(groups))
 
@@ -83,16 +82,15 @@ class ParquetSource:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        handles: dict[int, pq.ParquetFile] = {}
+        opened: tuple[int, pq.ParquetFile] | None = None  # one open file at a time
         for number, group, _ in self.row_groups:
             path = self.files[number]
             try:
-                reader = handles.setdefault(number, pq.ParquetFile(path))
-                table = reader.read_row_group(group, columns=list(self.columns))
+                if opened is None or opened[0] != number:
+                    opened = (number, pq.ParquetFile(path))
+                table = opened[1].read_row_group(group, columns=list(self.columns))
             except (pa.ArrowException, OSError) as exc:
                 raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-            if len(handles) > 1:  # one open file at a time
-                handles = {number: reader}
             yield parquet_arrays(path, table, self.columns[0], self.id_column, list(self.metadata_columns))
 
 
@@ -113,7 +111,7 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
     `train_rows`: sorted base positions to keep for training (None: all of them, for small data).
     """
     total = source.rows
-    kept, held_out = hold_out_rows(total, NUM_QUERIES)
+    kept, held_out = hold_out_rows(total, HELD_OUT_QUERIES)
     base_rows = len(kept) if limit is None else min(limit, len(kept))
     digest = hashlib.sha256()
     # The sample is filled in place: one copy of it in memory, however many row groups feed it.
@@ -152,7 +150,7 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
     digest.update(memoryview(np.ascontiguousarray(np.concatenate(queries))).cast("B"))
     all_ids = np.concatenate(ids) if ids else np.arange(base_rows, dtype=np.int64)
     if source.id_column:
-        _check_ids(source.name, all_ids, base_rows)
+        check_ids(source.name, all_ids, base_rows)
         digest.update(memoryview(all_ids).cast("B"))
     if metric == "cosine":  # as prepare_vectors does, in place
         import faiss
@@ -173,7 +171,7 @@ def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard:
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
     total = source.rows
-    _, held_out = hold_out_rows(total, NUM_QUERIES)
+    _, held_out = hold_out_rows(total, HELD_OUT_QUERIES)
     index = index_from_bytes(empty)
     ids_kept, tables, start = [], [], 0
     for matrix, group_ids, table in source.read():
@@ -209,7 +207,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
         raise ShardserveError(f"--limit must be >= 1, got {limit}")
-    kept, _ = hold_out_rows(source.rows, NUM_QUERIES)
+    kept, _ = hold_out_rows(source.rows, HELD_OUT_QUERIES)
     base_rows = len(kept) if limit is None else min(limit, len(kept))
     dim = next(source.read())[0].shape[1]
     factory, auto = factory_for(base_rows, dim)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.datasets import hold_out_rows, load_dataset
+from core.datasets import HELD_OUT_QUERIES, hold_out_rows, load_dataset
 from core.errors import ShardserveError
 from core.manifest import MANIFEST, read_manifest
 from core.metadata import MetadataTable
@@ -84,7 +84,7 @@ def faiss_ids(index) -> np.ndarray:
 
 def test_duplicate_ids_and_a_missing_column_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     ids = _source_id(np.arange(ROWS))
-    base_rows, _ = hold_out_rows(ROWS, 1000)
+    base_rows, _ = hold_out_rows(ROWS, HELD_OUT_QUERIES)
     ids[base_rows[-1]] = ids[base_rows[0]]  # two base rows, in the first and the last file
     source = _with_row_groups(write_parquet(tmp_path / "dup", ids))
     with pytest.raises(ShardserveError, match="1 duplicate ids, e.g. id"):
