@@ -1,23 +1,14 @@
 """`shardserve build`: train once, add per shard in parallel (Ray Data), publish shards + manifest.
 
-Stages: load → sample (seeded) → train the empty index ONCE → tag rows with shard = id mod S →
-Ray Data groupby(shard) → each group adds its rows to a copy of the trained index and writes its shard
-file → the manifest is written last, atomically. A failed build deletes what it wrote.
-
-Every build writes into its own `versions/<build id>/` (shard files and that version's manifest) and
-publishes it by replacing the index directory's manifest.json in one atomic write. A published
-version is never changed again: `--force` builds beside the old version, which keeps serving (and
-stays on disk for the replicas still bound to it) if the rebuild fails.
+In memory (every dataset but parquet): load → sample (seeded) → train the empty index ONCE → one
+Ray Data task per shard adds rows i ≡ shard (mod S) from the matrix in the object store and writes
+its shard file → the manifest is written last, atomically (index_build.publish). Parquet is
+streamed instead (index_build.streaming), with the same rows, rules and bytes.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
-import secrets
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import faiss
@@ -26,47 +17,20 @@ import numpy as np
 from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
 from core.datasets import PARQUET_METRIC, Dataset, is_parquet_spec, load_dataset
 from core.errors import ShardserveError
-from core.indexes import (
-    add_to_copy,
-    index_to_bytes,
-    make_empty_index,
-    prepare_vectors,
-    train_empty_index,
-)
-from core.manifest import (
-    MANIFEST,
-    VERSIONS_DIR,
-    BuildInfo,
-    DatasetInfo,
-    Manifest,
-    ShardEntry,
-    published,
-    write_manifest,
-)
+from core.indexes import add_to_copy, make_empty_index, prepare_vectors
+from core.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
 from core.metadata import write_metadata
-from core.storage import Location, sha256_hex
+from core.storage import Location
 from core.timing import timed
+from index_build.publish import (
+    BuildParams,
+    publish_build,
+    training_sample,
+    write_shard,
+)
 
 log = logging.getLogger(__name__)
 Backend = Literal["ray", "local"]
-
-
-@dataclass(frozen=True)
-class BuildParams:
-    """What determines the shard bytes: same params + same data → byte-identical shards.
-
-    factory: any FAISS index_factory string (Flat, IVF1024,Flat, IVF256,PQ16x4fs, HNSW32, ...).
-    shards: number of shards S; row i goes to shard i mod S.
-    metric: l2, ip or cosine (cosine L2-normalises base and queries).
-    train_size: rows sampled (seeded) to train the quantizer; 0 = min(n, 256 x nlist or 100K).
-    seed: sampling and k-means seed.
-    """
-
-    factory: str
-    shards: int
-    metric: str
-    train_size: int = 0
-    seed: int = 1234
 
 
 def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: str | None = None,
@@ -138,91 +102,6 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                          lambda: training_sample(vectors, params), add, {"backend": backend}, auto)
 
 
-TrainSample = Callable[[], np.ndarray]
-AddShards = Callable[[bytes, Location, dict], tuple[list[ShardEntry], list[ShardEntry] | None]]
-
-
-def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
-                  sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None) -> Manifest:
-    """What every build shares: its own version directory, train ONCE, `add` the shards (and their
-    metadata), the trained file, the version's manifest, then publish with one atomic replace of
-    manifest.json. A failure deletes this build's directory and leaves the published version as it was."""
-    timings: dict[str, float] = {}
-    started = time.perf_counter()
-    created = dt.datetime.now(dt.UTC)
-    version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
-    index_location, location = location, location.child(version_dir)
-    try:
-        location.fs.create_dir(location.root, recursive=True)
-        with timed("train", timings):
-            empty = train_empty_index(params.factory, params.metric, sample(), params.seed)
-        entries, metadata = add(empty, location, timings)
-        entries = sorted(entries, key=lambda e: e.name)
-        trained = write_file(location, TRAINED_FILE, empty, 0)
-        manifest = Manifest(
-            index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
-            dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
-            shards=entries, trained=trained, metadata=metadata, dataset=dataset,
-            build=BuildInfo(params={**_public(params), **extra, "stages_s": timings,
-                                    **({"auto": auto} if auto else {})},
-                            seconds=round(time.perf_counter() - started, 3),
-                            ray_version=_ray_version(), faiss_version=faiss.__version__),
-            created_at=created.isoformat(timespec="seconds"),
-        )
-        write_manifest(location, manifest)  # the version's own manifest: what deployments bind to
-        # Published only now, after every shard was checked: one atomic replace of manifest.json.
-        write_manifest(index_location, published(manifest, version_dir))
-    except BaseException:
-        location.delete_dir()  # only this build's directory: the published version is untouched
-        index_location.child(VERSIONS_DIR).delete_dir(only_if_empty=True)
-        raise
-    return published(manifest, version_dir)
-
-
-def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:
-    """A seeded, sorted row sample: deterministic for the same data and params."""
-    rows = training_rows(params.factory, vectors.shape[1], params.metric, len(vectors), params.train_size,
-                         params.seed)
-    return vectors if rows is None else vectors[rows]
-
-
-def training_rows(factory: str, dim: int, metric: str, base_rows: int, train_size: int, seed: int,
-                  max_bytes: int | None = None) -> np.ndarray | None:
-    """Sorted base rows to train on (None: all of them). `train_size` 0 = what the factory needs
-    (256 x nlist for IVF, else 100K), capped at `max_bytes` of float32 when given."""
-    size = train_size
-    if size <= 0:
-        ivf = faiss.try_extract_index_ivf(make_empty_index(factory, dim, metric))
-        size = 256 * ivf.nlist if ivf is not None else 100_000
-    if max_bytes is not None:
-        size = min(size, max(1, max_bytes // (4 * dim)))
-    if size >= base_rows:
-        return None
-    return np.sort(np.random.default_rng(seed).choice(base_rows, size, replace=False))
-
-
-def shard_file_name(shard: int) -> str:
-    return f"shard-{shard:03d}.faiss"
-
-
-TRAINED_FILE = "trained.faiss"
-
-
-def write_shard(location: Location, shard: int, index: faiss.Index) -> ShardEntry:
-    """Write one shard file, read it back and return its manifest entry (sha256 of what is stored)."""
-    return write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
-
-
-def write_file(location: Location, name: str, data: bytes, num_vectors: int) -> ShardEntry:
-    """Write an index file, read it back, and return its manifest entry (sha256 of what is stored)."""
-    location.write_bytes(name, data)
-    stored = location.read_bytes(name)
-    if stored != data:
-        raise ShardserveError(f"shard {name}: read-back differs from what was written")
-    return ShardEntry(name=name.removesuffix(".faiss"), path=name, num_vectors=num_vectors,
-                      sha256=sha256_hex(data), bytes=len(data))
-
-
 def add_shards_local(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: int,
                      location: Location) -> list[ShardEntry]:
     """Single-process reference: the same adds, one shard after another, all cores per add.
@@ -265,17 +144,3 @@ def _add_and_write_shard(batch: dict[str, np.ndarray], refs: list, shards: int,
                             np.ascontiguousarray(ids[shard::shards]))
         entries.append(write_shard(Location.parse(location_uri), shard, index).model_dump_json())
     return {"entry": np.array(entries)}
-
-
-def _public(params: BuildParams) -> dict:
-    return {"factory": params.factory, "shards": params.shards, "metric": params.metric,
-            "train_size": params.train_size, "seed": params.seed}
-
-
-def _ray_version() -> str:
-    try:
-        import ray
-
-        return ray.__version__
-    except ImportError:
-        return "none"

@@ -167,7 +167,7 @@ def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard:
     import pyarrow as pa
 
     from core.indexes import index_from_bytes, index_to_bytes
-    from index_build.job import shard_file_name, write_file
+    from index_build.publish import shard_file_name, write_file
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
     total = source.rows
@@ -202,7 +202,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     """Build `spec` (parquet files) without holding its base set anywhere. `factory_for(rows, dim)`
     resolves `--index auto` once the size is known; `params.factory` is used otherwise."""
     from core.manifest import DatasetInfo
-    from index_build.job import BuildParams, publish_build, training_rows
+    from index_build.publish import BuildParams, publish_build, training_rows
 
     source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:

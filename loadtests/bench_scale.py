@@ -96,7 +96,7 @@ def single_process_build(data_dir: Path, factory: str) -> dict:
 
     from core.datasets import load_dataset
     from core.indexes import add_to_copy, train_empty_index
-    from index_build.job import BuildParams, training_rows
+    from index_build.publish import BuildParams, training_rows
     from index_build.streaming import TRAIN_MAX_BYTES
 
     data = load_dataset(str(data_dir), vector_column="emb", id_column="doc_id")

@@ -19,7 +19,7 @@ from core.manifest import Manifest
 from core.merge import merge_topk
 from core.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
 from core.shard_wire import ShardQuery
-from index_build.job import BuildParams, training_sample
+from index_build.publish import BuildParams, training_sample
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""What every build shares, in memory or streamed: the parameters that decide the bytes, the
+training sample, shard files written and read back, and the one way a version is published.
+
+Every build writes into its own `versions/<build id>/` (shard files and that version's manifest) and
+publishes it by replacing the index directory's manifest.json in one atomic write. A published
+version is never changed again: `--force` builds beside the old version, which keeps serving (and
+stays on disk for the replicas still bound to it) if the rebuild fails.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from core.errors import ShardserveError
+from core.indexes import index_to_bytes, make_empty_index, train_empty_index
+from core.manifest import (
+    VERSIONS_DIR,
+    BuildInfo,
+    DatasetInfo,
+    Manifest,
+    ShardEntry,
+    published,
+    write_manifest,
+)
+from core.storage import Location, sha256_hex
+from core.timing import timed
+
+
+@dataclass(frozen=True)
+class BuildParams:
+    """What determines the shard bytes: same params + same data → byte-identical shards.
+
+    factory: any FAISS index_factory string (Flat, IVF1024,Flat, IVF256,PQ16x4fs, HNSW32, ...).
+    shards: number of shards S; row i goes to shard i mod S.
+    metric: l2, ip or cosine (cosine L2-normalises base and queries).
+    train_size: rows sampled (seeded) to train the quantizer; 0 = min(n, 256 x nlist or 100K).
+    seed: sampling and k-means seed.
+    """
+
+    factory: str
+    shards: int
+    metric: str
+    train_size: int = 0
+    seed: int = 1234
+
+
+TrainSample = Callable[[], np.ndarray]
+AddShards = Callable[[bytes, Location, dict], tuple[list[ShardEntry], list[ShardEntry] | None]]
+
+
+def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
+                  sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None) -> Manifest:
+    """What every build shares: its own version directory, train ONCE, `add` the shards (and their
+    metadata), the trained file, the version's manifest, then publish with one atomic replace of
+    manifest.json. A failure deletes this build's directory and leaves the published version as it was."""
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    created = dt.datetime.now(dt.UTC)
+    version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+    index_location, location = location, location.child(version_dir)
+    try:
+        location.fs.create_dir(location.root, recursive=True)
+        with timed("train", timings):
+            empty = train_empty_index(params.factory, params.metric, sample(), params.seed)
+        entries, metadata = add(empty, location, timings)
+        entries = sorted(entries, key=lambda e: e.name)
+        trained = write_file(location, TRAINED_FILE, empty, 0)
+        manifest = Manifest(
+            index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
+            dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
+            shards=entries, trained=trained, metadata=metadata, dataset=dataset,
+            build=BuildInfo(params={**_public(params), **extra, "stages_s": timings,
+                                    **({"auto": auto} if auto else {})},
+                            seconds=round(time.perf_counter() - started, 3),
+                            ray_version=_ray_version(), faiss_version=faiss.__version__),
+            created_at=created.isoformat(timespec="seconds"),
+        )
+        write_manifest(location, manifest)  # the version's own manifest: what deployments bind to
+        # Published only now, after every shard was checked: one atomic replace of manifest.json.
+        write_manifest(index_location, published(manifest, version_dir))
+    except BaseException:
+        location.delete_dir()  # only this build's directory: the published version is untouched
+        index_location.child(VERSIONS_DIR).delete_dir(only_if_empty=True)
+        raise
+    return published(manifest, version_dir)
+
+
+def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:
+    """A seeded, sorted row sample: deterministic for the same data and params."""
+    rows = training_rows(params.factory, vectors.shape[1], params.metric, len(vectors), params.train_size,
+                         params.seed)
+    return vectors if rows is None else vectors[rows]
+
+
+def training_rows(factory: str, dim: int, metric: str, base_rows: int, train_size: int, seed: int,
+                  max_bytes: int | None = None) -> np.ndarray | None:
+    """Sorted base rows to train on (None: all of them). `train_size` 0 = what the factory needs
+    (256 x nlist for IVF, else 100K), capped at `max_bytes` of float32 when given."""
+    size = train_size
+    if size <= 0:
+        ivf = faiss.try_extract_index_ivf(make_empty_index(factory, dim, metric))
+        size = 256 * ivf.nlist if ivf is not None else 100_000
+    if max_bytes is not None:
+        size = min(size, max(1, max_bytes // (4 * dim)))
+    if size >= base_rows:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(base_rows, size, replace=False))
+
+
+def shard_file_name(shard: int) -> str:
+    return f"shard-{shard:03d}.faiss"
+
+
+TRAINED_FILE = "trained.faiss"
+
+
+def write_shard(location: Location, shard: int, index: faiss.Index) -> ShardEntry:
+    """Write one shard file, read it back and return its manifest entry (sha256 of what is stored)."""
+    return write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
+
+
+def write_file(location: Location, name: str, data: bytes, num_vectors: int) -> ShardEntry:
+    """Write an index file, read it back, and return its manifest entry (sha256 of what is stored)."""
+    location.write_bytes(name, data)
+    stored = location.read_bytes(name)
+    if stored != data:
+        raise ShardserveError(f"shard {name}: read-back differs from what was written")
+    return ShardEntry(name=name.removesuffix(".faiss"), path=name, num_vectors=num_vectors,
+                      sha256=sha256_hex(data), bytes=len(data))
+
+
+def _public(params: BuildParams) -> dict:
+    return {"factory": params.factory, "shards": params.shards, "metric": params.metric,
+            "train_size": params.train_size, "seed": params.seed}
+
+
+def _ray_version() -> str:
+    try:
+        import ray
+
+        return ray.__version__
+    except ImportError:
+        return "none"
