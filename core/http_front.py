@@ -78,7 +78,7 @@ def dechunk(buffer: bytearray, start: int, limit: int) -> tuple[bytes, int] | No
 
 
 def _error(status: int, message: str) -> Reply:
-    return Reply(status, orjson.dumps({"error": message, "field": "body" if status in (408, 411, 413)
+    return Reply(status, orjson.dumps({"error": message, "field": "body" if status in (408, 413)
                                        else None}))
 
 
