@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale bench-hygiene clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -75,6 +75,10 @@ bench-build: install data
 
 bench: install data vegeta $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench --index $(INDEX) --dataset fashion-mnist
+
+# Process-hygiene knobs A/B, each on a fresh local Ray: loadtests/records/hygiene.json.
+bench-hygiene: install data vegeta $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.hygiene --index $(INDEX)
 
 # Overload on the default `shardserve serve` (edge) and with --no-edge: loadtests/records/shedding.json.
 bench-shedding: install data vegeta haproxy $(INDEX)/manifest.json

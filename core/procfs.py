@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 
 def cmdline(pid: int) -> bytes:
@@ -163,8 +164,10 @@ class CpuMeter:
     (their CPU is not in /proc any more), so measure steady-state windows.
     """
 
-    def __init__(self, extra: dict[str, int] | None = None):
+    def __init__(self, extra: dict[str, int] | None = None,
+                 classify: Callable[[bytes], str | None] | None = None):
         self.extra = extra or {}
+        self.classify = classify or process_class
         self._start: dict[int, tuple[str, float]] = {}
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
@@ -174,7 +177,7 @@ class CpuMeter:
                 classes[pid] = name
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) not in classes and int(entry) != os.getpid():
-                found = process_class(cmdline(int(entry)))
+                found = self.classify(cmdline(int(entry)))
                 if found is not None:
                     classes[int(entry)] = found
         return {pid: (name, cpu_seconds(pid)) for pid, name in classes.items()}

@@ -155,6 +155,23 @@ def bench_scale_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def hygiene_table(record: dict) -> str:
+    """Each process-hygiene knob against the default, mean of the rounds (fresh Ray each)."""
+    summary = record["summary"]
+    rows = [f"| variant ({record['rounds']} rounds, fresh Ray each) | idle stack, % of a core | level | "
+            "req/s (runs) | vs default | server CPU ms/req | vs default |", "|---|---|---|---|---|---|---|"]
+    for name, entry in summary.items():
+        for level, values in entry["levels"].items():
+            runs = ", ".join(f"{q:,.0f}" for q in values["qps_runs"])
+            rows.append(f"| {name} | {_cell(entry['idle_percent_of_a_core'])} | {level} | "
+                        f"{_cell(values['qps'])} ({runs}) | {_cell(values.get('qps_vs_default'))} | "
+                        f"{values['cpu_ms_per_request']:.3f} | {_cell(values.get('cpu_vs_default'))} |")
+    idle = record["runs"]["default"][0]["idle_percent_of_a_core"]
+    rows += ["", "| idle, default (round 1): process | % of a core |", "|---|---|"]
+    rows += [f"| {name} | {value} |" for name, value in sorted(idle.items(), key=lambda kv: -kv[1]) if value]
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
@@ -164,11 +181,12 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     shard_start = json.loads((records / "shard-start.json").read_text())
     scan_cost = json.loads((records / "scan-cost.json").read_text())
     scale = json.loads((records / "bench-scale.json").read_text())
+    hygiene = json.loads((records / "hygiene.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
-            "bench-scale": bench_scale_table(scale)}
+            "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:
