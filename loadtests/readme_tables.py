@@ -155,6 +155,23 @@ def bench_scale_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def glove_table(record: dict) -> str:
+    """GloVe-50 from parquet: the streaming build, recall over HTTP, QPS at the front door."""
+    d, b, served = record["dataset"], record["build"], record["served"]
+    rows = ["| data | index | build s | recall@10 over HTTP (goal) | `include` words wrong | "
+            "req/s at 1 / 32 clients | p99 ms at 32 | server CPU ms/req at 32 |",
+            "|---|---|---|---|---|---|---|---|"]
+    one, many = (next(lv for lv in record["levels"] if lv["value"] == c) for c in (1, 32))
+    include = served["include"]
+    rows.append(f"| {d['rows']:,} × {d['dim']}, {d['metric']}, {d['files']} parquet files | "
+                f"`{b['factory']}`, {b['shards']} shards (streamed) | {_cell(b['seconds'])} | "
+                f"{served['recall']:.4f} at nprobe {served['params']['nprobe']} "
+                f"(≥ {served['goal_recall']}) | {include['wrong_words']} of {include['hits']} | "
+                f"{_cell(one['qps'])} / {_cell(many['qps'])} | "
+                f"{_cell(many['p99_ms'])} | {_cell(many['cpu_ms_per_request'].get('total (servers)'))} |")
+    return "\n".join(rows)
+
+
 def hygiene_table(record: dict) -> str:
     """Each process-hygiene knob against the default, mean of the rounds (fresh Ray each)."""
     summary = record["summary"]
@@ -182,11 +199,13 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     scan_cost = json.loads((records / "scan-cost.json").read_text())
     scale = json.loads((records / "bench-scale.json").read_text())
     hygiene = json.loads((records / "hygiene.json").read_text())
+    glove = json.loads((records / "bench-glove.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
-            "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene)}
+            "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
+            "bench-glove": glove_table(glove)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

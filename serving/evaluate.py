@@ -13,7 +13,7 @@ import numpy as np
 
 from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
-from core.groundtruth import ground_truth, recall_at_k
+from core.groundtruth import graded_as, ground_truth, recall_at_k
 from core.indexes import add_to_copy, prepare_vectors, train_empty_index
 from core.manifest import Manifest
 from core.merge import merge_topk
@@ -61,6 +61,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     manifest, searchers = load_all_shards(index_uri)
     assigner = load_assigner(index_uri)
     dataset = load_dataset(dataset_spec, limit=limit, **manifest.dataset.columns())
+    dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
     _check_compatible(manifest, dataset)
     truth = ground_truth(dataset)
     if url:
