@@ -62,13 +62,19 @@ class Dataset:
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """Base row of each id an index returned (-1 for -1 and for ids this dataset lacks)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if self.ids is None:
-            return np.where((ids >= 0) & (ids < len(self.base)), ids, -1)
-        order = np.argsort(self.ids, kind="stable")
-        position = np.clip(np.searchsorted(self.ids, ids, sorter=order), 0, len(order) - 1)
-        rows = order[position]
-        return np.where(self.ids[rows] == ids, rows, -1)
+        return rows_of(ids, self.ids, len(self.base))
+
+
+def rows_of(ids: np.ndarray, known_ids: np.ndarray | None, base_rows: int) -> np.ndarray:
+    """Base row of each id an index returned, given the base's ids (None: ids are row numbers);
+    -1 for -1 and for ids the base lacks."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if known_ids is None:
+        return np.where((ids >= 0) & (ids < base_rows), ids, -1)
+    order = np.argsort(known_ids, kind="stable")
+    position = np.clip(np.searchsorted(known_ids, ids, sorter=order), 0, len(order) - 1)
+    rows = order[position]
+    return np.where(known_ids[rows] == ids, rows, -1)
 
 
 def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = None,

@@ -13,6 +13,7 @@ import numpy as np
 from core.datasets import Dataset
 from core.errors import ShardserveError
 from core.indexes import FAISS_METRIC, prepare_vectors
+from core.merge import merge_topk
 
 GROUND_TRUTH_K = 100
 log = logging.getLogger(__name__)
@@ -24,19 +25,39 @@ def cache_dir() -> Path:
     return Path(root) / "groundtruth"
 
 
+TRUTH_CHUNK_ROWS = 65536  # base rows per brute-force scan: bounded memory, whatever the base's size
+
+
+class ExactTopK:
+    """Exact top-k of fixed queries over a base that arrives in chunks (FAISS brute force per chunk,
+    `merge_topk` across chunks), so no copy of the whole base is ever made: the base may be a file
+    streamed from disk (serving.evaluate) or a matrix already in memory (`exact_search`)."""
+
+    def __init__(self, queries: np.ndarray, k: int, metric: str):
+        self.queries, self.k, self.metric = prepare_vectors(queries, metric), k, metric
+        self.higher_is_better = metric != "l2"
+        worst = -np.inf if self.higher_is_better else np.inf
+        self.distances = np.full((len(queries), k), worst, np.float32)
+        self.rows = np.full((len(queries), k), -1, np.int64)
+
+    def add(self, first_row: int, chunk: np.ndarray) -> None:
+        """Base rows first_row .. first_row + len(chunk) - 1 (already float32, not yet prepared)."""
+        index = faiss.IndexFlat(chunk.shape[1], FAISS_METRIC[self.metric])
+        index.add(prepare_vectors(chunk, self.metric))
+        found_distances, found = index.search(self.queries, min(self.k, len(chunk)))
+        found = np.where(found >= 0, found + first_row, -1)
+        self.distances, self.rows = merge_topk([self.distances, found_distances], [self.rows, found],
+                                               self.k, self.higher_is_better)
+
+
 def exact_search(base: np.ndarray, queries: np.ndarray, k: int, metric: str,
-                 batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
-    """Brute-force top-k with a FAISS flat index (BLAS), in query batches to bound memory."""
-    index = faiss.IndexFlat(base.shape[1], FAISS_METRIC[metric])
-    index.add(prepare_vectors(base, metric))
-    prepared = prepare_vectors(queries, metric)
+                 chunk_rows: int = TRUTH_CHUNK_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """Brute-force top-k of an in-memory base, scanned TRUTH_CHUNK_ROWS rows at a time."""
     k = min(k, len(base))
-    distances = np.empty((len(queries), k), dtype=np.float32)
-    ids = np.empty((len(queries), k), dtype=np.int64)
-    for start in range(0, len(queries), batch_size):
-        stop = start + batch_size
-        distances[start:stop], ids[start:stop] = index.search(prepared[start:stop], k)
-    return distances, ids
+    exact = ExactTopK(queries, k, metric)
+    for first in range(0, len(base), chunk_rows):
+        exact.add(first, base[first:first + chunk_rows])
+    return exact.distances, exact.rows
 
 
 def graded_as(dataset: Dataset, metric: str) -> Dataset:
@@ -88,16 +109,35 @@ def recall_at_k(found_ids: np.ndarray, dataset: Dataset, k: int, truth: np.ndarr
     valid = found_rows >= 0
     safe_ids = np.where(valid, found_rows, 0)
     true_kth = _exact_distance(queries, base[truth[:, k - 1]][:, None, :], dataset.metric)[:, 0]
-    hits = 0
-    for start in range(0, len(queries), 512):
-        rows = slice(start, start + 512)
-        dist = _exact_distance(queries[rows], base[safe_ids[rows]], dataset.metric)
-        if dataset.metric == "l2":
-            ok = dist <= true_kth[rows, None] * (1 + 1e-5) + 1e-6
-        else:
-            ok = dist >= true_kth[rows, None] - 1e-5 * np.abs(true_kth[rows, None]) - 1e-6
-        hits += int((ok & valid[rows]).sum())
-    return hits / (len(queries) * k)
+    found = np.concatenate([_exact_distance(queries[rows], base[safe_ids[rows]], dataset.metric)
+                            for rows in (slice(s, s + 512) for s in range(0, len(queries), 512))])
+    return recall_from_distances(found, valid, true_kth, dataset.metric)
+
+
+def recall_from_distances(found: np.ndarray, valid: np.ndarray, true_kth: np.ndarray, metric: str) -> float:
+    """The share of found (query, rank) pairs that are real hits at least as near as the k-th true
+    neighbour (relative tolerance 1e-5: float rounding is not a miss)."""
+    if metric == "l2":
+        ok = found <= true_kth[:, None] * (1 + 1e-5) + 1e-6
+    else:
+        ok = found >= true_kth[:, None] - 1e-5 * np.abs(true_kth[:, None]) - 1e-6
+    return int((ok & valid).sum()) / valid.size
+
+
+class FoundDistances:
+    """Exact distances of the rows a search returned, filled chunk by chunk as the base streams by
+    (the streamed eval's half of `recall_at_k`)."""
+
+    def __init__(self, queries: np.ndarray, found_rows: np.ndarray, metric: str):
+        self.queries, self.rows, self.metric = prepare_vectors(queries, metric), found_rows, metric
+        self.distances = np.zeros(found_rows.shape, np.float32)
+
+    def add(self, first_row: int, chunk: np.ndarray) -> None:
+        query, rank = np.nonzero((self.rows >= first_row) & (self.rows < first_row + len(chunk)))
+        if query.size:
+            picked = np.ascontiguousarray(chunk[self.rows[query, rank] - first_row])
+            vectors = prepare_vectors(picked, self.metric)[:, None, :]
+            self.distances[query, rank] = _exact_distance(self.queries[query], vectors, self.metric)[:, 0]
 
 
 def _exact_distance(queries: np.ndarray, candidates: np.ndarray, metric: str) -> np.ndarray:

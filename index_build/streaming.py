@@ -142,6 +142,31 @@ class NpySource:
 Source = ParquetSource | NpySource  # what the stages read: rows in a fixed order, in pieces
 
 
+def open_source(spec: str, vector_column: str | None = None, id_column: str | None = None,
+                metadata_columns: list[str] | None = None) -> Source:
+    """Parquet files or a directory of .npy files, opened for streaming (nothing read yet)."""
+    if is_npy_dir_spec(spec):
+        if vector_column or id_column or metadata_columns:
+            raise ShardserveError("--vector-column/--id-column/--metadata-columns apply to parquet data, "
+                                  f"not to the .npy files of {spec!r}")
+        return NpySource.open(spec)
+    return ParquetSource.open(spec, vector_column, id_column, metadata_columns)
+
+
+def base_chunks(source: Source, base_rows: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first base position, its base rows) of each piece the source reads: held-out query rows and
+    rows past `base_rows` (--limit) left out, base positions numbered as every build numbers them."""
+    _, held_out = hold_out_rows(source.rows, HELD_OUT_QUERIES)
+    start = 0
+    for matrix, _, _ in source.read():
+        rows = np.arange(start, start + len(matrix))
+        start += len(matrix)
+        position = rows - np.searchsorted(held_out, rows)
+        base = ~np.isin(rows, held_out, assume_unique=True) & (position < base_rows)
+        if base.any():
+            yield int(position[base][0]), matrix[base]
+
+
 @dataclass(frozen=True)
 class Scan:
     """What the driver's pass learned: enough to train and to write the manifest, not the data."""
@@ -151,6 +176,7 @@ class Scan:
     fingerprint: str  # == core.datasets.Dataset.fingerprint() of the same files
     train: np.ndarray  # the training sample, prepared for the metric
     ids: np.ndarray  # the id of every base row: the user's, else row numbers
+    queries: np.ndarray  # the held-out query rows (HELD_OUT_QUERIES at most): eval searches them
 
 
 def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int | None) -> Scan:
@@ -195,7 +221,8 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
         start += len(matrix)
     if dim is None:
         raise ShardserveError(f"dataset {source.name}: no rows")
-    digest.update(memoryview(np.ascontiguousarray(np.concatenate(queries))).cast("B"))
+    queries = np.ascontiguousarray(np.concatenate(queries))
+    digest.update(memoryview(queries).cast("B"))
     all_ids = np.concatenate(ids) if ids else np.arange(base_rows, dtype=np.int64)
     if source.id_column:
         check_ids(source.name, all_ids, base_rows)
@@ -204,7 +231,7 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
         import faiss
 
         faiss.normalize_L2(train)
-    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids)
+    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, queries)
 
 
 def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, shards: int,
@@ -252,13 +279,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     from core.manifest import DatasetInfo
     from index_build.publish import BuildParams, publish_build, training_rows
 
-    if is_npy_dir_spec(spec):
-        if vector_column or id_column or metadata_columns:
-            raise ShardserveError("--vector-column/--id-column/--metadata-columns apply to parquet data, "
-                                  f"not to the .npy files of {spec!r}")
-        source: Source = NpySource.open(spec)
-    else:
-        source = ParquetSource.open(spec, vector_column, id_column, metadata_columns)
+    source = open_source(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
         raise ShardserveError(f"--limit must be >= 1, got {limit}")
     kept, _ = hold_out_rows(source.rows, HELD_OUT_QUERIES)

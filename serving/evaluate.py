@@ -11,9 +11,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.datasets import Dataset, load_dataset
+from core.datasets import Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset, rows_of
 from core.errors import ShardserveError
-from core.groundtruth import graded_as, ground_truth, recall_at_k
+from core.groundtruth import (
+    ExactTopK,
+    FoundDistances,
+    graded_as,
+    ground_truth,
+    recall_at_k,
+    recall_from_distances,
+)
 from core.indexes import add_to_copy, prepare_vectors, train_empty_index
 from core.manifest import Manifest
 from core.merge import merge_topk
@@ -55,26 +62,25 @@ def sharded_search(searchers: list[ShardSearcher], queries: np.ndarray, k: int, 
 
 def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None = None,
              url: str | None = None, limit: int | None = None, batch_size: int = 100,
-             compare_unsharded: bool = False) -> dict:
-    """Recall@k against exact ground truth and QPS; optionally also the unsharded index's."""
+             compare_unsharded: bool = False, stream: bool | None = None) -> dict:
+    """Recall@k against exact ground truth and QPS; optionally also the unsharded index's.
+
+    Parquet and .npy directories are streamed (`stream`, default: for those, unless
+    `compare_unsharded`): no copy of the base set is held, only the queries and the ids.
+    """
     params = params or {}
     manifest, searchers = load_all_shards(index_uri)
     assigner = load_assigner(index_uri)
+    if stream is None:
+        stream = (is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec)) and not compare_unsharded
+    if stream:
+        return _evaluate_streamed(manifest, searchers, assigner, dataset_spec, k, params, url, limit,
+                                  batch_size)
     dataset = load_dataset(dataset_spec, limit=limit, **manifest.dataset.columns())
     dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
-    _check_compatible(manifest, dataset)
+    _check_compatible(manifest, dataset.dim, len(dataset.base), dataset.name)
     truth = ground_truth(dataset)
-    if url:
-        from serving.http_client import search_over_http
-
-        start = time.perf_counter()
-        ids = search_over_http(url, dataset.queries, k, params, batch_size)
-        mode = f"http {url}"
-    else:
-        start = time.perf_counter()
-        _, ids = sharded_search(searchers, dataset.queries, k, params, manifest.metric, assigner)
-        mode = "in-process"
-    elapsed = time.perf_counter() - start
+    ids, mode, elapsed = _search(searchers, assigner, manifest, dataset.queries, k, params, url, batch_size)
     result = asdict(EvalResult(
         recall=round(recall_at_k(ids, dataset, k, truth), 5), k=k, queries=len(dataset.queries),
         qps=round(len(dataset.queries) / elapsed, 1), mode=mode, params=params,
@@ -84,14 +90,52 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     return result
 
 
-def _check_compatible(manifest: Manifest, dataset: Dataset) -> None:
-    if manifest.dim != dataset.dim:
+def _search(searchers: list[ShardSearcher], assigner: CoarseAssigner | None, manifest: Manifest,
+            queries: np.ndarray, k: int, params: dict, url: str | None, batch_size: int
+            ) -> tuple[np.ndarray, str, float]:
+    """(found ids, mode, seconds): over HTTP with `url`, else in-process as the router does."""
+    start = time.perf_counter()
+    if url:
+        from serving.http_client import search_over_http
+
+        ids, mode = search_over_http(url, queries, k, params, batch_size), f"http {url}"
+    else:
+        ids, mode = sharded_search(searchers, queries, k, params, manifest.metric, assigner)[1], "in-process"
+    return ids, mode, time.perf_counter() - start
+
+
+def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assigner: CoarseAssigner | None,
+                       spec: str, k: int, params: dict, url: str | None, limit: int | None,
+                       batch_size: int) -> dict:
+    """Two passes over the files, a piece at a time: the first keeps the held-out queries and the
+    ids; after the search, the second brute-forces the exact top-k chunk by chunk (merged with
+    merge_topk) and the exact distances of what the search returned, for the tie-aware recall."""
+    from index_build.streaming import base_chunks, open_source, scan
+
+    source = open_source(spec, **manifest.dataset.columns())
+    scanned = scan(source, manifest.metric, np.empty(0, np.int64), limit)
+    _check_compatible(manifest, scanned.dim, scanned.base_rows, source.name)
+    ids, mode, elapsed = _search(searchers, assigner, manifest, scanned.queries, k, params, url, batch_size)
+    found_rows = rows_of(ids[:, :k], scanned.ids if source.id_column else None, scanned.base_rows)
+    exact = ExactTopK(scanned.queries, min(k, scanned.base_rows), manifest.metric)
+    found = FoundDistances(scanned.queries, found_rows, manifest.metric)
+    for first, chunk in base_chunks(source, scanned.base_rows):
+        exact.add(first, chunk)
+        found.add(first, chunk)
+    recall = recall_from_distances(found.distances, found_rows >= 0, exact.distances[:, -1], manifest.metric)
+    return asdict(EvalResult(
+        recall=round(recall, 5), k=k, queries=len(scanned.queries),
+        qps=round(len(scanned.queries) / elapsed, 1), mode=f"{mode}, ground truth streamed",
+        params=params, shards=len(searchers), index_version=manifest.index_version))
+
+
+def _check_compatible(manifest: Manifest, dim: int, base_rows: int, name: str) -> None:
+    if manifest.dim != dim:
+        raise ShardserveError(f"dataset {name} has dim {dim}, the index has dim {manifest.dim}")
+    if manifest.num_vectors != base_rows:
         raise ShardserveError(
-            f"dataset {dataset.name} has dim {dataset.dim}, the index has dim {manifest.dim}")
-    if manifest.num_vectors != len(dataset.base):
-        raise ShardserveError(
-            f"the index holds {manifest.num_vectors} vectors, dataset {dataset.name} has "
-            f"{len(dataset.base)}: pass the same --limit as the build")
+            f"the index holds {manifest.num_vectors} vectors, dataset {name} has "
+            f"{base_rows}: pass the same --limit as the build")
 
 
 def _evaluate_unsharded(manifest: Manifest, dataset: Dataset, k: int, params: dict,
