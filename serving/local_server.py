@@ -12,10 +12,10 @@ HTTP ingress: that path cost more server CPU per request than the whole monolith
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 from core.manifest import read_manifest
+from core.ports import free_port
 from core.storage import Location
 from deployments.run import APP_NAME, deploy, undeploy
 from serving.edge import EdgeProcess, default_in_flight, haproxy_binary
@@ -42,7 +42,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     front: EdgeProcess | None = None
     try:
         if use_edge:
-            serve_port, front_port = _free_port(), _free_port()
+            serve_port, front_port = free_port(), free_port()
             deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard,
                    front_port=front_port)
             in_flight = edge_in_flight or default_in_flight()
@@ -75,12 +75,6 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             shutdown_ray()
         else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
             undeploy(APP_NAME)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _interrupt(signum: int, frame) -> None:

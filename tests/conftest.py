@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.ports import free_port
 from core.ray_session import FAST_INGRESS_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +35,8 @@ def ray_cluster():
     os.environ.update(FAST_INGRESS_ENV)
     os.environ.pop("RAY_ADDRESS", None)
     # HAProxy's stats/metrics ports default to fixed 8404/9101: this cluster takes free ones, so a
-    # cluster another test (or a user) runs on this machine never races it for them.
+    # cluster another test (or a user) runs on this machine never races it for them; outside the
+    # ephemeral range, so no other process is handed them before HAProxy binds them (core.ports).
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         os.environ[name] = str(free_port())
     # 4 logical CPUs on 2 cores: tests run extra small apps beside the main one (slow shard, late
@@ -48,12 +49,6 @@ def ray_cluster():
         serve.shutdown()
     finally:
         shutdown_ray()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
