@@ -30,10 +30,6 @@ class AppArgs(BaseModel):
                                      "starts workers at 15), so a replica that is starting "
                                      "(autoscaling, a restart) gets more CPU than each busy one on "
                                      "a saturated node; <= 15 leaves them as Ray started them")
-    gc_freeze_after: int = Field(
-        0, ge=0, description="router and shard replicas run gc.collect() + gc.freeze() once more after "
-                             "this many requests (batches for shards), on top of Serve's freeze at "
-                             "start-up; 0 = only Serve's (loadtests/records/hygiene.json)")
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.25, gt=0)
     max_batch_size: int = Field(

@@ -29,7 +29,6 @@ from core.api import (
 )
 from core.batcher import AdaptiveBatcher
 from core.fanout import QueryResult, search_grouped
-from core.gc_freeze import WarmupFreeze
 from core.http_front import FrontDoor, Reply
 from core.openapi import docs_reply
 from core.procfs import lower_priority
@@ -75,7 +74,7 @@ class Router:
         except Exception as exc:
             logger.warning("index pointer not reachable (%s): serving the configured index", exc)
             self.active = await IndexSet.load(0, a.index, index_app_name(context.app_name), self.use_links)
-        self.metrics, self.warmup_freeze = RouterMetrics(), WarmupFreeze(a.gc_freeze_after)
+        self.metrics = RouterMetrics()
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         # The coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
@@ -143,7 +142,6 @@ class Router:
                 self.in_flight -= 1
                 self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.observe_request(started, status)
-            self.warmup_freeze.tick()
 
     async def health(self) -> Reply:
         """200 when every shard of the served index answers, else 503 with Retry-After."""

@@ -13,7 +13,6 @@ import faiss
 import ray
 from ray import serve
 
-from core.gc_freeze import WarmupFreeze
 from core.manifest import read_version
 from core.metadata import MetadataTable
 from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
@@ -34,8 +33,7 @@ class ShardDeployment:
     (core.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
-                       index_version: str | None = None, nice: int = 0, mmap: bool = True,
-                       gc_freeze_after: int = 0):
+                       index_version: str | None = None, nice: int = 0, mmap: bool = True):
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
@@ -51,7 +49,6 @@ class ShardDeployment:
         self.faiss_threads = faiss_threads
         self.shard = shard
         self.link_in_flight = InFlight()
-        self.warmup_freeze = WarmupFreeze(gc_freeze_after)
         self.link_server: asyncio.Server | None = None
         self._announcer: asyncio.Task | None = None
         if link:
@@ -75,7 +72,6 @@ class ShardDeployment:
         back cost more CPU than scanning a few lists. Larger ones go to the search thread (FAISS
         releases the GIL, the replica's event loop stays free).
         """
-        self.warmup_freeze.tick()
         if ShardQuery.rows(query) <= INLINE_ROWS:
             faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
             return self._answer(query)

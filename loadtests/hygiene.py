@@ -10,8 +10,9 @@ variant order (round 2 runs them backwards), so drift on this shared machine hit
 
 The knobs (issue: process hygiene):
 - the dashboard agent's metrics: Ray's metrics collection on (default) or off;
-- GC freezing after warm-up: a second gc.collect() + gc.freeze() after 2,000 requests
-  (`gc_freeze_after`), on top of the one Serve does at replica start-up;
+- GC freezing after warm-up: the committed record also has a variant with a second
+  gc.collect() + gc.freeze() after 2,000 requests, on top of the one Serve does at replica start-up
+  (app arg `gc_freeze_after`, commit 90c530c); it bought nothing and was removed;
 - idle polling: routers ask IndexControl which index to serve every `pointer_poll_s` (0.25 s)
   vs every 1 s (a swap then takes up to 1 s longer to reach every router);
 - HAProxy threads: Serve's HAProxy ingress at Ray's default of 4 threads vs 2 (the cores) vs 1;
@@ -50,7 +51,6 @@ class Variant:
 VARIANTS = {
     "default": Variant(levels=("front", "serve-http", "batch256")),
     "metrics-off": Variant(env={"RAY_enable_metrics_collection": "false"}),
-    "gc-freeze-after-warm-up": Variant(overrides={"gc_freeze_after": 2000}),
     "pointer-poll-1s": Variant(overrides={"pointer_poll_s": 1.0}),
     "haproxy-2-threads": Variant(env={"RAY_SERVE_HAPROXY_NBTHREAD": "2"}, levels=("serve-http",)),
     "haproxy-1-thread": Variant(env={"RAY_SERVE_HAPROXY_NBTHREAD": "1"}, levels=("serve-http",)),
@@ -90,7 +90,7 @@ def run_variant(name: str, variant: Variant, index: str, queries, duration_s: fl
         front = f"http://127.0.0.1:{FRONT_PORT}"
         params = {"nprobe": 16}
         warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
-        attack(warm, "concurrency", 8, 4.0, work, "warm-up")  # also past gc_freeze_after's 2,000
+        attack(warm, "concurrency", 8, 4.0, work, "warm-up")
         meter = CpuMeter(classify=classify)
         meter.start()
         time.sleep(IDLE_S)
