@@ -153,18 +153,37 @@ def open_source(spec: str, vector_column: str | None = None, id_column: str | No
     return ParquetSource.open(spec, vector_column, id_column, metadata_columns)
 
 
-def base_chunks(source: Source, base_rows: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(first base position, its base rows) of each piece the source reads: held-out query rows and
-    rows past `base_rows` (--limit) left out, base positions numbered as every build numbers them."""
+@dataclass(frozen=True)
+class Piece:
+    """One read of the source, with every row placed: the one numbering rule of every stage (and of
+    the in-memory path): held-out query rows out, base position = file row minus the query rows
+    before it, rows past `base_rows` (--limit) out."""
+
+    matrix: np.ndarray
+    ids: np.ndarray | None  # the user's ids of these rows (parquet id column), else None
+    table: object  # their metadata columns (pyarrow), else None
+    first_row: int  # file row of matrix[0]
+    position: np.ndarray  # base position of each row (meaningless for query rows)
+    is_query: np.ndarray
+    base: np.ndarray  # rows that are base rows within base_rows
+
+
+def pieces(source: Source, base_rows: int) -> Iterator[Piece]:
     _, held_out = hold_out_rows(source.rows, HELD_OUT_QUERIES)
     start = 0
-    for matrix, _, _ in source.read():
+    for matrix, ids, table in source.read():
         rows = np.arange(start, start + len(matrix))
-        start += len(matrix)
+        is_query = np.isin(rows, held_out, assume_unique=True)
         position = rows - np.searchsorted(held_out, rows)
-        base = ~np.isin(rows, held_out, assume_unique=True) & (position < base_rows)
-        if base.any():
-            yield int(position[base][0]), matrix[base]
+        yield Piece(matrix, ids, table, start, position, is_query, ~is_query & (position < base_rows))
+        start += len(matrix)
+
+
+def base_chunks(source: Source, base_rows: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first base position, its base rows) of each piece: base positions are contiguous in one."""
+    for piece in pieces(source, base_rows):
+        if piece.base.any():
+            yield int(piece.position[piece.base][0]), piece.matrix[piece.base]
 
 
 @dataclass(frozen=True)
@@ -190,8 +209,9 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
     digest = hashlib.sha256()
     # The sample is filled in place: one copy of it in memory, however many row groups feed it.
     train: np.ndarray | None = None
-    queries, ids, dim, start, filled = [], [], None, 0, 0
-    for matrix, group_ids, _ in source.read():
+    queries, ids, dim, filled = [], [], None, 0
+    for piece in pieces(source, base_rows):
+        matrix, base = piece.matrix, piece.base
         if dim is None:
             dim = matrix.shape[1]
             # the data's fingerprint, as core.datasets.Dataset.fingerprint() has it (not the build's metric)
@@ -201,24 +221,19 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
             raise ShardserveError(f"{source.name}: files hold vectors of different dimensions "
                                   f"{sorted({dim, matrix.shape[1]})}")
         bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
-        rows = np.arange(start, start + len(matrix))
-        is_query = np.isin(rows, held_out, assume_unique=True)
         if bad.size:
-            part = "queries" if is_query[bad[0]] else "base"
+            part = "queries" if piece.is_query[bad[0]] else "base"
             raise ShardserveError(f"dataset {source.name}: {part} rows contain NaN/Inf (first at file row "
-                                  f"{start + int(bad[0])})")
-        position = rows - np.searchsorted(held_out, rows)  # base position of each non-query row
-        base = ~is_query & (position < base_rows)
+                                  f"{piece.first_row + int(bad[0])})")
         if base.any():
             digest.update(memoryview(np.ascontiguousarray(matrix[base])).cast("B"))
-        queries.append(matrix[is_query])
-        if group_ids is not None:
-            ids.append(group_ids[base])
-        wanted = base if train_rows is None else base & np.isin(position, train_rows)
+        queries.append(matrix[piece.is_query])
+        if piece.ids is not None:
+            ids.append(piece.ids[base])
+        wanted = base if train_rows is None else base & np.isin(piece.position, train_rows)
         taken = int(wanted.sum())
         train[filled:filled + taken] = matrix[wanted]
         filled += taken
-        start += len(matrix)
     if dim is None:
         raise ShardserveError(f"dataset {source.name}: no rows")
     queries = np.ascontiguousarray(np.concatenate(queries))
@@ -245,23 +260,17 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, s
     from index_build.publish import shard_file_name, write_file
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
-    total = source.rows
-    _, held_out = hold_out_rows(total, HELD_OUT_QUERIES)
     index = index_from_bytes(empty)
-    ids_kept, tables, start = [], [], 0
-    for matrix, group_ids, table in source.read():
-        rows = np.arange(start, start + len(matrix))
-        start += len(matrix)
-        position = rows - np.searchsorted(held_out, rows)
-        mine = (~np.isin(rows, held_out, assume_unique=True) & (position < base_rows)
-                & (position % shards == shard))
+    ids_kept, tables = [], []
+    for piece in pieces(source, base_rows):
+        mine = piece.base & (piece.position % shards == shard)
         if not mine.any():
             continue
-        ids = group_ids[mine] if group_ids is not None else position[mine].astype(np.int64)
-        index.add_with_ids(prepare_vectors(np.ascontiguousarray(matrix[mine]), metric), ids)
+        ids = piece.ids[mine] if piece.ids is not None else piece.position[mine].astype(np.int64)
+        index.add_with_ids(prepare_vectors(np.ascontiguousarray(piece.matrix[mine]), metric), ids)
         ids_kept.append(ids)
         if source.metadata_columns:
-            tables.append(table.filter(pa.array(mine)))
+            tables.append(piece.table.filter(pa.array(mine)))
     entry = write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
     meta = None
     if source.metadata_columns:
