@@ -302,6 +302,7 @@ def npy_files(spec: str) -> list[Path]:
 
 
 def check_same_dim(spec: str, matrices: list[np.ndarray]) -> int:
+    """The one dimension of every file of a multi-file dataset (parquet or .npy), else a clear error."""
     dims = sorted({m.shape[1] for m in matrices})
     if len(dims) != 1:
         raise ShardserveError(f"{spec}: files hold vectors of different dimensions {dims}")
@@ -412,9 +413,7 @@ def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
     base-only file. Read in memory: the build holds the matrix in the object store once."""
     parts = [read_parquet_file(path, vector_column, id_column, metadata_columns)
              for path in parquet_files(spec)]
-    dims = {matrix.shape[1] for matrix, _, _ in parts}
-    if len(dims) != 1:
-        raise ShardserveError(f"{spec}: files hold vectors of different dimensions {sorted(dims)}")
+    check_same_dim(spec, [matrix for matrix, _, _ in parts])
     matrix = np.concatenate([m for m, _, _ in parts]) if len(parts) > 1 else parts[0][0]
     base_rows, query_rows = hold_out_rows(len(matrix), HELD_OUT_QUERIES)
     ids = None if id_column is None else np.concatenate([i for _, i, _ in parts])[base_rows]
