@@ -90,3 +90,23 @@ def kv_list(prefix: str) -> list[str]:
 
     return [k.decode() if isinstance(k, bytes) else k
             for k in _internal_kv_list(prefix, namespace=KV_NAMESPACE)]
+
+
+def prestart_workers(count: int, keep_alive_s: int) -> None:
+    """The raylet's `PrestartWorkers` RPC (what Ray core itself sends when tasks queue up), to this
+    process's own node: start `count` idle Python workers and keep them alive `keep_alive_s`, so the
+    next actor placed here (a new Serve replica) takes one instead of spawning a process and
+    importing everything (core.warm_pool says why). No public API starts idle workers on demand.
+    Needs the cluster's auth token in the call's metadata when token auth is on."""
+    import grpc
+    from ray._raylet import AuthenticationTokenLoader
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    node = ray._private.worker.global_worker.node
+    request = node_manager_pb2.PrestartWorkersRequest(
+        language=common_pb2.PYTHON, num_workers=count, keep_alive_duration_secs=keep_alive_s)
+    request.runtime_env_info.serialized_runtime_env = "{}"  # matches replicas with no runtime_env
+    token = AuthenticationTokenLoader.instance().get_token_for_http_header(ignore_auth_mode=True)
+    with grpc.insecure_channel(f"{node.node_ip_address}:{node.node_manager_port}") as channel:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+            request, timeout=10, metadata=tuple(token.items()))

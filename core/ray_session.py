@@ -6,31 +6,34 @@ import os
 
 from core import procfs
 
-# Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
-# (its cost is the serve-noop rows of loadtests/records/bench.json; README "Fast by default").
-# They are read when Ray's processes start, so they must be in the environment before
-# ray.init()/`ray start` launches them.
-FAST_INGRESS_ENV = {
+# The environment a serving node's Ray must start with (read when Ray's processes start, so it must
+# be in the environment before ray.init()/`ray start` launches them):
+# - Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
+#   (its cost is the serve-noop rows of loadtests/records/bench.json; README "Fast by default");
+# - the serving code preloaded into every Python worker the raylet starts, so the idle workers
+#   core.warm_pool keeps have already imported it and a new shard replica skips those imports.
+SERVING_NODE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_preload_python_modules": "ray.serve,faiss,deployments.shard,deployments.router",
 }
 
 
-def apply_fast_ingress_env() -> None:
+def apply_serving_node_env() -> None:
     """Must run before `ray.serve` is imported in this process: Serve reads the flags at import time,
     and a driver whose Serve constants disagree with the cluster's measured ~2x slower here."""
-    for key, value in FAST_INGRESS_ENV.items():
+    for key, value in SERVING_NODE_ENV.items():
         os.environ.setdefault(key, value)
 
 
-def ensure_ray(num_cpus: float | None = None, fast_ingress: bool = True, dashboard: bool = False) -> bool:
+def ensure_ray(num_cpus: float | None = None, serving_node: bool = True, dashboard: bool = False) -> bool:
     """Join the cluster in RAY_ADDRESS / a running local one, else start one. True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
-    if fast_ingress:
-        apply_fast_ingress_env()
+    if serving_node:
+        apply_serving_node_env()
     if os.environ.get("RAY_ADDRESS") or _local_cluster_running():
         ray.init(address="auto", log_to_driver=False)
         return False

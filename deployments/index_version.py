@@ -104,7 +104,7 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options=actor_options, logging_config={"enable_access_log": False},
         ).bind(app_args.index, position, app_args.faiss_threads, link, manifest.index_version,
-               app_args.serving_nice, app_args.shard_mmap)
+               app_args.serving_nice, app_args.shard_mmap, app_args.warm_workers)
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)

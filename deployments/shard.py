@@ -20,6 +20,7 @@ from core.searcher import ShardSearcher
 from core.shard_link import InFlight, serve_link
 from core.shard_wire import ShardQuery, encode_answer
 from core.storage import Location
+from core.warm_pool import WarmPool
 from deployments.config import INDEX_INGRESS
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
@@ -33,7 +34,9 @@ class ShardDeployment:
     (core.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
-                       index_version: str | None = None, nice: int = 0, mmap: bool = True):
+                       index_version: str | None = None, nice: int = 0, mmap: bool = True,
+                       warm_workers: int = 0):
+        constructing = time.monotonic()
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
@@ -60,7 +63,10 @@ class ShardDeployment:
                 context.app_name, context.replica_id.unique_id, host,
                 self.link_server.sockets[0].getsockname()[1]))
         lower_priority(nice)  # last: the start-up itself ran at the node's priority
+        # The node's pool of idle workers that the next replica placed here takes (core.warm_pool).
+        self.warm_pool = WarmPool(warm_workers).start()
         self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),
+                        "constructor_s": round(time.monotonic() - constructing, 3),
                         "cpu_s": round(cpu_seconds(os.getpid()), 3), "index_load_s": round(loaded_s, 3),
                         "mmapped": self.searcher.mmapped, **memory_mb(os.getpid()), "ready_at": time.time()}
         keep_startup(self.startup)

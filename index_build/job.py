@@ -72,7 +72,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     if backend == "ray":
         from core.ray_session import ensure_ray
 
-        ensure_ray(fast_ingress=False)
+        ensure_ray(serving_node=False)
     return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto)
 
 

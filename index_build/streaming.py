@@ -324,7 +324,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     if backend == "ray":  # every check passed: only now start (or join) Ray
         from core.ray_session import ensure_ray
 
-        ensure_ray(fast_ingress=False)
+        ensure_ray(serving_node=False)
     extra = {"backend": backend, "streaming": {"row_groups": len(source.row_groups),
                                                "train_rows": len(scanned.train),
                                                "train_max_bytes": TRAIN_MAX_BYTES}}

@@ -73,13 +73,16 @@ def reaction_times(samples: list[dict], start: float, burst_at_s: float) -> dict
                         if s["replicas"].get(name, 0) > base.get(name, 1)), None) for name in names}
 
 
-def knee_reactions(samples: list[dict], crossings: dict[str, list[dict]], since: float) -> dict[str, dict]:
+def knee_reactions(samples: list[dict], crossings: dict[str, list[dict]], since: float,
+                   started: dict[str, list[dict]] | None = None) -> dict[str, dict]:
     """Per shard deployment, the reaction the issue asks for: from its queue first passing the knee
     after `since` (the knee policy's crossings, deployments.autoscaling.knee_events) to the first
     replica-watcher sample with more RUNNING replicas than it had then. None: no scale-up after
     the crossing (or no crossing). Counted from the FIRST crossing, so a crossing the queue fell
     back from before a replica came still counts against the reaction; the resolution is the
-    watcher's sampling period."""
+    watcher's sampling period. With `started` (replica_startups), also whether the first replica
+    ready after the crossing ran in a warm worker — a process already there before the crossing
+    (core.warm_pool) — and how long its constructor took."""
     rows = [s for s in samples if "replicas" in s]
     result = {}
     for name in sorted({n for s in rows for n in s["replicas"]}):
@@ -93,6 +96,11 @@ def knee_reactions(samples: list[dict], crossings: dict[str, list[dict]], since:
             if scaled is not None:
                 entry.update(reaction_s=round(scaled["t"] - first["t"], 2),
                              replicas_then=scaled["replicas"][name])
+            new = sorted((r for r in (started or {}).get(name, []) if r["ready_at"] >= first["t"]),
+                         key=lambda r: r["ready_at"])
+            if new:
+                entry.update(warm_worker=new[0]["ready_at"] - new[0]["process_age_s"] < first["t"],
+                             constructor_s=new[0].get("constructor_s"))
         result[name] = entry
     return result
 
@@ -154,6 +162,7 @@ def main() -> None:
                      help="logical CPUs of the Ray it starts: enough that every shard's extra replicas "
                           "fit (at shard_num_cpus 0.25), whatever the cores")
     own.add_argument("--serving-nice", type=int, default=None, help="AppArgs.serving_nice (default: its own)")
+    own.add_argument("--warm-workers", type=int, default=None, help="AppArgs.warm_workers (default: its own)")
     args = cli.parse_args()
     assert_loopback(args.url)
     if args.index:
@@ -171,26 +180,64 @@ def run_own(args: argparse.Namespace) -> None:
 
     from core.ray_session import ensure_ray, shutdown_ray
     from deployments.autoscaling import autoscaling_config
+    from deployments.config import AppArgs
     from deployments.run import deploy
 
     settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
                                   args.downscale_delay, args.metrics_interval, args.look_back,
                                   knee_policy=True)
-    started = ensure_ray(num_cpus=args.num_cpus, fast_ingress=True)
+    started = ensure_ray(num_cpus=args.num_cpus, serving_node=True)
     if not started:  # e.g. the previous run's Ray, still shutting down: its settings are not ours
         raise SystemExit("error: --index needs its own Ray, and one is already running here "
                          "(RAY_ADDRESS or a local cluster); stop it or run without --index")
     try:
-        nice = {} if args.serving_nice is None else {"serving_nice": args.serving_nice}
+        chosen = {name: value for name, value in (("serving_nice", args.serving_nice),
+                                                  ("warm_workers", args.warm_workers)) if value is not None}
         deploy(args.index, port=urlparse(args.url).port or 8000, app_name=args.app,
-               shard_autoscaling=settings, **nice)
-        ramp(args, settings)
+               shard_autoscaling=settings, **chosen)
+        pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
+        ramp(args, settings, extra={"warm_pool": pool})
     finally:
         if started:
             from ray import serve
 
             serve.shutdown()
             shutdown_ray()
+
+
+def pooled_on_this_node() -> list[int]:
+    """Idle (or starting) Ray workers of the local raylet: the warm pool (core.warm_pool)."""
+    from core.procfs import pids_matching
+    from core.warm_pool import pooled_pids
+
+    return [pid for raylet in pids_matching(b"src/ray/raylet/raylet") for pid in pooled_pids(raylet)]
+
+
+def wait_for_pool(target: int, timeout_s: float = 120.0, measure_s: float = 10.0) -> dict:
+    """After a deploy, the pool fills one worker at a time from spare CPU, as it would long before
+    any burst in production: the ramp starts once it is full (or after `timeout_s`). Then what the
+    idle pool costs, per worker, over `measure_s`: its own memory and CPU (from /proc)."""
+    from core.procfs import cmdline, cpu_seconds, memory_mb
+    from core.warm_pool import IDLE_TITLE
+
+    def idle() -> list[int]:  # started and waiting (not still importing)
+        return [pid for pid in pooled_on_this_node() if cmdline(pid).startswith(IDLE_TITLE)]
+
+    deadline = time.monotonic() + timeout_s
+    while len(idle()) < target and time.monotonic() < deadline:
+        time.sleep(1.0)
+    time.sleep(2.0)
+    pids = idle()
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    time.sleep(measure_s)
+    cpu = [(cpu_seconds(pid) - before[pid]) / measure_s for pid in pids if cpu_seconds(pid)]
+    anon = [memory_mb(pid)["rss_anon_mb"] for pid in pids if cpu_seconds(pid)]
+    cost = {"target": target, "idle_workers": len(pids),
+            "mean_rss_anon_mb": round(float(np.mean(anon)), 1) if anon else None,
+            "mean_cpu_share_of_a_core": round(float(np.mean(cpu)), 4) if cpu else None,
+            "measured_s": measure_s}
+    print(f"warm pool: {cost}", flush=True)
+    return cost
 
 
 def crossings(app: str) -> dict[str, list[dict]]:
@@ -213,7 +260,7 @@ def startups(app: str, since: float) -> dict[str, list[dict]]:
             for name, rows in replica_startups(index_app_name(app)).items()}
 
 
-def ramp(args: argparse.Namespace, settings: dict | None) -> None:
+def ramp(args: argparse.Namespace, settings: dict | None, extra: dict | None = None) -> None:
     queries = load_dataset(args.dataset).queries
     lower_priority(HARNESS_NICE)  # the replica watcher polls Serve's status from this process
     phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
@@ -221,11 +268,13 @@ def ramp(args: argparse.Namespace, settings: dict | None) -> None:
         targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
             queries, args.url, 10, {"nprobe": args.nprobe} if args.nprobe else None, 0, 2000))
         start = time.time()
-        results = []
+        results, pooled = [], []
         for number, (multiple, seconds) in enumerate(phases):
             out = Path(tmp) / f"phase-{number}.bin"
             rate = multiple * args.knee_rate
-            print(f"phase {number}: {multiple:g} x knee = {rate:.0f}/s for {seconds:g} s", flush=True)
+            pooled.append(len(pooled_on_this_node()))
+            print(f"phase {number}: {multiple:g} x knee = {rate:.0f}/s for {seconds:g} s "
+                  f"(warm pool: {pooled[-1]})", flush=True)
             attack_phase(targets, max(1, round(rate)), seconds, out)
             results.append(out)
         time.sleep(5)  # the replicas after the load, too
@@ -233,18 +282,21 @@ def ramp(args: argparse.Namespace, settings: dict | None) -> None:
     samples = watcher.samples
     record = header(args.name, index=index_info(args.url), knee_rate=args.knee_rate,
                     nprobe=args.nprobe, shard_autoscaling=settings,
-                    phases=[{"multiple_of_knee": m, "seconds": s} for m, s in phases], start=start,
-                    replicas=samples, seconds=seconds_rows, harness_nice=HARNESS_NICE)
+                    phases=[{"multiple_of_knee": m, "seconds": s, "warm_workers_at_start": n}
+                            for (m, s), n in zip(phases, pooled, strict=True)], start=start,
+                    replicas=samples, seconds=seconds_rows, harness_nice=HARNESS_NICE, **(extra or {}))
     if args.index:  # the Ray this run started, and the app settings it changed
-        record["own_ray"] = {"num_cpus": args.num_cpus, "serving_nice": args.serving_nice}
+        record["own_ray"] = {"num_cpus": args.num_cpus, "serving_nice": args.serving_nice,
+                             "warm_workers": args.warm_workers}
     burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
     if burst is not None:
         record["burst_at_s"] = sum(s for _, s in phases[:burst])
         record["reaction_s"] = reaction_times(samples, start, record["burst_at_s"])
         print(f"scale-up (s after the burst began): {record['reaction_s']}")
     record["knee_events"] = crossings(args.app)
-    record["knee_reactions"] = knee_reactions(samples, record["knee_events"], start)
     record["replica_startups"] = startups(args.app, start)
+    record["knee_reactions"] = knee_reactions(samples, record["knee_events"], start,
+                                              record["replica_startups"])
     print(f"scale-up reaction (s from each shard's queue passing the knee): {record['knee_reactions']}")
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{args.name}.json"

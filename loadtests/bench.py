@@ -147,7 +147,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}),
                ("serve-noop", None, {})]
     for label, index, overrides in systems:
-        started = ensure_ray(fast_ingress=True)
+        started = ensure_ray(serving_node=True)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
             if index is None:
@@ -242,9 +242,9 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--name", default="bench")
     args = cli.parse_args()
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()  # before ray.serve is imported anywhere in this process
+    apply_serving_node_env()  # before ray.serve is imported anywhere in this process
 
     from core.manifest import read_manifest
     from core.storage import Location

@@ -132,15 +132,15 @@ def main() -> None:
                        "streaming": manifest["build"]["params"].get("streaming") is not None}
     print(f"build: {record['build']}", flush=True)
 
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     from ray import serve
 
     from core.ray_session import ensure_ray, shutdown_ray
     from deployments.run import deploy
 
-    started_ray = ensure_ray(fast_ingress=True)
+    started_ray = ensure_ray(serving_node=True)
     try:
         deploy(str(index_dir), port=PORT, front_port=FRONT_PORT)
         url = f"http://127.0.0.1:{FRONT_PORT}"

@@ -198,9 +198,9 @@ def main() -> None:
             "goal_mb": {"driver": 1024, "any_ray_process": 1536}}
         print(f"build: {record['build']}", flush=True)
 
-        from core.ray_session import apply_fast_ingress_env
+        from core.ray_session import apply_serving_node_env
 
-        apply_fast_ingress_env()
+        apply_serving_node_env()
         os.environ.update({**cluster.driver_env(), "RAY_ADDRESS": cluster.address})
         import ray
 

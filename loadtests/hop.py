@@ -113,10 +113,10 @@ def main() -> None:
     cli.add_argument("--rows", default="14,256", help="query rows per batch (message size)")
     cli.add_argument("--port", type=int, default=18700)
     args = cli.parse_args()
-    from core.ray_session import apply_fast_ingress_env, ensure_ray, shutdown_ray
+    from core.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
-    apply_fast_ingress_env()
-    started = ensure_ray(fast_ingress=True)
+    apply_serving_node_env()
+    started = ensure_ray(serving_node=True)
     try:
         results = measure(args.fanouts, [int(r) for r in args.rows.split(",")], args.port)
         _save(args, results)

@@ -82,7 +82,7 @@ def run_variant(name: str, variant: Variant, index: str, queries, duration_s: fl
 
     saved = {key: os.environ.get(key) for key in variant.env}
     os.environ.update(variant.env)
-    started = ensure_ray(fast_ingress=True)
+    started = ensure_ray(serving_node=True)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
         serve_http = deploy(index, port=SERVE_PORT, app_name="hygiene", front_port=FRONT_PORT,
@@ -152,9 +152,9 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--variants", default=",".join(VARIANTS))
     args = cli.parse_args()
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()  # before ray.serve is imported anywhere in this process
+    apply_serving_node_env()  # before ray.serve is imported anywhere in this process
 
     from core.datasets import load_dataset
     from core.manifest import read_manifest

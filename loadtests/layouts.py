@@ -52,9 +52,9 @@ def measure(indexes: dict[int, str], duration_s: float, params: dict) -> list[di
 
 
 def main() -> None:
-    from core.ray_session import apply_fast_ingress_env, ensure_ray, shutdown_ray
+    from core.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     cli = argparse.ArgumentParser(description=__doc__)
     for shards in (1, 2, 4):
         cli.add_argument(f"--index-{shards}", required=True)
@@ -63,7 +63,7 @@ def main() -> None:
     cli.add_argument("--out", default=str(RECORDS))
     args = cli.parse_args()
     indexes = {1: args.index_1, 2: args.index_2, 4: args.index_4}
-    started = ensure_ray(num_cpus=4, fast_ingress=True)
+    started = ensure_ray(num_cpus=4, serving_node=True)
     try:
         layouts = measure(indexes, args.duration, {"nprobe": args.nprobe})
     finally:

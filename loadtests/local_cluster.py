@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from core import procfs
-from core.ray_session import FAST_INGRESS_ENV
+from core.ray_session import SERVING_NODE_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -39,7 +39,7 @@ class LocalCluster:
         self.object_store_bytes = 512 * 1024 * 1024  # per node; the default (30% of RAM) x 3 nodes
         period_ms = 500
         self.env = {
-            **os.environ, **FAST_INGRESS_ENV,
+            **os.environ, **SERVING_NODE_ENV,
             # one token for every node and driver of this cluster (Ray 2.60 token auth)
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
             # notice a dead node in ~detect_death_s instead of Ray's default ~30 s
@@ -51,7 +51,7 @@ class LocalCluster:
 
     def driver_env(self) -> dict[str, str]:
         """What a driver process needs in its environment to join this cluster."""
-        return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *FAST_INGRESS_ENV)}
+        return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *SERVING_NODE_ENV)}
 
     @property
     def address(self) -> str:

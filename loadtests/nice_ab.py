@@ -27,9 +27,9 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0)
     cli.add_argument("--nprobe", type=int, default=16)
     args = cli.parse_args()
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     from ray import serve
 
     from core.ray_session import ensure_ray, shutdown_ray
@@ -41,7 +41,7 @@ def main() -> None:
         for round_number in range(args.rounds):
             order = list(SETTINGS.items()) if round_number % 2 == 0 else list(SETTINGS.items())[::-1]
             for label, nice in order:
-                if not ensure_ray(fast_ingress=True):
+                if not ensure_ray(serving_node=True):
                     raise SystemExit("error: needs its own Ray, and one is already running here")
                 try:
                     serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})

@@ -70,14 +70,14 @@ def main() -> None:
     cli.add_argument("--name", default="profile-hot-path")
     args = cli.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     from core.ray_session import ensure_ray, shutdown_ray
     from deployments.run import deploy, undeploy
 
     queries = load_dataset(args.dataset).queries
-    started = ensure_ray(fast_ingress=True)
+    started = ensure_ray(serving_node=True)
     try:
         deploy(args.index, port=PORT, front_port=FRONT_PORT)
         url = f"http://127.0.0.1:{FRONT_PORT}"

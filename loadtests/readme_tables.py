@@ -94,20 +94,30 @@ def shedding_table(record: dict) -> str:
 
 def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
     """Per shard: when its queue passed the knee, how long until a new replica was RUNNING, and
-    what that replica's start-up cost (the replica the burst added: the first one ready after the
-    crossing)."""
-    rows = ["| shard | knee crossings | first passed the knee (s into the run) | → new replica RUNNING "
-            f"s (goal ≤ {goal_s:g}) | that replica: process age when ready s | its CPU s | index "
-            "load s |", "|---|---|---|---|---|---|---|"]
+    how that replica started (the replica the burst added: the first one ready after the crossing):
+    in a warm worker of the pool (core.warm_pool) or a process spawned for it."""
+    phases = record["phases"]
+    burst = next((p for p in phases if p["multiple_of_knee"] > 1), phases[0])
+    pool = record.get("warm_pool") or {}
+    share = pool.get("mean_cpu_share_of_a_core")
+    rows = [f"Warm pool when the {burst['multiple_of_knee']:g}× burst began: "
+            f"{_cell(burst.get('warm_workers_at_start'))} idle workers on the node (target "
+            f"{_cell(pool.get('target'))}); each, measured idle for {_cell(pool.get('measured_s'))} s "
+            f"before the ramp: {_cell(pool.get('mean_rss_anon_mb'))} MB of its own memory, "
+            f"{_cell(None if share is None else 100 * share)} % of a core.", "",
+            "| shard | knee crossings | first passed the knee (s into the run) | → new replica RUNNING "
+            f"s (goal ≤ {goal_s:g}) | it ran in a warm worker | its constructor s | index load s |",
+            "|---|---|---|---|---|---|---|"]
     for name, reaction in record["knee_reactions"].items():
         crossed = [e["t"] for e in record["knee_events"].get(name, []) if e["t"] >= record["start"]]
         added = [r for r in record["replica_startups"].get(name, [])
                  if crossed and r["ready_at"] >= crossed[0]]
         start = added[0] if added else {}
+        warm = reaction.get("warm_worker")
         rows.append(f"| {name} | {reaction['crossings']} | {_cell(reaction['passed_knee_s'])} | "
                     f"{_cell(reaction['reaction_s'])} | "
-                    f"{_cell(start.get('process_age_s'))} | {_cell(start.get('cpu_s'))} | "
-                    f"{_cell(start.get('index_load_s'))} |")
+                    f"{'–' if warm is None else ('yes' if warm else 'no')} | "
+                    f"{_cell(start.get('constructor_s'))} | {_cell(start.get('index_load_s'))} |")
     return "\n".join(rows)
 
 

@@ -62,7 +62,7 @@ def main() -> None:
     from core.ray_session import ensure_ray, shutdown_ray
     from core.storage import Location
 
-    if not ensure_ray(num_cpus=4, fast_ingress=True):
+    if not ensure_ray(num_cpus=4, serving_node=True):
         raise SystemExit("error: needs its own Ray, and one is already running here")
     try:
         modes = {}

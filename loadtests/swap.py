@@ -40,9 +40,9 @@ def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: f
 
 
 def main() -> None:
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     cli = argparse.ArgumentParser(description=__doc__)
     cli.add_argument("--url", default="http://127.0.0.1:8000")
     cli.add_argument("--new-index", required=True)

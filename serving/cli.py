@@ -40,9 +40,9 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()  # before anything imports ray.serve: it reads these flags at import
+    apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
     from serving.local_server import serve_blocking
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,
@@ -52,9 +52,9 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _deploy(args: argparse.Namespace) -> None:
     """Deploy onto a running cluster and return (Serve keeps the apps after this driver exits)."""
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()
+    apply_serving_node_env()
     from core.manifest import read_manifest
     from core.storage import Location
     from deployments.run import deploy
@@ -119,9 +119,9 @@ def _app_args(pairs: list[str]) -> dict:
 
 
 def _swap(args: argparse.Namespace) -> None:
-    from core.ray_session import apply_fast_ingress_env
+    from core.ray_session import apply_serving_node_env
 
-    apply_fast_ingress_env()  # before ray.serve is imported (it reads these flags at import)
+    apply_serving_node_env()  # before ray.serve is imported (it reads these flags at import)
 
     from deployments.swap import rollback, swap_index
 

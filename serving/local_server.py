@@ -30,7 +30,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     from core.ray_session import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
-    started = ensure_ray(num_cpus=num_cpus, fast_ingress=True, dashboard=True)
+    started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True)
     # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
     # (a non-interactive shell starts background jobs with SIGINT ignored). After ray.init: Ray's
     # own SIGTERM handler in the driver dumps a stack and aborts, leaving the cluster running.

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from core.ports import free_port
-from core.ray_session import FAST_INGRESS_ENV, shutdown_ray
+from core.ray_session import SERVING_NODE_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
 # Before any test imports ray.serve: Serve reads these flags at import time (driver and cluster
 # must agree).
-os.environ.update(FAST_INGRESS_ENV)
+os.environ.update(SERVING_NODE_ENV)
 # Serve keeps a deleted app's ingress replica up this long so HAProxy stops routing to it (30 s by
 # default); the tests delete many apps whose routes nobody else uses.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
@@ -32,7 +32,7 @@ def ray_cluster():
     """A real local Ray with the fast Serve ingress settings; shut down when the session ends."""
     import ray
 
-    os.environ.update(FAST_INGRESS_ENV)
+    os.environ.update(SERVING_NODE_ENV)
     os.environ.pop("RAY_ADDRESS", None)
     # HAProxy's stats/metrics ports default to fixed 8404/9101: this cluster takes free ones, so a
     # cluster another test (or a user) runs on this machine never races it for them; outside the

@@ -14,7 +14,11 @@ def test_cluster_config_is_valid_and_private(name: str) -> None:
 
     config = yaml.safe_load((CONFIGS / name).read_text())
     validate_config(prepare_config(config))  # raises on a schema violation
+    from core.ray_session import SERVING_NODE_ENV
+
     start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start
-    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in start and "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in start
+    for commands in ("head_start_ray_commands", "worker_start_ray_commands"):  # every node's Ray
+        text = " ".join(config[commands])
+        assert all(f"{key}={value}" in text for key, value in SERVING_NODE_ENV.items()), commands
     assert "0.0.0.0" not in (CONFIGS / name).read_text()

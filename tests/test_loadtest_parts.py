@@ -150,3 +150,18 @@ def test_knee_reactions_run_from_the_first_crossing() -> None:
     assert reactions["shard-000"] == {"crossings": 2, "passed_knee_s": 2.0, "reaction_s": 7.0,
                                       "depth_at_knee": 1.2, "replicas_then": 2}
     assert reactions["shard-001"] == {"crossings": 0, "passed_knee_s": None, "reaction_s": None}
+
+
+def test_knee_reactions_say_whether_the_new_replica_ran_in_a_warm_worker() -> None:
+    from loadtests.autoscale import knee_reactions
+
+    samples = [{"t": 100.0 + t, "replicas": {"a": 1 if t < 4 else 2, "b": 1 if t < 6 else 2}}
+               for t in range(8)]
+    crossings = {"a": [{"t": 102.0, "depth": 1.2, "replicas": 1}],
+                 "b": [{"t": 102.0, "depth": 1.2, "replicas": 1}]}
+    started = {"a": [{"ready_at": 50.0, "process_age_s": 1.0},  # the first replica, long before
+                     {"ready_at": 103.5, "process_age_s": 30.0, "constructor_s": 0.2}],  # pool's
+               "b": [{"ready_at": 105.5, "process_age_s": 3.0, "constructor_s": 2.5}]}  # spawned
+    reactions = knee_reactions(samples, crossings, since=100.0, started=started)
+    assert reactions["a"]["warm_worker"] is True and reactions["a"]["constructor_s"] == 0.2
+    assert reactions["b"]["warm_worker"] is False and reactions["b"]["reaction_s"] == 4.0
