@@ -309,12 +309,6 @@ def check_same_dim(spec: str, matrices: list[np.ndarray]) -> int:
     return dims[0]
 
 
-def spec_name(spec: str) -> str:
-    """A directory's or glob's dataset name: the directory's."""
-    path = Path(spec)
-    return (path.parent if any(c in spec for c in "*?[") else path).name or "dataset"
-
-
 def _load_npy_dir(spec: str) -> Dataset:
     """Every .npy file, in name order, as one base-only matrix (the streaming build reads the same
     rows chunk by chunk: index_build.streaming.NpySource)."""
@@ -322,7 +316,7 @@ def _load_npy_dir(spec: str) -> Dataset:
     check_same_dim(spec, matrices)
     vectors = np.concatenate([as_float32(m) for m in matrices])
     base, queries = hold_out(vectors, HELD_OUT_QUERIES)
-    return Dataset(spec_name(spec), base, queries, BASE_ONLY_METRIC)
+    return Dataset(dataset_name(spec), base, queries, BASE_ONLY_METRIC)
 
 
 def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
@@ -383,16 +377,28 @@ def _load_vecs(path: Path) -> Dataset:
 
 
 def is_parquet_spec(spec: str) -> bool:
-    """A directory of parquet files, a glob of them, or one parquet file."""
+    """A directory of parquet files, a glob of them, or one parquet file; any pyarrow URI
+    (s3://bucket/emb/, gs://…/*.parquet): parquet is the one format read from remote storage."""
+    if is_uri(spec):
+        return True
     if any(c in spec for c in "*?["):
         return spec.endswith(".parquet") or spec.endswith("*")
     path = Path(spec)
     return path.suffix.lower() == ".parquet" or (path.is_dir() and any(path.glob("*.parquet")))
 
 
-def parquet_files(spec: str) -> list[Path]:
+def is_uri(spec: str) -> bool:
+    return "://" in spec
+
+
+def parquet_files(spec: str) -> list[str]:
+    """The parquet files of a file, directory or glob (local, or a pyarrow URI: s3://, gs://,
+    file://, ...), in name order: their rows are numbered in that order. Readers take each as it
+    is (pyarrow opens a URI's filesystem itself), so shard tasks on other nodes read them too."""
     import glob
 
+    if is_uri(spec):
+        return _uri_files(spec)
     if any(c in spec for c in "*?["):
         files = sorted(Path(p) for p in glob.glob(spec))
     elif Path(spec).is_dir():
@@ -404,7 +410,47 @@ def parquet_files(spec: str) -> list[Path]:
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ShardserveError(f"dataset file not found: {missing[0]}")
-    return files
+    return [str(f) for f in files]
+
+
+def _uri_files(spec: str) -> list[str]:
+    """A URI's files: the file itself, a directory's *.parquet, or a glob in its last part."""
+    import fnmatch
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    uri, _, query = spec.partition("?")  # e.g. ?region=…: kept on every file's URI
+    scheme, head, tail = uri.split("://", 1)[0], *uri.rstrip("/").rsplit("/", 1)
+    pattern = tail if any(c in tail for c in "*?[") else None
+    try:
+        fs, path = pafs.FileSystem.from_uri(f"{head}?{query}" if pattern and query else
+                                            head if pattern else spec)
+        kind = fs.get_file_info(path).type
+        if pattern is None and kind == pafs.FileType.File:
+            paths = [path]
+        elif kind == pafs.FileType.Directory:
+            paths = [info.path for info in fs.get_file_info(pafs.FileSelector(path))
+                     if info.type == pafs.FileType.File
+                     and fnmatch.fnmatch(info.base_name, pattern or "*.parquet")]
+        else:
+            raise ShardserveError(f"dataset not found: {spec}")
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ShardserveError(f"cannot list {spec!r}: {exc}") from None
+    if not paths:
+        raise ShardserveError(f"no parquet files match {spec!r}")
+    suffix = f"?{query}" if query else ""
+    return sorted(f"{scheme}://{p}{suffix}" for p in paths)
+
+
+def dataset_name(spec: str) -> str:
+    """A multi-file dataset's name: a glob's or a directory's directory name, a file's stem."""
+    trimmed = spec.partition("?")[0].rstrip("/") if is_uri(spec) else spec.rstrip("/")
+    last = trimmed.rsplit("/", 1)
+    if any(c in last[-1] for c in "*?[") and len(last) == 2:
+        trimmed = last[0]
+    path = Path(trimmed)
+    return (path.stem if path.suffix.lower() in (".parquet", ".npy") else path.name) or "dataset"
 
 
 def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
@@ -422,12 +468,12 @@ def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
         import pyarrow as pa
 
         metadata = pa.concat_tables([t for _, _, t in parts]).take(pa.array(base_rows))
-    name = Path(spec.rstrip("/*")).stem or "parquet"
+    name = dataset_name(spec)
     return Dataset(name, as_float32(matrix[base_rows]), as_float32(matrix[query_rows]), BASE_ONLY_METRIC,
                    ids=ids, metadata=metadata)
 
 
-def read_parquet_file(path: Path, vector_column: str | None = None, id_column: str | None = None,
+def read_parquet_file(path: Path | str, vector_column: str | None = None, id_column: str | None = None,
                       metadata_columns: list[str] | None = None):
     """One parquet file, reading only the columns asked for (schema checked first, each problem
     named): (float32 vector matrix, int64 ids or None, pyarrow table of the metadata columns)."""

@@ -34,6 +34,7 @@ from core.datasets import (
     as_float32,
     check_ids,
     check_same_dim,
+    dataset_name,
     hold_out_rows,
     is_npy_dir_spec,
     npy_files,
@@ -41,7 +42,6 @@ from core.datasets import (
     parquet_arrays,
     parquet_columns,
     parquet_files,
-    spec_name,
 )
 from core.errors import ShardserveError
 from core.indexes import make_empty_index, prepare_vectors
@@ -68,7 +68,7 @@ class ParquetSource:
              metadata_columns: list[str] | None) -> ParquetSource:
         import pyarrow.parquet as pq
 
-        files = [str(path) for path in parquet_files(spec)]
+        files = parquet_files(spec)
         columns = [parquet_columns(path, vector_column, id_column, metadata_columns) for path in files]
         if len({tuple(c) for c in columns}) != 1:
             raise ShardserveError(f"{spec}: files differ in their columns "
@@ -78,7 +78,7 @@ class ParquetSource:
             meta = pq.ParquetFile(path).metadata
             groups += [(number, group, meta.row_group(group).num_rows) for group in range(meta.num_row_groups)
                        if meta.row_group(group).num_rows]
-        return cls(Path(spec.rstrip("/*")).stem or "parquet", tuple(files), tuple(columns[0]), id_column,
+        return cls(dataset_name(spec), tuple(files), tuple(columns[0]), id_column,
                    tuple(metadata_columns or ()), tuple(groups))
 
     @property
@@ -124,7 +124,7 @@ class NpySource:
         groups = [(number, first, min(NPY_CHUNK_ROWS, len(matrix) - first))
                   for number, matrix in enumerate(matrices)
                   for first in range(0, len(matrix), NPY_CHUNK_ROWS)]
-        return cls(spec_name(spec), tuple(str(path) for path in files), tuple(groups))
+        return cls(dataset_name(spec), tuple(str(path) for path in files), tuple(groups))
 
     @property
     def rows(self) -> int:

@@ -202,3 +202,37 @@ def test_npy_directory_refuses_mixed_dimensions_and_non_numbers(npy_dir: Path, t
     with pytest.raises(ShardserveError, match="apply to parquet data"):
         build_index(str(npy_dir), 2, "Flat", str(tmp_path / "c"), backend="local", id_column="doc_id")
     assert not (tmp_path / "a" / MANIFEST).exists() and not (tmp_path / "b" / MANIFEST).exists()
+
+
+# --- datasets on a pyarrow filesystem (s3://, gs://, file://, ...) ----------------------------------
+
+@pytest.mark.parametrize("form", ["directory", "glob"])
+def test_a_dataset_uri_builds_what_the_local_path_builds(parquet_dir: Path, tmp_path: Path,
+                                                         form: str) -> None:
+    """The URI path (pyarrow's FileSystem.from_uri, listing, each file read by URI) on file://,
+    the filesystem this machine has; s3:// and gs:// go through the same calls."""
+    from core.datasets import dataset_name, parquet_files
+
+    uri = parquet_dir.as_uri() + ("/*.parquet" if form == "glob" else "/")
+    assert parquet_files(uri) == [p.as_uri() for p in sorted(parquet_dir.glob("*.parquet"))]
+    assert dataset_name(uri) == dataset_name(str(parquet_dir)) == parquet_dir.name
+    local = build_index(str(parquet_dir), 2, "IVF32,Flat", str(tmp_path / "local"), backend="local",
+                        vector_column="emb", id_column="doc_id", metadata_columns=["caption"])
+    remote = build_index(uri, 2, "IVF32,Flat", str(tmp_path / "uri"), backend="local",
+                         vector_column="emb", id_column="doc_id", metadata_columns=["caption"])
+    assert remote.index_version == local.index_version
+    assert remote.dataset.fingerprint == local.dataset.fingerprint
+    in_memory = load_dataset(uri, vector_column="emb", id_column="doc_id")  # eval's reader, too
+    assert in_memory.fingerprint() == local.dataset.fingerprint
+
+
+def test_a_dataset_uri_that_matches_nothing_is_one_clear_error(tmp_path: Path) -> None:
+    from core.datasets import parquet_files
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardserveError, match="no parquet files match"):
+        parquet_files((tmp_path / "empty").as_uri() + "/*.parquet")
+    with pytest.raises(ShardserveError, match="not found"):
+        parquet_files((tmp_path / "nowhere").as_uri())
+    with pytest.raises(ShardserveError, match="cannot list"):
+        parquet_files("nosuchscheme://bucket/emb/")
