@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import tempfile
 import threading
 import time
 
@@ -57,8 +58,15 @@ def idle_jiffies() -> tuple[float, float]:
 
 def pooled_pids(raylet_pid: int) -> list[int]:
     """The raylet's idle workers plus those still starting (its children, read from /proc)."""
-    return [child for child in _children(raylet_pid)
-            if (line := procfs.cmdline(child)).startswith(IDLE_TITLE) or STARTING in line]
+    return [child for child in _children(raylet_pid) if _pooled(procfs.cmdline(child))]
+
+
+def _pooled(line: bytes) -> bool:
+    """Idle ("ray::IDLE") or still starting (`python [setup_worker.py] …/default_worker.py --flags`:
+    the script is one of the first arguments; the raylet's own command line names it too, inside
+    a flag further on)."""
+    args = line.split(b"\0")
+    return args[0].startswith(IDLE_TITLE) or any(arg.endswith(STARTING) for arg in args[1:3])
 
 
 def pooled_workers(raylet_pid: int) -> int:
@@ -99,7 +107,7 @@ class WarmPool:
         self._stop.set()
 
     def _run(self) -> None:
-        lock_path = f"/tmp/shardserve-warm-pool-{self.raylet_pid}.lock"
+        lock_path = os.path.join(tempfile.gettempdir(), f"shardserve-warm-pool-{self.raylet_pid}.lock")
         with open(lock_path, "a") as lock:
             while not self._stop.is_set():  # wait to be this node's keeper
                 try:

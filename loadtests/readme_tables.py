@@ -150,9 +150,11 @@ def bench_scale_table(record: dict) -> str:
     """The streaming build at scale: memory, speed against one process, recall over HTTP."""
     d, b, served, single = record["dataset"], record["build"], record["served"], record["single_process"]
     peak, goal = b["peak_rss_mb"], b["goal_mb"]
+    evaluated = record.get("eval_peak_rss_mb") or {}
     rows = ["| data | index (`--index auto`) | build s | vectors/s/core (one process) | peak RSS MB: "
-            "driver / any Ray process (goal) | recall@10 over HTTP (goal) | `include` captions wrong |",
-            "|---|---|---|---|---|---|---|"]
+            "driver / any Ray process (goal) | recall@10 over HTTP (goal) | `include` captions wrong | "
+            "`eval` peak RSS MB (the base set's MB) |",
+            "|---|---|---|---|---|---|---|---|"]
     size = f"{d['bytes'] / 2**30:.2f} GiB"
     rows.append(f"| {d['rows']:,} × {d['dim']} in {d['files']} parquet files ({size}) | "
                 f"`{b['factory']}`, {b['shards']} shards | {_cell(b['seconds'])} | "
@@ -161,7 +163,8 @@ def bench_scale_table(record: dict) -> str:
                 f"{_cell(peak['any_ray_process'])} (≤ {goal['driver']} / ≤ {goal['any_ray_process']}) | "
                 f"{served['recall']:.4f} at nprobe {served['params']['nprobe']} "
                 f"(≥ {served['goal_recall']}) | "
-                f"{served['include']['wrong_captions']} of {served['include']['hits']} |")
+                f"{served['include']['wrong_captions']} of {served['include']['hits']} | "
+                f"{_cell(evaluated.get('eval_process'))} ({_cell(evaluated.get('base_set_mb'))}) |")
     return "\n".join(rows)
 
 
