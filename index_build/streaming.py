@@ -16,7 +16,8 @@ in-memory path (core.datasets, index_build.job), so both builds of the same file
 byte-identical shards and the same index version (tested). The cost of this simple design: every
 shard task reads the whole dataset (S reads; from the page cache after the first). Adding per
 (row group, shard) partial indexes and merging them per shard (`merge_from`) would spread the adds
-over more tasks than shards; it is not built.
+over more tasks than shards; it is not built: FAISS 1.15 has no merge for IndexRefine or HNSW, and a
+merged fast-scan IVF differs in bytes from the same rows added in order (README says more).
 """
 
 from __future__ import annotations
