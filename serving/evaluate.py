@@ -22,10 +22,11 @@ from core.groundtruth import (
     recall_from_distances,
 )
 from core.indexes import add_to_copy, prepare_vectors, train_empty_index
-from core.manifest import Manifest
+from core.manifest import Manifest, read_manifest
 from core.merge import merge_topk
 from core.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
 from core.shard_wire import ShardQuery
+from core.storage import Location
 from index_build.publish import BuildParams, training_sample
 
 
@@ -69,8 +70,11 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     `compare_unsharded`): no copy of the base set is held, only the queries and the ids.
     """
     params = params or {}
-    manifest, searchers = load_all_shards(index_uri)
-    assigner = load_assigner(index_uri)
+    if url:  # the server searches: only the manifest is needed here, not the shards (GBs at scale)
+        manifest, searchers, assigner = read_manifest(Location.parse(index_uri)), [], None
+    else:
+        manifest, searchers = load_all_shards(index_uri)
+        assigner = load_assigner(index_uri)
     if stream is None:
         stream = (is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec)) and not compare_unsharded
     if stream:
@@ -84,7 +88,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     result = asdict(EvalResult(
         recall=round(recall_at_k(ids, dataset, k, truth), 5), k=k, queries=len(dataset.queries),
         qps=round(len(dataset.queries) / elapsed, 1), mode=mode, params=params,
-        shards=len(searchers), index_version=manifest.index_version))
+        shards=len(manifest.shards), index_version=manifest.index_version))
     if compare_unsharded:
         result["unsharded"] = _evaluate_unsharded(manifest, dataset, k, params, truth)
     return result
@@ -126,7 +130,7 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
     return asdict(EvalResult(
         recall=round(recall, 5), k=k, queries=len(scanned.queries),
         qps=round(len(scanned.queries) / elapsed, 1), mode=f"{mode}, ground truth streamed",
-        params=params, shards=len(searchers), index_version=manifest.index_version))
+        params=params, shards=len(manifest.shards), index_version=manifest.index_version))
 
 
 def _check_compatible(manifest: Manifest, dim: int, base_rows: int, name: str) -> None:
