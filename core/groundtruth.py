@@ -75,20 +75,39 @@ def ground_truth(dataset: Dataset, k: int = GROUND_TRUTH_K) -> np.ndarray:
     if dataset.neighbors is not None:  # shipped with the data (ann-benchmarks, *_groundtruth.ivecs)
         return dataset.neighbors
     path = cache_dir() / f"{_safe(dataset.name)}-{dataset.fingerprint()}-k{k}.npy"
-    if path.exists():
-        cached = np.load(path, allow_pickle=False)
-        if cached.shape == (len(dataset.queries), min(k, len(dataset.base))):
-            return cached
+    cached = load_cached(path, (len(dataset.queries), min(k, len(dataset.base))))
+    if cached is not None:
+        return cached
     log.info("computing exact top-%d for %d queries of %s", k, len(dataset.queries), dataset.name)
     _, ids = exact_search(dataset.base, dataset.queries, k, dataset.metric)
+    save_cached(path, ids)
+    return ids
+
+
+def streamed_truth_path(name: str, fingerprint: str, metric: str, depth: int) -> Path:
+    """Where the streamed eval keeps the exact top-`depth` distances of a file dataset's held-out
+    queries: `fingerprint` is the files' (scan's), graded under `metric` (the index's)."""
+    return cache_dir() / f"{_safe(name)}-{fingerprint}-{metric}-k{depth}-distances.npy"
+
+
+def load_cached(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
+    """A cached array of the expected shape, else None (missing, another shape, unreadable)."""
+    try:
+        cached = np.load(path, allow_pickle=False) if path.exists() else None
+    except (OSError, ValueError):
+        return None
+    return cached if cached is not None and cached.shape == shape else None
+
+
+def save_cached(path: Path, array: np.ndarray) -> None:
+    """Atomically (write, then rename): a reader never sees half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-        np.save(tmp, ids)
+        np.save(tmp, array)
         tmp.replace(path)
     except OSError as exc:  # a read-only cache costs time, not correctness
         log.warning("cannot cache ground truth at %s: %s", path, exc)
-    return ids
 
 
 def _safe(name: str) -> str:

@@ -14,12 +14,16 @@ import numpy as np
 from core.datasets import Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset, rows_of
 from core.errors import ShardserveError
 from core.groundtruth import (
+    GROUND_TRUTH_K,
     ExactTopK,
     FoundDistances,
     graded_as,
     ground_truth,
+    load_cached,
     recall_at_k,
     recall_from_distances,
+    save_cached,
+    streamed_truth_path,
 )
 from core.indexes import add_to_copy, prepare_vectors, train_empty_index
 from core.manifest import Manifest, read_manifest
@@ -113,7 +117,8 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
                        batch_size: int) -> dict:
     """Two passes over the files, a piece at a time: the first keeps the held-out queries and the
     ids; after the search, the second brute-forces the exact top-k chunk by chunk (merged with
-    merge_topk) and the exact distances of what the search returned, for the tie-aware recall."""
+    merge_topk; cached by fingerprint, so only once per dataset and metric) and takes the exact
+    distances of what the search returned, for the tie-aware recall."""
     from index_build.streaming import base_chunks, open_source, scan
 
     source = open_source(spec, **manifest.dataset.columns())
@@ -121,12 +126,22 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
     _check_compatible(manifest, scanned.dim, scanned.base_rows, source.name)
     ids, mode, elapsed = _search(searchers, assigner, manifest, scanned.queries, k, params, url, batch_size)
     found_rows = rows_of(ids[:, :k], scanned.ids if source.id_column else None, scanned.base_rows)
-    exact = ExactTopK(scanned.queries, min(k, scanned.base_rows), manifest.metric)
+    # The exact top-k is cached by the files' fingerprint (as in-memory truth is): the second pass
+    # then only takes the returned rows' exact distances as the base goes by.
+    depth = min(max(k, GROUND_TRUTH_K), scanned.base_rows)
+    path = streamed_truth_path(source.name, scanned.fingerprint, manifest.metric, depth)
+    truth = load_cached(path, (len(scanned.queries), depth))
+    exact = None if truth is not None else ExactTopK(scanned.queries, depth, manifest.metric)
     found = FoundDistances(scanned.queries, found_rows, manifest.metric)
     for first, chunk in base_chunks(source, scanned.base_rows):
-        exact.add(first, chunk)
+        if exact is not None:
+            exact.add(first, chunk)
         found.add(first, chunk)
-    recall = recall_from_distances(found.distances, found_rows >= 0, exact.distances[:, -1], manifest.metric)
+    if exact is not None:
+        truth = exact.distances
+        save_cached(path, truth)
+    true_kth = truth[:, min(k, scanned.base_rows) - 1]
+    recall = recall_from_distances(found.distances, found_rows >= 0, true_kth, manifest.metric)
     return asdict(EvalResult(
         recall=round(recall, 5), k=k, queries=len(scanned.queries),
         qps=round(len(scanned.queries) / elapsed, 1), mode=f"{mode}, ground truth streamed",

@@ -56,6 +56,14 @@ def test_streamed_eval_equals_the_in_memory_eval(varied_norms: str, tmp_path, mo
     assert "streamed" in streamed["mode"] and "streamed" not in in_memory["mode"]
     if factory != "Flat":
         assert streamed["recall"] < 1.0  # the comparison saw misses
+    # The streamed exact top-k is cached by fingerprint and metric: a second eval reuses it (a
+    # cache entry holding other numbers would change the recall) and grades the same.
+    cached = list((tmp_path / "cache" / "groundtruth").glob(f"*-{metric}-k100-distances.npy"))
+    assert len(cached) == 1
+    assert evaluate(str(out), varied_norms, k=10, params=params, stream=True)["recall"] == streamed["recall"]
+    truth = np.load(cached[0])
+    np.save(cached[0], np.full_like(truth, -1e9 if metric == "l2" else 1e9))  # nothing is that near
+    assert evaluate(str(out), varied_norms, k=10, params=params, stream=True)["recall"] == 0.0
 
 
 def test_exact_search_in_chunks_equals_one_flat_scan() -> None:
