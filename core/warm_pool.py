@@ -17,8 +17,8 @@ starting count too, so a top-up is not repeated while the last one is under way.
 Filling the pool costs CPU (a preloaded worker imports ~1 s of CPU at Ray's worker priority, above
 the serving replicas'), so the keeper fills from spare cycles only: one worker at a time, once the
 pool has been short for `refill_after_s`, and only while the node has `min_idle_cores` idle. During
-a burst, when the replicas being started need the CPU, it waits; measured before this rule, four
-workers prestarted at once raised the p50 of a light load from 7 to 400 ms for a second.
+a burst, when the replicas being started need the CPU, it waits (in a trial run before this rule,
+four workers prestarted at once made a light load's latency jump for a second).
 """
 
 from __future__ import annotations
