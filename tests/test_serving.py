@@ -246,8 +246,11 @@ def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> No
 
     from deployments.run import deploy, undeploy
 
+    # shard-001 loads for 30 s: long enough that a health probe stalled while the app comes up (one
+    # fresh-clone run saw a single probe hang 10 s, then 200 after a 12 s load) still leaves a
+    # window of 503s to observe.
     deploy(str(fm_index), port=PORT, app_name="late", route_prefix="/late", wait=False,
-           shard_class=slow_shards(load_s={"shard-001": 12.0}), shard_num_cpus=0.1, router_num_cpus=0.1)
+           shard_class=slow_shards(load_s={"shard-001": 30.0}), shard_num_cpus=0.1, router_num_cpus=0.1)
     statuses: list[int] = []
     try:
         deadline = time.monotonic() + 120
