@@ -94,7 +94,6 @@ class WarmPool:
         self.min_idle_cores = min_idle_cores
         self.cores = os.cpu_count() or 1
         self.raylet_pid = os.getppid()
-        self.started = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="warm-pool", daemon=True)
 
@@ -137,7 +136,6 @@ class WarmPool:
 
         try:
             prestart_workers(count, KEEP_ALIVE_S)
-            self.started += count
         except Exception as exc:  # best effort: a replica serves whether or not the pool fills
             logger.warning("warm pool: prestarting %d workers failed: %s", count, exc)
             self._stop.wait(30 * self.period_s)
