@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import faiss
 import numpy as np
 from ray.serve.handle import DeploymentHandle
 
@@ -27,6 +28,9 @@ from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
 
 logger = logging.getLogger("ray.serve")
+# Batches up to this many rows are assigned on the event loop: a hand-off to the quantizer thread
+# and back cost more than the assignment (interleaved A/B, loadtests/records/hot-path-ab.json).
+INLINE_QUANTIZE_ROWS = 32
 LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)
 
 
@@ -81,8 +85,9 @@ class IndexSet:
 
     def search(self, queries: list[ParsedQuery], executor: Executor, timeout_s: float, hedge_after_s: float,
                metrics: RouterMetrics) -> Awaitable[list[QueryResult]]:
-        """One batch of this version's queries: IVF lists assigned once here (in `executor`, off
-        the event loop), then one call per shard, hedged after `hedge_after_s` when that is set."""
+        """One batch of this version's queries: IVF lists assigned once here (small batches on the
+        event loop, larger ones in `executor`), then one call per shard, hedged after
+        `hedge_after_s` when that is set."""
         call: ShardCall = self.call
         if hedge_after_s:
             call = hedged(call, hedge_after_s, metrics.hedged.inc)
@@ -90,8 +95,11 @@ class IndexSet:
         if self.assigner is not None:
             assigner, loop = self.assigner, asyncio.get_running_loop()
 
-            def prepare(matrix: np.ndarray, k: int, params: dict) -> Awaitable[ShardQuery]:
-                return loop.run_in_executor(executor, assigner.query, matrix, k, params)
+            async def prepare(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
+                if len(matrix) <= INLINE_QUANTIZE_ROWS:
+                    faiss.omp_set_num_threads(1)  # per thread: this is the loop's thread
+                    return assigner.query(matrix, k, params)
+                return await loop.run_in_executor(executor, assigner.query, matrix, k, params)
         return search_batch(queries, call, len(self.shards), self.manifest.metric != "l2", timeout_s,
                             metrics.shard_done, prepare)
 
