@@ -53,40 +53,121 @@ class InFlight:
         return mean
 
 
-async def serve_link(handler: Callable[[bytes], Awaitable[bytes]], host: str, port: int = 0,
-                     in_flight: InFlight | None = None) -> asyncio.Server:
-    """Listen on (host, port); every frame is answered by `handler(payload)` (a task per frame, so
-    a long search does not hold up the frames behind it on the same link)."""
-    gauge = in_flight or InFlight()
+class _FrameBuffer:
+    """Bytes received so far on one connection, cut into frames (header, payload) as they complete."""
 
-    async def answer(request_id: int, payload: bytes, writer: asyncio.StreamWriter) -> None:
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def frames(self, data: bytes) -> list[tuple[int, int, bytes]] | None:
+        """(request id, status, payload) of every frame completed by `data`; None: a corrupt stream."""
+        self.buffer += data
+        found, offset = [], 0
+        while len(self.buffer) - offset >= _HEADER.size:
+            length, request_id, status = _HEADER.unpack_from(self.buffer, offset)
+            if length > MAX_FRAME:
+                return None
+            end = offset + _HEADER.size + length
+            if len(self.buffer) < end:
+                break
+            found.append((request_id, status, bytes(self.buffer[offset + _HEADER.size:end])))
+            offset = end
+        if offset:
+            del self.buffer[:offset]
+        return found
+
+
+def _frame(request_id: int, status: int, body: bytes) -> bytes:
+    return _HEADER.pack(len(body), request_id, status) + body
+
+
+class _ServerConnection(asyncio.Protocol):
+    """One router's connection to a shard replica. A plain Protocol, not streams: a frame costs one
+    callback, and one the handler can answer at once (`answer_now`) needs no task at all."""
+
+    def __init__(self, handler: Callable[[bytes], Awaitable[bytes]],
+                 answer_now: Callable[[bytes], bytes | None] | None, gauge: InFlight):
+        self.handler, self.answer_now, self.gauge = handler, answer_now, gauge
+        self.frames = _FrameBuffer()
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None  # the router went away: answers still being computed are dropped
+
+    def data_received(self, data: bytes) -> None:
+        frames = self.frames.frames(data)
+        if frames is None:  # a corrupt stream: nothing after this can be framed
+            self.transport.close()
+            return
+        for request_id, _, payload in frames:
+            self.gauge.change(+1)
+            if self.answer_now is not None:
+                try:
+                    body, status = self.answer_now(payload), _OK
+                except Exception as exc:  # the caller gets the error; the link stays up
+                    body, status = _error_text(exc), _ERROR
+                if body is not None:
+                    self.gauge.change(-1)
+                    self.transport.write(_frame(request_id, status, body))
+                    continue
+            task = asyncio.get_running_loop().create_task(self._answer(request_id, payload))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, request_id: int, payload: bytes) -> None:
         try:
-            body, status = await handler(payload), _OK
+            body, status = await self.handler(payload), _OK
         except Exception as exc:  # the caller gets the error; the link stays up
-            body, status = f"{type(exc).__name__}: {exc}"[:2000].encode(), _ERROR
+            body, status = _error_text(exc), _ERROR
         finally:
-            gauge.change(-1)
-        if not writer.is_closing():
-            writer.write(_HEADER.pack(len(body), request_id, status) + body)
+            self.gauge.change(-1)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_frame(request_id, status, body))
 
-    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tasks: set[asyncio.Task] = set()
-        try:
-            while True:
-                length, request_id, _ = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                if length > MAX_FRAME:
-                    break
-                payload = await reader.readexactly(length)
-                gauge.change(+1)
-                task = asyncio.ensure_future(answer(request_id, payload, writer))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # the router went away, or this server is shutting down
-        finally:
-            writer.close()
 
-    return await asyncio.start_server(connection, host, port)
+def _error_text(exc: Exception) -> bytes:
+    return f"{type(exc).__name__}: {exc}"[:2000].encode()
+
+
+async def serve_link(handler: Callable[[bytes], Awaitable[bytes]], host: str, port: int = 0,
+                     in_flight: InFlight | None = None,
+                     answer_now: Callable[[bytes], bytes | None] | None = None) -> asyncio.Server:
+    """Listen on (host, port); every frame is answered by `answer_now(payload)` when that returns
+    bytes (small work done right in the receive callback), else by `handler(payload)` in a task of
+    its own, so a long search does not hold up the frames behind it on the same link."""
+    gauge = in_flight or InFlight()
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _ServerConnection(handler, answer_now, gauge), host, port)
+
+
+class _ClientConnection(asyncio.Protocol):
+    """The router's end of a link: answers are matched to their calls by request id."""
+
+    def __init__(self, link: ShardLink):
+        self.link = link
+        self.frames = _FrameBuffer()
+
+    def data_received(self, data: bytes) -> None:
+        frames = self.frames.frames(data)
+        if frames is None:
+            self.link._fail(ConnectionError(f"link to {self.link.address}: corrupt frame"))
+            return
+        for request_id, status, body in frames:
+            future = self.link._pending.get(request_id)
+            if future is None or future.done():
+                continue  # the caller gave up (deadline)
+            if status == _OK:
+                future.set_result(body)
+            else:
+                future.set_exception(ShardLinkError(body.decode(errors="replace")))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = type(exc).__name__ if exc is not None else "closed by the shard"
+        self.link._fail(ConnectionError(f"link to {self.link.address} lost: {reason}"))
 
 
 class ShardLink:
@@ -98,28 +179,27 @@ class ShardLink:
         self.broken = False
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._transport: asyncio.Transport | None = None
         self._connecting: asyncio.Future | None = None
-        self._reader_task: asyncio.Task | None = None
 
     async def call(self, payload: bytes) -> bytes:
         """Send one frame, await its answer. Raises ConnectionError if the link breaks (the caller
         falls back), ShardLinkError if the shard raised."""
         if self.broken:
             raise ConnectionError(f"link to {self.address} is broken")
-        writer = self._writer or await self._connect()
+        transport = self._transport or await self._connect()
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         self.in_flight += 1
         try:
-            writer.write(_HEADER.pack(len(payload), request_id, _OK) + payload)
+            transport.write(_frame(request_id, _OK, payload))
             return await future
         finally:
             self.in_flight -= 1
             self._pending.pop(request_id, None)
 
-    async def _connect(self) -> asyncio.StreamWriter:
+    async def _connect(self) -> asyncio.Transport:
         if self.broken:
             raise ConnectionError(f"link to {self.address} is broken")
         if self._connecting is None:
@@ -130,41 +210,25 @@ class ShardLink:
             self.broken = True
             raise
 
-    async def _open(self) -> asyncio.StreamWriter:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.address), 2.0)
-        self._reader_task = asyncio.ensure_future(self._read(reader))
-        self._writer = writer
-        return writer
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                length, request_id, status = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                body = await reader.readexactly(length)
-                future = self._pending.get(request_id)
-                if future is None or future.done():
-                    continue  # the caller gave up (deadline)
-                if status == _OK:
-                    future.set_result(body)
-                else:
-                    future.set_exception(ShardLinkError(body.decode(errors="replace")))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            self._fail(ConnectionError(f"link to {self.address} lost: {type(exc).__name__}"))
-        except asyncio.CancelledError:
-            self._fail(ConnectionError(f"link to {self.address} closed"))
-            raise
+    async def _open(self) -> asyncio.Transport:
+        loop = asyncio.get_running_loop()
+        transport, _ = await asyncio.wait_for(
+            loop.create_connection(lambda: _ClientConnection(self), *self.address), 2.0)
+        if self.broken:  # closed while connecting
+            transport.close()
+            raise ConnectionError(f"link to {self.address} closed")
+        self._transport = transport
+        return transport
 
     def _fail(self, error: ConnectionError) -> None:
         self.broken = True
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
 
     def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
         self._fail(ConnectionError(f"link to {self.address} closed"))
 
 

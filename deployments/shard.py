@@ -57,7 +57,8 @@ class ShardDeployment:
         if link:
             # The node's address, as Ray uses it: reachable by routers on other nodes.
             host = ray.util.get_node_ip_address()
-            self.link_server = await serve_link(self.search, host, 0, self.link_in_flight)
+            self.link_server = await serve_link(self.search, host, 0, self.link_in_flight,
+                                                answer_now=self.answer_now)
             context = serve.get_replica_context()
             self._announcer = asyncio.get_running_loop().create_task(self._announce(
                 context.app_name, context.replica_id.unique_id, host,
@@ -74,15 +75,23 @@ class ShardDeployment:
     async def search(self, query: bytes) -> bytes:
         """A router batch (core.shard_wire bytes) → its top-k answer bytes.
 
-        Small batches are searched right on the event loop: a hand-off to the search thread and
-        back cost more CPU than scanning a few lists. Larger ones go to the search thread (FAISS
-        releases the GIL, the replica's event loop stays free).
+        Small batches are searched right on the event loop (`answer_now`): a hand-off to the search
+        thread and back cost more CPU than scanning a few lists. Larger ones go to the search thread
+        (FAISS releases the GIL, the replica's event loop stays free).
         """
-        if ShardQuery.rows(query) <= INLINE_ROWS:
-            faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
-            return self._answer(query)
+        answer = self.answer_now(query)
+        if answer is not None:
+            return answer
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._answer, query)
+
+    def answer_now(self, query: bytes) -> bytes | None:
+        """The answer of a small batch, computed at once (None: large, `search` hands it off). The
+        shard link calls it straight from its receive callback: no task per frame."""
+        if ShardQuery.rows(query) > INLINE_ROWS:
+            return None
+        faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
+        return self._answer(query)
 
     def _answer(self, query: bytes) -> bytes:
         return encode_answer(*self.searcher.answer(ShardQuery.decode(query)))

@@ -78,6 +78,50 @@ def test_calls_are_multiplexed_answers_out_of_order_and_errors_stay_per_call() -
     asyncio.run(run())
 
 
+def test_answer_now_answers_in_the_receive_callback_and_defers_what_it_declines() -> None:
+    """Small batches are answered without a task; None hands the frame to the async handler;
+    an error raised by answer_now is that call's error only."""
+    handled: list[bytes] = []
+
+    async def run():
+        async def handler(blob: bytes) -> bytes:
+            handled.append(blob)
+            return b"async:" + blob
+
+        def answer_now(blob: bytes) -> bytes | None:
+            if blob == b"bad":
+                raise ValueError("bad header")
+            return None if blob.startswith(b"big") else b"now:" + blob
+
+        gauge = InFlight()
+        server = await serve_link(handler, "127.0.0.1", in_flight=gauge, answer_now=answer_now)
+        link = ShardLink("127.0.0.1", _port(server))
+        answers = await asyncio.gather(link.call(b"a"), link.call(b"big" + b"x" * 300_000), link.call(b"c"))
+        with pytest.raises(ShardLinkError, match="ValueError: bad header"):
+            await link.call(b"bad")
+        assert await link.call(b"d") == b"now:d"  # the link survived the error
+        assert gauge.now == 0
+        link.close()
+        server.close()
+        return answers
+
+    small, big, other = asyncio.run(run())
+    assert small == b"now:a" and other == b"now:c"
+    assert big == b"async:big" + b"x" * 300_000 and handled == [b"big" + b"x" * 300_000]
+
+
+def test_frames_split_and_joined_arbitrarily_are_cut_right() -> None:
+    from core.shard_link import _frame, _FrameBuffer
+
+    stream = b"".join(_frame(i, i % 2, bytes([i]) * i) for i in range(1, 40))
+    for step in (1, 7, 64, len(stream)):
+        buffer, got = _FrameBuffer(), []
+        for offset in range(0, len(stream), step):
+            got += buffer.frames(stream[offset:offset + step])
+        assert got == [(i, i % 2, bytes([i]) * i) for i in range(1, 40)]
+    assert _FrameBuffer().frames(b"\xff\xff\xff\xff" + bytes(9)) is None  # a length no frame has
+
+
 def test_a_broken_link_fails_its_calls_fast_and_is_dropped() -> None:
     async def run():
         async def dies_mid_call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
