@@ -7,7 +7,10 @@
     single-vector and 256-vector batch requests; the same 4-shard app through Serve's HTTP ingress
     and through the shedding edge (`shardserve serve`'s default: one more HAProxy hop), and 4 shards
     with the router -> shard hop as Serve handle calls instead of shard links.
-Every Serve system runs on its own fresh local Ray.
+Every Serve system runs on its own fresh local Ray and is measured in its steady state: after the
+warm-up, once the node's warm pool of idle workers is full (filling it is start-up work: each worker's
+imports cost ~1-2 s of CPU) and a quiet window, whose CPU per process class is recorded as the
+system's idle cost (`idle_percent_of_a_core`).
 Closed-loop vegeta levels on loopback, each bounded by --duration seconds.
 """
 
@@ -80,12 +83,28 @@ class Bench:
     def __init__(self, queries: np.ndarray, k: int, params: dict, duration: float, work: Path):
         self.queries, self.k, self.params, self.duration, self.work = queries, k, params, duration, work
         self.levels: list[dict] = []
+        self.idle: dict[str, dict] = {}
 
     def warm_up(self, url: str, seconds: float = 3.0) -> None:
         """Unrecorded load first: replicas JIT their paths, connections open, old apps finish leaving."""
         targets = write_targets(self.work / "warm.jsonl", make_targets(
             self.queries, url, self.k, self.params, 0, count=200))
         attack(targets, "concurrency", 8, seconds, self.work, "warm-up")
+
+    def steady(self, label: str, warm_workers: int, quiet_s: float = 10.0) -> None:
+        """Wait until the node's warm pool holds `warm_workers` idle workers (at most 60 s), then
+        record `quiet_s` of idle CPU per process class: what the system costs while serving nothing."""
+        from loadtests.autoscale import pooled_on_this_node
+
+        deadline = time.monotonic() + 60.0
+        while warm_workers and len(pooled_on_this_node()) < warm_workers and time.monotonic() < deadline:
+            time.sleep(1.0)
+        meter = CpuMeter()
+        meter.start()
+        time.sleep(quiet_s)
+        self.idle[label] = {cls: round(100 * cpu / quiet_s, 2) for cls, cpu in sorted(meter.stop().items())}
+        self.idle[label]["warm_pool"] = len(pooled_on_this_node())
+        print(f"  {label:<28} idle % of a core: {self.idle[label]}", flush=True)
 
     def run(self, url: str, label: str, concurrency: int, batch: int = 0,
             extra_processes: dict[str, int] | None = None) -> dict:
@@ -138,6 +157,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     from ray import serve
 
     from core.ray_session import ensure_ray, shutdown_ray
+    from deployments.config import AppArgs
     from deployments.noop import NoopDeployment
     from deployments.run import deploy
     from serving.edge import EdgeProcess
@@ -159,6 +179,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                                     **overrides)
                 url = front
             bench.warm_up(url)
+            bench.steady(label, 0 if index is None else AppArgs(index=index, **overrides).warm_workers)
             bench.run(url, label, 1)
             bench.run(url, label, 32)
             if label in ("shardserve-4shard", "shardserve-1shard"):
@@ -276,6 +297,7 @@ def main() -> None:
                         {"version": manifest.index_version, "factory": manifest.index_factory,
                          "shards": len(manifest.shards), "replicas": 1, "params": params},
                         baselines={"in_process": limit}, ratios=checks,
+                        idle_percent_of_a_core=bench.idle,
                         not_covered=["open-loop overload (see sweep.sh -r / autoscaling issue)",
                                      "multi-node fan-out", "replica failure during load",
                                      "bodies other than Fashion-MNIST test queries"])
