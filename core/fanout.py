@@ -75,9 +75,7 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
     started = time.perf_counter()
     shard_query = await prepare(matrix, k, params)
     prepare_ms = (time.perf_counter() - started) * 1000.0
-    outcomes = await asyncio.gather(
-        *[asyncio.wait_for(call_shard(s, shard_query), timeout_s) for s in range(num_shards)],
-        return_exceptions=True)
+    outcomes = await _call_every_shard(call_shard, shard_query, num_shards, timeout_s)
     fanout_ms = (time.perf_counter() - started) * 1000.0
     answered = [o for o in outcomes if not isinstance(o, BaseException)]
     if on_shard_done is not None:
@@ -100,6 +98,21 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         row += len(query.matrix)
         results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
                                         compute_ms, fanout_ms, len(matrix), error)
+
+
+async def _call_every_shard(call_shard: ShardCall, query: ShardQuery, num_shards: int,
+                            timeout_s: float) -> list:
+    """Every shard's answer or exception, under one deadline for the whole fan-out (one timer, not a
+    `wait_for` wrapper per call); calls still running at the deadline are cancelled."""
+    tasks = [asyncio.ensure_future(call_shard(shard, query)) for shard in range(num_shards)]
+    try:
+        await asyncio.wait(tasks, timeout=timeout_s)
+    finally:  # also when the batch itself is cancelled
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+    return [task.exception() or task.result() if task.done() and not task.cancelled()
+            else TimeoutError(f"no answer within {timeout_s:g} s") for task in tasks]
 
 
 async def search_grouped(items: list[tuple[Group, Query]],

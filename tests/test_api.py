@@ -129,3 +129,17 @@ def test_render_keeps_real_hits_only_and_says_what_answered() -> None:
     rendered = orjson.loads(render_search(batch, _result(4, ids=((1, 2), (3, 4)),
                                                          distances=((0.1, 0.2), (0.3, 0.4))), 3.0, "v1"))
     assert [r["ids"] for r in rendered["results"]] == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("extra", [{}, {"require_full": True}])  # `true` in the body: row-by-row path
+def test_both_parse_paths_give_the_same_matrix_and_the_same_refusals(extra: dict) -> None:
+    rows = [[1, 2.5, -3, 4e-3], [0.1, 0.2, 0.3, 0.4]]
+    parsed = parse_search_request(orjson.dumps({"vectors": rows, **extra}), 4, 100, 8)
+    np.testing.assert_array_equal(parsed.matrix, np.array(rows, dtype=np.float32))
+    assert parsed.matrix.dtype == np.float32
+    for bad, message in [([[1, 2, 3, 4], [1, 2, 3]], "wrong dimension|dim 4"),
+                         ([[1, 2, 3, 4], [[1, 2], 3, 4, 5]], "numbers only"),
+                         ([[1, 2, 3, 4], ["a", 2, 3, 4]], "numbers only")]:
+        with pytest.raises(ApiError, match=message) as info:
+            parse_search_request(orjson.dumps({"vectors": bad, **extra}), 4, 100, 8)
+        assert info.value.status == 422 and info.value.field == "vectors"
