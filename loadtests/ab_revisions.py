@@ -2,6 +2,9 @@
 
 python -m loadtests.ab_revisions --index DIR [--rounds 2] [--duration 8] [--name hot-path-ab] REV REV ...
 
+A REV may carry app-arg overrides as JSON after a `+`: `HEAD+{"max_concurrent_batches":2}` (the
+same code with other settings).
+
 Why: a hot-path change is worth a few percent, and on this shared 2-core machine two `make bench`
 runs of the same code differ by more than that. Here every revision runs in every round (order
 alternating), each on its own fresh local Ray, and the record keeps every round and the medians.
@@ -32,7 +35,7 @@ IDLE_S = 20.0
 LEVELS = (("c1", 1, 0), ("c32", 32, 0), ("batch256", 2, 256))  # (label, concurrency, vectors/request)
 
 
-def measure(index: str, duration_s: float) -> dict:
+def measure(index: str, duration_s: float, overrides: dict) -> dict:
     """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
     from core.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
@@ -54,7 +57,7 @@ def measure(index: str, duration_s: float) -> dict:
         work = Path(tmp)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-            deploy(index, port=SERVE_PORT, app_name="ab", front_port=FRONT_PORT)
+            deploy(index, port=SERVE_PORT, app_name="ab", front_port=FRONT_PORT, **overrides)
             warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
             attack(warm, "concurrency", 8, 4.0, work, "warm-up")
             meter = CpuMeter()
@@ -76,8 +79,9 @@ def measure(index: str, duration_s: float) -> dict:
     return result
 
 
-def run_revision(revision: str, index: str, duration_s: float) -> dict:
-    """`measure` in a child process importing `revision`'s code from a temporary worktree."""
+def run_revision(spec: str, index: str, duration_s: float) -> dict:
+    """`measure` in a child process importing the revision's code from a temporary worktree."""
+    revision, _, overrides = spec.partition("+")
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision],
@@ -85,7 +89,8 @@ def run_revision(revision: str, index: str, duration_s: float) -> dict:
         try:
             env = {**os.environ, "PYTHONPATH": str(tree), "VEGETA": str(ROOT / ".bin" / "vegeta")}
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure",
-                                  "--index", index, "--duration", str(duration_s)],
+                                  "--index", index, "--duration", str(duration_s),
+                                  "--overrides", overrides or "{}"],
                                  cwd=tree, env=env, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
@@ -122,20 +127,25 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0)
     cli.add_argument("--name", default="hot-path-ab")
     cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    cli.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = cli.parse_args()
     index = str(Path(args.index).resolve())
     if args.measure:
-        print("RESULT " + json.dumps(measure(index, args.duration)), flush=True)
+        print("RESULT " + json.dumps(measure(index, args.duration, json.loads(args.overrides))), flush=True)
         return
     if len(args.revisions) < 2:
         raise SystemExit("error: give at least two revisions to compare")
-    resolved = {r: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", r], check=True,
-                                  capture_output=True, text=True).stdout.strip() for r in args.revisions}
+    def short(spec: str) -> str:
+        revision, plus, overrides = spec.partition("+")
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], check=True,
+                              capture_output=True, text=True).stdout.strip() + plus + overrides
+
+    resolved = {spec: short(spec) for spec in args.revisions}
     runs: dict[str, list[dict]] = {resolved[r]: [] for r in args.revisions}
     for round_number in range(args.rounds):
         order = list(runs) if round_number % 2 == 0 else list(runs)[::-1]
         for revision in order:
-            result = run_revision(revision, index, args.duration)
+            result = run_revision(revision, index, args.duration)  # resolved: a short hash (+ overrides)
             result["round"] = round_number
             runs[revision].append(result)
             print(f"round {round_number} {revision}: " + ", ".join(
@@ -143,7 +153,8 @@ def main() -> None:
                 for label, lv in result["levels"].items()), flush=True)
     from loadtests.record import header, save
 
-    subjects = {resolved[r]: subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%s", r],
+    subjects = {resolved[r]: subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%s",
+                                             r.partition("+")[0]],
                                             check=True, capture_output=True, text=True).stdout.strip()[:160]
                 for r in args.revisions}
     record = header(args.name, index={"uri": index, "params": {"nprobe": 16}})
