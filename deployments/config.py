@@ -40,7 +40,10 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(
         256, ge=1, description="query vectors per router batch (a batch takes everything queued when a "
                                "slot frees, up to this)")
-    max_concurrent_batches: int = Field(4, ge=1, description="batches in flight per router replica")
+    max_concurrent_batches: int = Field(
+        2, ge=1, description="batches in flight per router replica (2: larger batches, less CPU per "
+                             "query than 4, and still one batch forming while one is searched; "
+                             "loadtests/records/hot-path-batches.json)")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")

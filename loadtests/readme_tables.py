@@ -202,6 +202,36 @@ def hygiene_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def ab_table(record: dict) -> str:
+    """An interleaved A/B of revisions (loadtests.ab_revisions): medians, and ratios to the first."""
+    levels = list(next(iter(record["summary"].values())))
+    rows = [f"| revision ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
+        f"{level} queries/s (vs first) | {level} CPU ms/req (vs first)" for level in levels) + " |",
+        "|---" * (1 + 2 * len(levels)) + "|"]
+    for revision, by_level in record["summary"].items():
+        subject = record["revisions"].get(revision.partition("+")[0], "")
+        name = f"`{revision}` {subject[:70]}{'…' if len(subject) > 70 else ''}"
+        rows.append(f"| {name} | " + " | ".join(
+            f"{_cell(v['queries_per_s'])} ({v['qps_vs_first']}) | {v['cpu_ms_per_request']:.3f} "
+            f"({v['cpu_vs_first']})" for v in by_level.values()) + " |")
+    return "\n".join(rows)
+
+
+def idle_table(record: dict) -> str:
+    """What each Serve system of `make bench` costs serving nothing (steady state, warm pool full)."""
+    idle = record.get("idle_percent_of_a_core", {})
+    systems = list(idle)
+    classes = sorted({c for values in idle.values() for c in values if c != "warm_pool"})
+    rows = ["| idle, % of a core | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
+    for name in classes:
+        rows.append(f"| {name} | " + " | ".join(_cell(idle[s].get(name)) for s in systems) + " |")
+    rows.append("| total | " + " | ".join(
+        _cell(round(sum(v for c, v in idle[s].items() if c != "warm_pool"), 2)) for s in systems) + " |")
+    rows.append("| idle workers in the warm pool | " + " | ".join(
+        _cell(idle[s].get("warm_pool")) for s in systems) + " |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     bench = json.loads((records / "bench.json").read_text())
     hop = json.loads((records / "hop.json").read_text())
@@ -213,12 +243,16 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     scale = json.loads((records / "bench-scale.json").read_text())
     hygiene = json.loads((records / "hygiene.json").read_text())
     glove = json.loads((records / "bench-glove.json").read_text())
+    hot_path = json.loads((records / "hot-path-ab.json").read_text())
+    batches = json.loads((records / "hot-path-batches.json").read_text())
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
-            "bench-glove": glove_table(glove)}
+            "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
+            "hot-path-batches": ab_table(batches),
+            "bench-idle": idle_table(bench)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

@@ -85,7 +85,8 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     assert args.max_in_flight == knee and args.router_max_queued_requests == knee
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
-    assert args.shard_autoscaling["target_ongoing_requests"] == 2  # half the router's 4 batches
+    # half the router's concurrent batches, at least 1 (the default: 2 batches -> 1)
+    assert args.shard_autoscaling["target_ongoing_requests"] == max(1, args.max_concurrent_batches // 2)
     from ray.serve.config import AutoscalingConfig
 
     scaling = AutoscalingConfig.model_validate(args.shard_autoscaling)  # what Serve will accept
