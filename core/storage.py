@@ -42,8 +42,11 @@ class Location:
         return posixpath.join(self.root, relative)
 
     def child(self, relative: str) -> Location:
-        """The directory `relative` inside this one (confined like every manifest path)."""
-        return dataclasses.replace(self, root=self.path(relative), uri=f"{self.uri.rstrip('/')}/{relative}")
+        """The directory `relative` inside this one (confined like every manifest path). A URI's query
+        (`s3://bucket/idx?endpoint_override=…`: filesystem options) stays at the end."""
+        base, mark, query = self.uri.partition("?")
+        return dataclasses.replace(self, root=self.path(relative),
+                                   uri=f"{base.rstrip('/')}/{relative}{mark}{query}")
 
     def delete_dir(self, only_if_empty: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):

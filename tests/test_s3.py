@@ -23,6 +23,12 @@ moto_server = pytest.importorskip("moto.server")
 BUCKET = "shardserve-test"
 
 
+def bucket_port() -> int:
+    import os
+
+    return int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+
+
 @pytest.fixture(scope="module")
 def bucket():
     """`s3://shardserve-test` on a loopback S3 server, with the AWS environment pointing at it."""
@@ -79,6 +85,21 @@ def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tm
         got, want = shard_bucket.search(queries, 5), shard_disk.search(queries, 5)
         np.testing.assert_array_equal(got[1], want[1])
         np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_filesystem_options_in_the_uri_survive_the_version_directory(bucket, tmp_path: Path) -> None:
+    """`s3://bucket/idx?endpoint_override=…`: the pinned version's URI (what replicas are deployed
+    with) keeps the query after its path, and reads the same manifest."""
+    from core.manifest import pinned_location, read_manifest
+    from core.storage import Location
+
+    port = bucket_port()
+    uri = f"s3://{BUCKET}/indexes/query?endpoint_override=127.0.0.1:{port}&scheme=http"
+    built = build_index("synthetic:600x8", 2, "IVF4,Flat", uri, backend="local")
+    pinned = pinned_location(uri)
+    assert pinned.startswith(f"s3://{BUCKET}/indexes/query/versions/") and pinned.endswith(
+        f"?endpoint_override=127.0.0.1:{port}&scheme=http")
+    assert read_manifest(Location.parse(pinned)).index_version == built.index_version
 
 
 def test_a_missing_bucket_prefix_is_one_clear_error(bucket) -> None:
