@@ -17,7 +17,7 @@ import numpy as np
 def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
               queries_per_request: int = 1) -> dict:
     """One `levels[]` entry of the records contract."""
-    latencies, computes, server_totals, interface = [], [], [], []
+    latencies, computes, server_totals, interface, batches = [], [], [], [], []
     by_code: dict[str, list[float]] = {}
     codes, errors = Counter(), Counter()
     shed_without_retry_after = 0
@@ -38,8 +38,11 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         first = stamp if first is None else min(first, stamp)
         last = stamp + latency_ms / 1000 if last is None else max(last, stamp + latency_ms / 1000)
         if hit["code"] == 200 and hit.get("body"):
-            timing = _timing(hit["body"])
-            if timing:
+            payload = _payload(hit["body"])
+            timing = payload.get("timing_ms")
+            if isinstance(payload.get("batch"), int):
+                batches.append(payload["batch"])
+            if isinstance(timing, dict):
                 computes.append(timing["compute"])
                 server_totals.append(timing["total"])
                 interface.append(latency_ms - timing["compute"])
@@ -57,6 +60,8 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         "compute_p50_ms": _pct(np.asarray(computes), 50) if computes else None,
         "compute_p99_ms": _pct(np.asarray(computes), 99) if computes else None,
         "server_total_p50_ms": _pct(np.asarray(server_totals), 50) if server_totals else None,
+        # queries in the router batch each answered request rode in (shardserve's `batch` field)
+        "batch_mean": round(float(np.mean(batches)), 2) if batches else None,
         # interface + queue of each answered request = its client latency - its server compute
         "queue_p50_ms": _pct(np.asarray(interface), 50) if interface else None,
         "queue_p99_ms": _pct(np.asarray(interface), 99) if interface else None,
@@ -72,12 +77,12 @@ def _pct(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)), 3) if values.size else 0.0
 
 
-def _timing(body_b64: str) -> dict | None:
+def _payload(body_b64: str) -> dict:
     try:
         payload = json.loads(base64.b64decode(body_b64))
     except (ValueError, json.JSONDecodeError):
-        return None
-    return payload.get("timing_ms") if isinstance(payload, dict) else None
+        return {}
+    return payload if isinstance(payload, dict) else {}
 
 
 def parse_timestamp(stamp: str) -> float:
