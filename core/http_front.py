@@ -82,7 +82,21 @@ def _error(status: int, message: str) -> Reply:
                                        else None}))
 
 
+_PLAIN_HEADS: dict[tuple[int, str], bytes] = {}  # (status, content type) -> head up to Content-Length
+
+
 def _head(reply: Reply, keep_alive: bool) -> bytes:
+    if keep_alive and not reply.headers:  # the common answer: its head is cached but for the length
+        prefix = _PLAIN_HEADS.get((reply.status, reply.content_type))
+        if prefix is None:
+            empty = Reply(reply.status, b"", reply.content_type)
+            prefix = _full_head(empty, True).split(b"Content-Length")[0]
+            _PLAIN_HEADS[(reply.status, reply.content_type)] = prefix
+        return b"%sContent-Length: %d\r\n\r\n" % (prefix, len(reply.body))
+    return _full_head(reply, keep_alive)
+
+
+def _full_head(reply: Reply, keep_alive: bool) -> bytes:
     try:
         phrase = HTTPStatus(reply.status).phrase
     except ValueError:

@@ -193,3 +193,12 @@ def test_a_client_still_uploading_after_a_refusal_reads_the_answer_not_a_reset()
         return answer
 
     assert asyncio.run(run()).startswith(b"HTTP/1.1 408 ")
+
+
+def test_cached_heads_equal_the_full_heads() -> None:
+    from core.http_front import _full_head, _head
+
+    for reply in [Reply(200, b"abc"), Reply(404, b"x" * 100), Reply(200, b"", "text/html"),
+                  Reply(200, b"abc"), Reply(503, b"{}", headers={"Retry-After": "1"})]:
+        for keep_alive in (True, False):
+            assert _head(reply, keep_alive) == _full_head(reply, keep_alive)
