@@ -87,7 +87,8 @@ class ShardDeployment:
 
     def answer_now(self, query: bytes) -> bytes | None:
         """The answer of a small batch, computed at once (None: large, `search` hands it off). The
-        shard link calls it straight from its receive callback: no task per frame."""
+        shard link calls it straight from its receive callback: no task per frame, and no `search`
+        either, so a subclass that changes `search` (tests/faults.py) must return None here."""
         if ShardQuery.rows(query) > INLINE_ROWS:
             return None
         faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread

@@ -34,4 +34,9 @@ def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, floa
                 await asyncio.sleep(self.delay_s)
             return await super().search(query)
 
+        def answer_now(self, query: bytes) -> bytes | None:
+            """A slow shard never answers inside the link's receive callback: its frames go to
+            `search` (which sleeps), as Serve calls do."""
+            return None if self.delay_s else super().answer_now(query)
+
     return SlowShard
