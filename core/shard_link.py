@@ -60,19 +60,29 @@ class _FrameBuffer:
         self.buffer = bytearray()
 
     def frames(self, data: bytes) -> list[tuple[int, int, bytes]] | None:
-        """(request id, status, payload) of every frame completed by `data`; None: a corrupt stream."""
-        self.buffer += data
+        """(request id, status, payload) of every frame completed by `data`; None: a corrupt stream.
+        Each payload is copied once; when nothing was pending, straight out of `data`."""
+        if self.buffer:
+            self.buffer += data
+            source = self.buffer
+        else:  # the common case: a receive holds whole frames, parse it without buffering it
+            source = data
         found, offset = [], 0
-        while len(self.buffer) - offset >= _HEADER.size:
-            length, request_id, status = _HEADER.unpack_from(self.buffer, offset)
-            if length > MAX_FRAME:
-                return None
-            end = offset + _HEADER.size + length
-            if len(self.buffer) < end:
-                break
-            found.append((request_id, status, bytes(self.buffer[offset + _HEADER.size:end])))
-            offset = end
-        if offset:
+        with memoryview(source) as view:
+            while len(view) - offset >= _HEADER.size:
+                length, request_id, status = _HEADER.unpack_from(view, offset)
+                if length > MAX_FRAME:
+                    return None
+                end = offset + _HEADER.size + length
+                if len(view) < end:
+                    break
+                found.append((request_id, status, bytes(view[offset + _HEADER.size:end])))
+                offset = end
+            rest = bytes(view[offset:]) if source is data and offset < len(view) else None
+        if source is data:
+            if rest:
+                self.buffer += rest
+        elif offset:
             del self.buffer[:offset]
         return found
 

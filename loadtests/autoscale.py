@@ -213,21 +213,29 @@ def pooled_on_this_node() -> list[int]:
     return [pid for raylet in pids_matching(b"src/ray/raylet/raylet") for pid in pooled_pids(raylet)]
 
 
-def wait_for_pool(target: int, timeout_s: float = 120.0, measure_s: float = 10.0) -> dict:
-    """After a deploy, the pool fills one worker at a time from spare CPU, as it would long before
-    any burst in production: the ramp starts once it is full (or after `timeout_s`). Then what the
-    idle pool costs, per worker, over `measure_s`: its own memory and CPU (from /proc)."""
-    from core.procfs import cmdline, cpu_seconds, memory_mb
+def wait_until_pooled(target: int, timeout_s: float) -> list[int]:
+    """Wait (at most `timeout_s`) until the local warm pool holds `target` workers that finished
+    starting (titled idle, not still importing), then 2 s for the last one's tail; their pids."""
+    from core.procfs import cmdline
     from core.warm_pool import IDLE_TITLE
 
-    def idle() -> list[int]:  # started and waiting (not still importing)
+    def idle() -> list[int]:
         return [pid for pid in pooled_on_this_node() if cmdline(pid).startswith(IDLE_TITLE)]
 
     deadline = time.monotonic() + timeout_s
     while len(idle()) < target and time.monotonic() < deadline:
         time.sleep(1.0)
     time.sleep(2.0)
-    pids = idle()
+    return idle()
+
+
+def wait_for_pool(target: int, timeout_s: float = 120.0, measure_s: float = 10.0) -> dict:
+    """After a deploy, the pool fills one worker at a time from spare CPU, as it would long before
+    any burst in production: the ramp starts once it is full (or after `timeout_s`). Then what the
+    idle pool costs, per worker, over `measure_s`: its own memory and CPU (from /proc)."""
+    from core.procfs import cpu_seconds, memory_mb
+
+    pids = wait_until_pooled(target, timeout_s)
     before = {pid: cpu_seconds(pid) for pid in pids}
     time.sleep(measure_s)
     cpu = [(cpu_seconds(pid) - before[pid]) / measure_s for pid in pids if cpu_seconds(pid)]

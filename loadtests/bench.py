@@ -94,17 +94,9 @@ class Bench:
     def steady(self, label: str, warm_workers: int, quiet_s: float = 10.0) -> None:
         """Wait until the node's warm pool holds `warm_workers` idle workers (at most 60 s), then
         record `quiet_s` of idle CPU per process class: what the system costs while serving nothing."""
-        from core.procfs import cmdline
-        from core.warm_pool import IDLE_TITLE
-        from loadtests.autoscale import pooled_on_this_node
+        from loadtests.autoscale import pooled_on_this_node, wait_until_pooled
 
-        def started() -> int:  # idle and done importing, not still starting
-            return sum(cmdline(pid).startswith(IDLE_TITLE) for pid in pooled_on_this_node())
-
-        deadline = time.monotonic() + 60.0
-        while warm_workers and started() < warm_workers and time.monotonic() < deadline:
-            time.sleep(1.0)
-        time.sleep(2.0)  # the last worker's start-up tail
+        wait_until_pooled(warm_workers, timeout_s=60.0)
         meter = CpuMeter()
         meter.start()
         time.sleep(quiet_s)
