@@ -157,7 +157,13 @@ def main() -> None:
                                              r.partition("+")[0]],
                                             check=True, capture_output=True, text=True).stdout.strip()[:160]
                 for r in args.revisions}
-    record = header(args.name, index={"uri": index, "params": {"nprobe": 16}})
+    from core.manifest import read_manifest
+    from core.storage import Location
+
+    manifest = read_manifest(Location.parse(index))
+    record = header(args.name, index={"uri": index, "version": manifest.index_version,
+                                      "factory": manifest.index_factory, "shards": len(manifest.shards),
+                                      "replicas": 1, "params": {"nprobe": 16}})
     record.update(revisions=subjects, rounds=args.rounds, duration_s=args.duration, runs=runs,
                   summary=summarise(runs, resolved[args.revisions[0]]),
                   not_covered=["one index (Fashion-MNIST IVF1024,Flat, 4 shards, 1 replica each)",
