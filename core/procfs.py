@@ -156,19 +156,38 @@ def process_class(command: bytes) -> str | None:
     return None
 
 
+def machine_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of every core of this machine so far, from /proc/stat: `busy` (user, nice,
+    system, irq, softirq, steal) and `idle` (idle, iowait)."""
+    with open("/proc/stat") as handle:
+        ticks = [int(v) for v in handle.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return {"busy": (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS,
+            "idle": (idle + iowait) / _CLOCK_TICKS}
+
+
+SELF_CLASS = "measuring process"
+
+
 class CpuMeter:
     """CPU seconds per process class over a window, read from /proc at its start and end.
 
     `extra` names process trees by their root pid (e.g. a baseline server and its workers).
     Processes that start inside the window count from zero; ones that exit inside it are lost
-    (their CPU is not in /proc any more), so measure steady-state windows.
+    (their CPU is not in /proc any more), so measure steady-state windows. With `include_self`
+    the measuring process is its own class (SELF_CLASS: in a bench it is also a Ray driver, which a
+    cluster deployed with `shardserve deploy` does not keep). `machine` holds the whole machine's busy and
+    idle seconds over the same window: what no class explains, and what no process used.
     """
 
     def __init__(self, extra: dict[str, int] | None = None,
-                 classify: Callable[[bytes], str | None] | None = None):
+                 classify: Callable[[bytes], str | None] | None = None, include_self: bool = False):
         self.extra = extra or {}
         self.classify = classify or process_class
+        self.include_self = include_self
         self._start: dict[int, tuple[str, float]] = {}
+        self._machine_start: dict[str, float] = {}
+        self.machine: dict[str, float] = {}
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
         classes: dict[int, str] = {}
@@ -180,15 +199,20 @@ class CpuMeter:
                 found = self.classify(cmdline(int(entry)))
                 if found is not None:
                     classes[int(entry)] = found
+        if self.include_self:
+            classes.setdefault(os.getpid(), SELF_CLASS)
         return {pid: (name, cpu_seconds(pid)) for pid, name in classes.items()}
 
     def start(self) -> None:
         self._start = self._snapshot()
+        self._machine_start = machine_cpu_seconds()
 
     def stop(self) -> dict[str, float]:
         """CPU seconds used per class since start()."""
+        machine_end = machine_cpu_seconds()
         used: dict[str, float] = {}
         for pid, (name, cpu) in self._snapshot().items():
             before = self._start.get(pid, (name, 0.0))[1]
             used[name] = used.get(name, 0.0) + max(cpu - before, 0.0)
+        self.machine = {key: machine_end[key] - self._machine_start[key] for key in machine_end}
         return used

@@ -97,7 +97,7 @@ class Bench:
         from loadtests.autoscale import pooled_on_this_node, wait_until_pooled
 
         wait_until_pooled(warm_workers, timeout_s=60.0)
-        meter = CpuMeter()
+        meter = CpuMeter(include_self=True)
         meter.start()
         time.sleep(quiet_s)
         self.idle[label] = {cls: round(100 * cpu / quiet_s, 2) for cls, cpu in sorted(meter.stop().items())}
@@ -109,7 +109,7 @@ class Bench:
         targets = write_targets(self.work / f"{label}.jsonl", make_targets(
             self.queries, url, self.k, self.params, batch, count=20 if batch else 1000))
         level = attack(targets, "concurrency", concurrency, self.duration, self.work, label,
-                       queries_per_request=batch or 1, meter=CpuMeter(extra_processes))
+                       queries_per_request=batch or 1, meter=CpuMeter(extra_processes, include_self=True))
         self.levels.append(level)
         print(f"  {label:<28} c={concurrency:<3} {level['qps']:8.1f} req/s {level['queries_per_s']:9.1f} q/s"
               f"  p50 {level['p50_ms']:7.2f} ms  p99 {level['p99_ms']:7.2f} ms  compute p50 "

@@ -13,11 +13,14 @@ import statistics
 import sys
 from pathlib import Path
 
+from core.procfs import SELF_CLASS
 from loadtests.record import RECORDS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 CLASSES = ["ingress (HAProxy)", "router", "shards", "other Serve replicas", "Ray system",
-           "baseline (uvicorn)", "total (servers)", "load generator"]
+           "baseline (uvicorn)", "total (servers)", "load generator", SELF_CLASS]
+MACHINE = [("busy_percent", "machine busy, % of its cores"), ("idle_percent", "machine idle, % of its cores"),
+           ("busy_unaccounted_percent", "busy in no process above, %")]
 
 
 def _cell(value: object) -> str:
@@ -46,7 +49,12 @@ def cpu_table(record: dict, clients: int = 32) -> str:
     for name in CLASSES:
         values = [lv["cpu_ms_per_request"].get(name) for lv in levels]
         if any(v is not None for v in values):
-            rows.append(f"| {name} | " + " | ".join(_cell(v) for v in values) + " |")
+            label = f"{name} (not in total)" if name == SELF_CLASS else name
+            rows.append(f"| {label} | " + " | ".join(_cell(v) for v in values) + " |")
+    for key, label in MACHINE:
+        values = [lv.get("machine_cpu", {}).get(key) for lv in levels]
+        if any(v is not None for v in values):
+            rows.append(f"| {label} | " + " | ".join(_cell(v) for v in values) + " |")
     return "\n".join(rows)
 
 
@@ -222,12 +230,16 @@ def idle_table(record: dict) -> str:
     """What each Serve system of `make bench` costs serving nothing (steady state, warm pool full)."""
     idle = record.get("idle_percent_of_a_core", {})
     systems = list(idle)
-    classes = sorted({c for values in idle.values() for c in values if c != "warm_pool"})
+    left_out = ("warm_pool", SELF_CLASS)
+    classes = sorted({c for values in idle.values() for c in values if c not in left_out})
     rows = ["| idle, % of a core | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
     for name in classes:
         rows.append(f"| {name} | " + " | ".join(_cell(idle[s].get(name)) for s in systems) + " |")
     rows.append("| total | " + " | ".join(
-        _cell(round(sum(v for c, v in idle[s].items() if c != "warm_pool"), 2)) for s in systems) + " |")
+        _cell(round(sum(v for c, v in idle[s].items() if c not in left_out), 2)) for s in systems) + " |")
+    if any(SELF_CLASS in idle[s] for s in systems):
+        rows.append(f"| {SELF_CLASS} (not in total) | " + " | ".join(
+            _cell(idle[s].get(SELF_CLASS)) for s in systems) + " |")
     rows.append("| idle workers in the warm pool | " + " | ".join(
         _cell(idle[s].get("warm_pool")) for s in systems) + " |")
     return "\n".join(rows)

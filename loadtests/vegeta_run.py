@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
-from core.procfs import CpuMeter
+from core.procfs import SELF_CLASS, CpuMeter
 from loadtests.report import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,21 @@ def decode(results: Path) -> list[dict]:
     return [json.loads(line) for line in encoded.splitlines() if line.strip()]
 
 
+NOT_SERVERS = ("load generator", SELF_CLASS)  # the attack's own processes, not the system's
+
+
+def machine_share(machine: dict[str, float], accounted_s: float) -> dict[str, float]:
+    """The whole machine over a level, in % of its cores: `busy`, `idle` (no process had work:
+    a closed loop waiting on hand-offs, not on CPU), and `busy_unaccounted` (busy, but in no
+    measured process: kernel threads, processes that exited inside the window)."""
+    total = machine["busy"] + machine["idle"]
+    if total <= 0:
+        return {}
+    return {"busy_percent": round(100 * machine["busy"] / total, 1),
+            "idle_percent": round(100 * machine["idle"] / total, 1),
+            "busy_unaccounted_percent": round(100 * (machine["busy"] - accounted_s) / total, 1)}
+
+
 def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: Path, label: str,
            queries_per_request: int = 1, timeout_s: float = 10.0, meter: CpuMeter | None = None) -> dict:
     """One bounded level: closed loop (`concurrency`) or open loop (`rate`) → a records level.
@@ -86,8 +101,9 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
     if cpu is not None and level["requests"]:
         per_request = {name: round(seconds * 1000 / level["requests"], 3) for name, seconds in cpu.items()}
         per_request["total (servers)"] = round(sum(
-            v for name, v in per_request.items() if name != "load generator"), 3)
+            v for name, v in per_request.items() if name not in NOT_SERVERS), 3)
         level["cpu_ms_per_request"] = dict(sorted(per_request.items()))
+        level["machine_cpu"] = machine_share(meter.machine, sum(cpu.values()))
     results.unlink()  # the record keeps the summary; raw results are large
     return level
 

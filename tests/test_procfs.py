@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from core.procfs import age_seconds, memory_mb
+from core.procfs import SELF_CLASS, CpuMeter, age_seconds, machine_cpu_seconds, memory_mb
+from loadtests.vegeta_run import machine_share
 
 
 def test_lower_priority_reaches_every_thread_and_never_raises_it() -> None:
@@ -49,3 +51,36 @@ def test_memory_and_age_of_this_process() -> None:
     assert 0 < age_seconds(os.getpid()) < 24 * 3600
     assert memory_mb(2**22 + 12345) == {} and age_seconds(2**22 + 12345) == 0.0  # no such process
 
+
+
+def _burn(seconds: float) -> None:
+    deadline = time.process_time() + seconds
+    while time.process_time() < deadline:
+        pass
+
+
+def test_the_meter_sees_its_own_process_and_the_machine_only_when_asked() -> None:
+    """A bench's own process is a Ray driver: counted as its own class, apart from the servers."""
+    meter = CpuMeter(include_self=True)
+    meter.start()
+    _burn(0.3)
+    used = meter.stop()
+    assert used[SELF_CLASS] >= 0.25
+    assert meter.machine["busy"] >= 0.25 and meter.machine["idle"] >= 0
+    quiet = CpuMeter()
+    quiet.start()
+    _burn(0.05)
+    assert SELF_CLASS not in quiet.stop()
+
+
+def test_machine_counters_only_grow() -> None:
+    before = machine_cpu_seconds()
+    _burn(0.05)
+    after = machine_cpu_seconds()
+    assert after["busy"] > before["busy"] and after["idle"] >= before["idle"]
+
+
+def test_machine_share_splits_busy_idle_and_unaccounted() -> None:
+    share = machine_share({"busy": 12.0, "idle": 4.0}, accounted_s=10.0)
+    assert share == {"busy_percent": 75.0, "idle_percent": 25.0, "busy_unaccounted_percent": 12.5}
+    assert machine_share({"busy": 0.0, "idle": 0.0}, 0.0) == {}
