@@ -245,20 +245,22 @@ def idle_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-BENCH_RUNS = ("bench.json", "bench-run-2.json", "bench-run-3.json")  # make bench, then --name bench-run-N
+BENCH_RUNS = ("bench-run-1.json", "bench-run-2.json", "bench-run-3.json", "bench.json")  # oldest first
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched")
 
 
-def bench_runs_table(runs: list[dict]) -> str:
+def bench_runs_table(runs: dict[str, dict]) -> str:
     """The #10 targets over every committed `make bench` run of the same code, and their median:
     one run's ratio moves by ~10% here (the baseline's own QPS moved as much between runs)."""
     rows = ["| run | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 1) + "|"]
-    for record in runs:
-        rows.append(f"| `{record['name']}` {record['created_at'][:16]} | " + " | ".join(
+    for file, record in runs.items():
+        rows.append(f"| `{file}` {record['created_at'][:16]} | " + " | ".join(
             str(record["ratios"][name]["value"]) for name in RUN_RATIOS) + " |")
-    medians = [round(statistics.median(r["ratios"][name]["value"] for r in runs), 3) for name in RUN_RATIOS]
-    targets = [runs[0]["ratios"][name]["target"] for name in RUN_RATIOS]
+    records = list(runs.values())
+    medians = [round(statistics.median(r["ratios"][name]["value"] for r in records), 3)
+               for name in RUN_RATIOS]
+    targets = [records[0]["ratios"][name]["target"] for name in RUN_RATIOS]
     rows.append("| median | " + " | ".join(str(m) for m in medians) + " |")
     rows.append("| target | " + " | ".join(targets) + " |")
     return "\n".join(rows)
@@ -277,7 +279,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     glove = json.loads((records / "bench-glove.json").read_text())
     hot_path = json.loads((records / "hot-path-ab.json").read_text())
     batches = json.loads((records / "hot-path-batches.json").read_text())
-    runs = [json.loads((records / name).read_text()) for name in BENCH_RUNS if (records / name).exists()]
+    runs = {name: json.loads((records / name).read_text())
+            for name in BENCH_RUNS if (records / name).exists()}
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
