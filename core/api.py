@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl
 
 import numpy as np
 import orjson
+from numpy.lib import format as npy_format
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.indexes import prepare_vectors
@@ -143,10 +146,17 @@ class Limits:
     max_body_bytes: int
 
 
-def parse_query(body: bytes, manifest: Manifest, supported: Collection[str], limits: Limits) -> ParsedQuery:
-    """A /v1/search body checked against the served index: its dim, the params its type takes, the
-    work limit; vectors normalised for cosine."""
-    query = parse_search_request(body, manifest.dim, limits.max_k, limits.max_vectors, manifest.metric)
+def parse_query(body: bytes, manifest: Manifest, supported: Collection[str], limits: Limits,
+                content_type: str = "", query_string: str = "") -> ParsedQuery:
+    """A /v1/search request checked against the served index: its dim, the params its type takes,
+    the work limit; vectors normalised for cosine. JSON unless the body is .npy (`is_npy`); a JSON
+    body carries every field, so the query string is not read then."""
+    if is_npy(content_type):
+        query = parse_npy_request(body, query_string, manifest.dim, limits.max_k, limits.max_vectors,
+                                  manifest.metric)
+    else:
+        query = parse_search_request(body, manifest.dim, limits.max_k, limits.max_vectors,
+                                     manifest.metric)
     check_work(query, limits.max_work)
     for name, _ in query.params:
         if name not in supported:
@@ -236,6 +246,81 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
                        _include(payload.get("include")))
 
 
+NPY_CONTENT_TYPE = "application/x-npy"
+_QUERY_OPTIONS = ("k", "require_full", "include")
+
+
+def is_npy(content_type: str) -> bool:
+    return content_type.partition(";")[0].strip().lower() == NPY_CONTENT_TYPE
+
+
+def parse_npy_request(body: bytes, query_string: str, dim: int, max_k: int, max_vectors: int,
+                      metric: str = "l2") -> ParsedQuery:
+    """A /v1/search body in NumPy's .npy format (`Content-Type: application/x-npy`): one float
+    array, (dim,) for one query or (n, dim) for a batch; the other fields in the URL's query string
+    (`?k=10&nprobe=16&include=caption&require_full=true`).
+
+    Why a binary format: a 256 x 784 batch is 256 single bodies' worth of JSON numbers to parse
+    (`parse_cost` in bench.json is one), this is one header check and a view of the bytes. Never
+    unpickled: object arrays are refused like any non-float dtype."""
+    matrix, single = _npy_matrix(body, dim, max_vectors)
+    options: dict[str, list[str]] = {}
+    for name, value in parse_qsl(query_string, keep_blank_values=True):
+        options.setdefault(name, []).append(value)
+    k = _query_int(options.pop("k", ["10"]), "k", 1, max_k)
+    require_full = options.pop("require_full", ["false"])[-1].lower()
+    if require_full not in ("true", "false", "1", "0"):
+        raise ApiError(422, "require_full", "require_full must be true or false")
+    include = [c for value in options.pop("include", []) for c in value.split(",") if c]
+    params = {name: _query_int(values, f"params.{name}", 1, 65536) for name, values in options.items()
+              if name in KNOWN_PARAMS}
+    unknown = sorted(set(options) - set(KNOWN_PARAMS))
+    if unknown:
+        raise ApiError(422, unknown[0], f"unknown query option(s) {unknown}: use "
+                                        f"{list(_QUERY_OPTIONS + KNOWN_PARAMS)}")
+    return ParsedQuery(_checked(matrix, "vector" if single else "vectors", dim, metric), k,
+                       _params(params), single, require_full in ("true", "1"), _include(include))
+
+
+def _query_int(values: list[str], field: str, low: int, high: int) -> int:
+    text = values[-1]
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ApiError(422, field, f"{field} must be an integer in [{low}, {high}], got {text!r}")
+    return int(text)
+
+
+def _npy_matrix(body: bytes, dim: int, max_vectors: int) -> tuple[np.ndarray, bool]:
+    """(float32 n x dim matrix, single?) from .npy bytes; 422 naming what is wrong otherwise."""
+    stream = io.BytesIO(body)
+    try:
+        version = npy_format.read_magic(stream)
+        header = (npy_format.read_array_header_1_0 if version == (1, 0)
+                  else npy_format.read_array_header_2_0)
+        shape, fortran_order, dtype = header(stream, max_header_size=4096)
+    except (ValueError, OSError, SyntaxError) as exc:
+        raise ApiError(422, "body", f"body is not a .npy array: {exc}") from None
+    if dtype.kind != "f" or dtype.hasobject:
+        raise ApiError(422, "body", f"the array must hold floats (float16/32/64), not {dtype}")
+    if len(shape) not in (1, 2) or 0 in shape:
+        raise ApiError(422, "body", f"the array must be (dim,) or (n, dim) and non-empty, got {shape}")
+    single = len(shape) == 1
+    field = "vector" if single else "vectors"
+    if not single and shape[0] > max_vectors:
+        raise ApiError(422, field, f"too many vectors: {shape[0]} > max {max_vectors}")
+    count = int(np.prod(shape))
+    start = stream.tell()
+    if len(body) - start != count * dtype.itemsize:
+        raise ApiError(422, "body", f"the array's data is {len(body) - start} bytes, its header says "
+                                    f"{count * dtype.itemsize}")
+    flat = np.frombuffer(body, dtype, count, start)
+    matrix = flat.reshape(shape[::-1]).T if fortran_order else flat.reshape(shape)
+    with np.errstate(over="ignore", invalid="ignore"):  # float64 beyond float32's range: inf, refused
+        matrix = np.ascontiguousarray(matrix.reshape(1, -1) if single else matrix, dtype=np.float32)
+    if matrix.shape[1] != dim:
+        raise ApiError(422, field, f"wrong dimension: expected {dim}, got {matrix.shape[1]}")
+    return matrix, single
+
+
 def _include(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -284,6 +369,13 @@ def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int,
                 matrix = np.array(rows, dtype=np.float32)
             except (ValueError, TypeError):
                 raise ApiError(422, field, f"{field} must hold numbers only, all of dim {dim}") from None
+    return _checked(matrix, field, dim, metric)
+
+
+def _checked(matrix: np.ndarray, field: str, dim: int, metric: str) -> np.ndarray:
+    """The query matrix (float32, n x dim) once it is proven usable: right dim, finite, no absurd
+    magnitude, no zero row under cosine. Both body formats end here."""
+    with np.errstate(over="ignore", invalid="ignore"):
         # One pass of checks on the happy path: a NaN/Inf component or an out-of-range number (it
         # becomes inf) makes the row's squared norm non-finite, and so does an absurd magnitude.
         squared = (np.einsum("ij,ij->i", matrix, matrix)

@@ -45,7 +45,8 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-Handler = Callable[[str, str, bytes], Awaitable[Reply]]  # (method, path, body) -> Reply
+# (method, path, body, query string, content type) -> Reply
+Handler = Callable[[str, str, bytes, str, str], Awaitable[Reply]]
 
 
 def dechunk(buffer: bytearray, start: int, limit: int) -> tuple[bytes, int] | None:
@@ -148,7 +149,8 @@ class _Connection(asyncio.Protocol):
                 return self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
             return self._arm()
         try:
-            method, path, keep_alive, length = self._parse_head(bytes(self.buffer[:end]))
+            method, path, query, content_type, keep_alive, length = self._parse_head(
+                bytes(self.buffer[:end]))
         except ValueError as exc:
             return self._refuse(400, str(exc))
         limit, start = self.front.max_body_bytes, end + 4
@@ -169,16 +171,16 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:consumed]
         self._disarm()
         self.busy = True
-        self.front.loop.create_task(self._answer(method, path, body, keep_alive))
+        self.front.loop.create_task(self._answer(method, path, body, query, content_type, keep_alive))
 
     @staticmethod
-    def _parse_head(head: bytes) -> tuple[str, str, bool, int]:
+    def _parse_head(head: bytes) -> tuple[str, str, str, str, bool, int]:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise ValueError(f"malformed request line {lines[0][:80]!r}")
         method, target, version = parts
-        keep_alive, length = version == "HTTP/1.1", 0
+        keep_alive, length, content_type = version == "HTTP/1.1", 0, ""
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if not sep:
@@ -192,13 +194,17 @@ class _Connection(asyncio.Protocol):
                 if value.lower() != "chunked":
                     raise ValueError(f"unsupported Transfer-Encoding {value[:40]!r}")
                 length = CHUNKED
+            elif name == "content-type":
+                content_type = value
             elif name == "connection":
                 keep_alive = value.lower() == "keep-alive" or (keep_alive and value.lower() != "close")
-        return method, target.partition("?")[0], keep_alive, length
+        path, _, query = target.partition("?")
+        return method, path, query, content_type, keep_alive, length
 
-    async def _answer(self, method: str, path: str, body: bytes, keep_alive: bool) -> None:
+    async def _answer(self, method: str, path: str, body: bytes, query: str, content_type: str,
+                      keep_alive: bool) -> None:
         try:
-            reply = await self.front.handler(method, path, body)
+            reply = await self.front.handler(method, path, body, query, content_type)
         except Exception:  # a bug in a handler is a 500 on this request, not a dead connection
             logger.exception("front door handler failed on %s %s", method, path)
             reply = _error(500, "internal error")
@@ -252,7 +258,8 @@ class _Connection(asyncio.Protocol):
 
 
 class FrontDoor:
-    """A listening HTTP server: `handler(method, path, body)` answers every complete request."""
+    """A listening HTTP server: `handler(method, path, body, query, content_type)` answers every
+    complete request."""
 
     def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float):
         self.handler, self.max_body_bytes, self.body_timeout_s = handler, max_body_bytes, body_timeout_s

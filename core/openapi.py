@@ -12,7 +12,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from core.api import SearchRequest, SearchResponse
+from core.api import NPY_CONTENT_TYPE, SearchRequest, SearchResponse
 from core.http_front import Reply
 
 _ERRORS = {413: {"description": "body too large"},
@@ -43,8 +43,25 @@ def _describe() -> FastAPI:
     return app
 
 
+_NPY_QUERY = [("k", "integer", "neighbours to return (default 10)"),
+              ("nprobe", "integer", "IVF lists per shard"), ("efSearch", "integer", "HNSW search depth"),
+              ("include", "string", "metadata columns, comma-separated"),
+              ("require_full", "boolean", "503 instead of a partial answer")]
+
+
 def openapi_document() -> dict:
-    return _describe().openapi()
+    """The pydantic-generated document, plus the .npy body that /v1/search also takes (its other
+    fields in the query string: core.api.parse_npy_request)."""
+    document = _describe().openapi()
+    search = document["paths"]["/v1/search"]["post"]
+    search["requestBody"]["content"][NPY_CONTENT_TYPE] = {"schema": {
+        "type": "string", "format": "binary",
+        "description": "one float array in NumPy's .npy format: (dim,) for one query, (n, dim) for a "
+                       "batch; the other fields in the query string"}}
+    search["parameters"] = [{"name": name, "in": "query", "required": False,
+                             "description": f"{text} (.npy bodies only)", "schema": {"type": kind}}
+                            for name, kind, text in _NPY_QUERY]
+    return document
 
 
 @functools.cache

@@ -93,16 +93,18 @@ class Router:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""
         try:
             route, root, body = await _read_request(request, self.args)
-            reply = await self.respond(request.method, route, body, root)
+            reply = await self.respond(request.method, route, body, request.url.query,
+                                       request.headers.get("content-type", ""), root=root)
         except ApiError as error:
             reply = _error(error)
         return Response(reply.body, reply.status, reply.headers, reply.content_type)
 
-    async def respond(self, method: str, route: str, body: bytes, root: str = "") -> Reply:
+    async def respond(self, method: str, route: str, body: bytes, query: str = "", content_type: str = "",
+                      root: str = "") -> Reply:
         """Every route, for both doors: Serve's HTTP path and this replica's own (core.http_front)."""
         route = route.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
-            return await self.search(body)
+            return await self.search(body, query, content_type)
         if method == "GET" and route == "/v1/health":
             return await self.health()
         if method == "GET" and route == "/v1/index":
@@ -111,8 +113,9 @@ class Router:
             return docs
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
-    async def search(self, body: bytes) -> Reply:
-        """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
+    async def search(self, body: bytes, query_string: str = "", content_type: str = "") -> Reply:
+        """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`): a JSON body, or
+        a .npy one with the other fields in the query string (core.api.parse_npy_request)."""
         started, status, index_set = time.perf_counter(), 200, None
         try:
             if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: a fast 503
@@ -122,7 +125,8 @@ class Router:
             self.in_flight += 1
             index_set = self.active  # answered by this version only, even mid-swap
             self.in_flight_by_generation[index_set.generation] += 1
-            query = parse_query(body, index_set.manifest, index_set.supported, self.limits)
+            query = parse_query(body, index_set.manifest, index_set.supported, self.limits, content_type,
+                                query_string)
             result: QueryResult = await self.batcher.submit((index_set, query))
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)

@@ -16,7 +16,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from core.api import ApiError, parse_search_request
+from core.api import ApiError, is_npy, parse_npy_request, parse_search_request
 from core.indexes import prepare_vectors, supported_params
 from core.searcher import ShardSearcher, load_all_shards
 
@@ -44,7 +44,9 @@ def create_app() -> FastAPI:
     async def search(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            query = parse_search_request(await request.body(), searcher.dim, 100, 1024)
+            body, kind = await request.body(), request.headers.get("content-type", "")
+            query = (parse_npy_request(body, request.url.query, searcher.dim, 100, 1024) if is_npy(kind)
+                     else parse_search_request(body, searcher.dim, 100, 1024))
         except ApiError as error:
             return Response(error.body(), status_code=error.status, media_type="application/json")
         matrix = prepare_vectors(query.matrix, searcher.metric)

@@ -105,9 +105,9 @@ class Bench:
         print(f"  {label:<28} idle % of a core: {self.idle[label]}", flush=True)
 
     def run(self, url: str, label: str, concurrency: int, batch: int = 0,
-            extra_processes: dict[str, int] | None = None) -> dict:
+            extra_processes: dict[str, int] | None = None, npy: bool = False) -> dict:
         targets = write_targets(self.work / f"{label}.jsonl", make_targets(
-            self.queries, url, self.k, self.params, batch, count=20 if batch else 1000))
+            self.queries, url, self.k, self.params, batch, count=20 if batch else 1000, npy=npy))
         level = attack(targets, "concurrency", concurrency, self.duration, self.work, label,
                        queries_per_request=batch or 1, meter=CpuMeter(extra_processes, include_self=True))
         self.levels.append(level)
@@ -142,6 +142,7 @@ def run_baseline(bench: Bench, index: str) -> None:
         servers = {"baseline (uvicorn)": process.pid}
         bench.run(url, "baseline-uvicorn", 1, extra_processes=servers)
         bench.run(url, "baseline-uvicorn", 32, extra_processes=servers)
+        bench.run(url, "baseline-uvicorn-npy", 32, extra_processes=servers, npy=True)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
@@ -182,6 +183,9 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
             bench.run(url, label, 32)
             if label in ("shardserve-4shard", "shardserve-1shard"):
                 bench.run(url, f"{label}-batch256", 2, batch=256)
+            if label == "shardserve-4shard":  # the same queries as .npy bodies (core.api)
+                bench.run(url, f"{label}-npy", 32, npy=True)
+                bench.run(url, f"{label}-batch256-npy", 2, batch=256, npy=True)
             if label == "shardserve-4shard":
                 bench.run(serve_http, f"{label}-serve-http", 1)
                 bench.run(serve_http, f"{label}-serve-http", 32)
@@ -206,6 +210,9 @@ def ratios(levels: list[dict], limit: dict) -> dict:
     one = _level(levels, "shardserve-4shard", 1)
     one_shard = _level(levels, "shardserve-1shard", 1)
     batch = _level(levels, "shardserve-4shard-batch256", 2)
+    ours_npy = _level(levels, "shardserve-4shard-npy", 32)
+    baseline_npy = _level(levels, "baseline-uvicorn-npy", 32)
+    batch_npy = _level(levels, "shardserve-4shard-batch256-npy", 2)
 
     def server_cpu(level: dict) -> float:
         return level.get("cpu_ms_per_request", {}).get("total (servers)", float("nan"))
@@ -218,6 +225,9 @@ def ratios(levels: list[dict], limit: dict) -> dict:
         "c1_1shard_p50_minus_compute_p50_ms": round(
             one_shard["p50_ms"] - (one_shard["compute_p50_ms"] or 0.0), 3),
         "batch256_vs_inprocess_batched": round(batch["queries_per_s"] / limit["batched256_qps"], 3),
+        "batch256_npy_vs_inprocess_batched": round(batch_npy["queries_per_s"] / limit["batched256_qps"], 3),
+        "qps_c32_npy_vs_uvicorn_npy": round(ours_npy["qps"] / baseline_npy["qps"], 3),
+        "cpu_per_request_c32_npy_vs_uvicorn_npy": round(server_cpu(ours_npy) / server_cpu(baseline_npy), 3),
         "qps_c32_links_vs_serve_calls": round(
             ours["qps"] / _level(levels, "shardserve-4shard-serve-calls", 32)["qps"], 3),
         "cpu_per_request_c32_links_vs_serve_calls": round(
@@ -240,6 +250,9 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            "qps_c32_vs_serve_noop": (">=", 0.5), "c1_p50_minus_compute_p50_ms": ("<=", 2.0),
            "c1_1shard_p50_minus_compute_p50_ms": ("<=", 1.0),
            "batch256_vs_inprocess_batched": (">=", 0.8),
+           # the same, with .npy request bodies (both servers parse them; in-process parses nothing)
+           "batch256_npy_vs_inprocess_batched": (">=", 0.8),
+           "qps_c32_npy_vs_uvicorn_npy": (">=", 1.0), "cpu_per_request_c32_npy_vs_uvicorn_npy": ("<=", 1.0),
            # shard links (core.shard_link) against Serve handle calls for the same hop
            "qps_c32_links_vs_serve_calls": (">=", 1.0),
            "cpu_per_request_c32_links_vs_serve_calls": ("<=", 1.0),

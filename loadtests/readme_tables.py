@@ -247,7 +247,9 @@ def idle_table(record: dict) -> str:
 
 BENCH_RUNS = ("bench-run-1.json", "bench-run-2.json", "bench-run-3.json", "bench.json")  # oldest first
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
-              "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched")
+              "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
+              "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
+              "batch256_npy_vs_inprocess_batched")  # the .npy ones: runs since bodies could be .npy
 
 
 def bench_runs_table(runs: dict[str, dict]) -> str:
@@ -256,11 +258,17 @@ def bench_runs_table(runs: dict[str, dict]) -> str:
     rows = ["| run | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 1) + "|"]
     for file, record in runs.items():
         rows.append(f"| `{file}` {record['created_at'][:16]} | " + " | ".join(
-            str(record["ratios"][name]["value"]) for name in RUN_RATIOS) + " |")
+            str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
+            for name in RUN_RATIOS) + " |")
     records = list(runs.values())
-    medians = [round(statistics.median(r["ratios"][name]["value"] for r in records), 3)
-               for name in RUN_RATIOS]
-    targets = [records[0]["ratios"][name]["target"] for name in RUN_RATIOS]
+
+    def median(name: str) -> str:
+        values = [r["ratios"][name]["value"] for r in records if name in r["ratios"]]
+        return str(round(statistics.median(values), 3)) if values else "–"
+
+    medians = [median(name) for name in RUN_RATIOS]
+    targets = [next(r["ratios"][name]["target"] for r in records if name in r["ratios"])
+               if any(name in r["ratios"] for r in records) else "–" for name in RUN_RATIOS]
     rows.append("| median | " + " | ".join(str(m) for m in medians) + " |")
     rows.append("| target | " + " | ".join(targets) + " |")
     return "\n".join(rows)

@@ -7,30 +7,37 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 from pathlib import Path
+from urllib.parse import urlencode
 
 import numpy as np
 import orjson
 
+from core.api import NPY_CONTENT_TYPE
 from core.datasets import load_dataset
 
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,
-                 batch: int = 0, count: int = 1000) -> list[bytes]:
-    """One vegeta JSON target per line; bodies cycle through the real queries (base64-encoded)."""
+                 batch: int = 0, count: int = 1000, npy: bool = False) -> list[bytes]:
+    """One vegeta JSON target per line; bodies cycle through the real queries (base64-encoded).
+    `npy`: float32 .npy bodies with k and params in the query string, instead of JSON bodies."""
     lines = []
     endpoint = url.rstrip("/") + "/v1/search"
     for i in range(count):
-        if batch:
-            rows = np.arange(i * batch, (i + 1) * batch) % len(queries)
-            body: dict = {"vectors": queries[rows], "k": k}
+        rows = np.arange(i * batch, (i + 1) * batch) % len(queries) if batch else i % len(queries)
+        if npy:
+            buffer = io.BytesIO()
+            np.save(buffer, np.asarray(queries[rows], np.float32), allow_pickle=False)
+            raw, kind = buffer.getvalue(), NPY_CONTENT_TYPE
+            target = f"{endpoint}?{urlencode({'k': k, **(params or {})})}"
         else:
-            body = {"vector": queries[i % len(queries)], "k": k}
-        if params:
-            body["params"] = params
-        raw = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        lines.append(orjson.dumps({"method": "POST", "url": endpoint,
-                                   "header": {"Content-Type": ["application/json"]},
+            body: dict = {"vectors" if batch else "vector": queries[rows], "k": k}
+            if params:
+                body["params"] = params
+            raw, kind = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), "application/json"
+            target = endpoint
+        lines.append(orjson.dumps({"method": "POST", "url": target, "header": {"Content-Type": [kind]},
                                    "body": base64.b64encode(raw).decode()}))
     return lines
 
@@ -50,12 +57,13 @@ def main() -> None:
     cli.add_argument("--ef-search", type=int)
     cli.add_argument("--batch", type=int, default=0, help="vectors per request (0 = single `vector`)")
     cli.add_argument("--count", type=int, default=1000, help="distinct bodies")
+    cli.add_argument("--npy", action="store_true", help=".npy bodies (k, params in the query string)")
     cli.add_argument("--out", required=True)
     args = cli.parse_args()
     params = {k: v for k, v in (("nprobe", args.nprobe), ("efSearch", args.ef_search)) if v}
     queries = load_dataset(args.dataset).queries
     path = write_targets(Path(args.out), make_targets(queries, args.url, args.k, params, args.batch,
-                                                       args.count))
+                                                       args.count, args.npy))
     print(path)
 
 

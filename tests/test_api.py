@@ -1,10 +1,20 @@
 """Request parsing and validation (plain code, no server): every bad field names itself."""
 
+import io
+
 import numpy as np
 import orjson
 import pytest
 
-from core.api import ApiError, check_work, coverage_error, parse_search_request, render_search
+from core.api import (
+    ApiError,
+    check_work,
+    coverage_error,
+    is_npy,
+    parse_npy_request,
+    parse_search_request,
+    render_search,
+)
 from core.fanout import QueryResult
 
 
@@ -143,3 +153,60 @@ def test_both_parse_paths_give_the_same_matrix_and_the_same_refusals(extra: dict
         with pytest.raises(ApiError, match=message) as info:
             parse_search_request(orjson.dumps({"vectors": bad, **extra}), 4, 100, 8)
         assert info.value.status == 422 and info.value.field == "vectors"
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=array.dtype.hasobject)  # a pickled body: refused unread
+    return buffer.getvalue()
+
+
+def test_npy_bodies_parse_to_what_the_same_json_parses_to() -> None:
+    rng = np.random.default_rng(7)
+    batch = rng.normal(size=(5, 8)).astype(np.float32)
+    body = orjson.dumps({"vectors": batch.tolist(), "k": 3, "params": {"nprobe": 4}, "require_full": True,
+                         "include": ["caption"]})
+    want = parse_search_request(body, 8, 100, 1024)
+    for array in (batch, batch.astype(np.float64), np.asfortranarray(batch)):
+        got = parse_npy_request(_npy(array), "k=3&nprobe=4&require_full=true&include=caption", 8, 100, 1024)
+        assert np.array_equal(got.matrix, want.matrix) and got.matrix.flags.c_contiguous
+        assert (got.k, got.params, got.single, got.require_full, got.include) == \
+               (want.k, want.params, want.single, want.require_full, want.include)
+    one = parse_npy_request(_npy(batch[0]), "", 8, 100, 1024)
+    assert one.single and one.matrix.shape == (1, 8) and one.k == 10 and one.params == ()
+
+
+@pytest.mark.parametrize("body, query, field, message", [
+    (b"not an array", "", "body", "not a .npy array"),
+    (_npy(np.arange(16, dtype=np.int64).reshape(2, 8)), "", "body", "must hold floats"),
+    (_npy(np.array([{"a": 1}], dtype=object)), "", "body", "must hold floats"),
+    (_npy(np.zeros((2, 2, 8), np.float32)), "", "body", "(n, dim)"),
+    (_npy(np.zeros((0, 8), np.float32)), "", "body", "non-empty"),
+    (_npy(np.ones((2, 7), np.float32)), "", "vectors", "expected 8, got 7"),
+    (_npy(np.ones((2000, 8), np.float32)), "", "vectors", "too many vectors"),
+    (_npy(np.ones((2, 8), np.float32))[:-4], "", "body", "header says"),
+    (_npy(np.array([np.nan] + [1.0] * 7, np.float32)), "", "vector", "NaN/Inf"),
+    (_npy(np.full(8, 1e300)), "", "vector", "NaN/Inf"),
+    (_npy(np.ones(8, np.float32)), "k=0", "k", "k must be an integer"),
+    (_npy(np.ones(8, np.float32)), "k=ten", "k", "k must be an integer"),
+    (_npy(np.ones(8, np.float32)), "nprobe=-1", "params.nprobe", "integer"),
+    (_npy(np.ones(8, np.float32)), "colour=red", "colour", "unknown query option"),
+    (_npy(np.ones(8, np.float32)), "require_full=maybe", "require_full", "true or false"),
+])
+def test_npy_refusals_name_the_field(body: bytes, query: str, field: str, message: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_npy_request(body, query, 8, 100, 1024)
+    assert caught.value.status == 422 and caught.value.field == field and message in str(caught.value)
+
+
+def test_content_type_picks_the_parser() -> None:
+    assert is_npy("application/x-npy") and is_npy("Application/X-NPY; charset=binary")
+    assert not is_npy("application/json") and not is_npy("")
+
+
+def test_the_openapi_document_describes_npy_bodies() -> None:
+    from core.openapi import openapi_document
+
+    search = openapi_document()["paths"]["/v1/search"]["post"]
+    assert {"application/json", "application/x-npy"} <= set(search["requestBody"]["content"])
+    assert {p["name"] for p in search["parameters"]} >= {"k", "nprobe", "include", "require_full"}

@@ -12,13 +12,13 @@ import pytest
 from core.http_front import FrontDoor, Reply
 
 
-async def _echo(method: str, path: str, body: bytes) -> Reply:
+async def _echo(method: str, path: str, body: bytes, query: str, content_type: str) -> Reply:
     if path == "/boom":
         raise RuntimeError("handler bug")
     if path == "/slow":
         await asyncio.sleep(0.05)
-    return Reply(200, orjson.dumps({"method": method, "path": path, "bytes": len(body)}),
-                 headers={"X-Echo": "1"})
+    return Reply(200, orjson.dumps({"method": method, "path": path, "bytes": len(body), "query": query,
+                                    "content_type": content_type}), headers={"X-Echo": "1"})
 
 
 async def _front(max_body_bytes: int = 1024, body_timeout_s: float = 5.0) -> tuple[FrontDoor, int]:
@@ -40,7 +40,9 @@ def test_keep_alive_client_gets_every_answer_on_one_connection() -> None:
     async def run():
         front, port = await _front()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            answers = [await client.post("/v1/search?x=1", content=b"x" * n) for n in (0, 10, 1024)]
+            npy = {"Content-Type": "application/x-npy"}
+            answers = [await client.post("/v1/search?x=1", content=b"x" * n, headers=npy)
+                       for n in (0, 10, 1024)]
             got = await client.get("/v1/index")
         front.close()
         return answers, got
@@ -49,7 +51,8 @@ def test_keep_alive_client_gets_every_answer_on_one_connection() -> None:
     assert [a.json()["bytes"] for a in answers] == [0, 10, 1024]
     assert all(a.status_code == 200 and a.headers["x-echo"] == "1" for a in answers)
     assert answers[0].json()["path"] == "/v1/search"  # the query string is not part of the route
-    assert got.json() == {"method": "GET", "path": "/v1/index", "bytes": 0}
+    assert answers[0].json()["query"] == "x=1" and answers[0].json()["content_type"] == "application/x-npy"
+    assert got.json() == {"method": "GET", "path": "/v1/index", "bytes": 0, "query": "", "content_type": ""}
 
 
 def test_chunked_bodies_are_read_whole_with_extensions_and_trailers() -> None:
@@ -82,7 +85,7 @@ def test_pipelined_requests_are_answered_in_order() -> None:
     answer = asyncio.run(run())
     assert answer.count(b"HTTP/1.1 200 OK") == 2
     assert answer.index(b'"/slow"') < answer.index(b'"/second"')
-    assert answer.rstrip().endswith(b'"bytes":0}')
+    assert answer.rstrip().endswith(b'"bytes":0,"query":"","content_type":""}')
 
 
 @pytest.mark.parametrize(("request_bytes", "status", "says"), [
@@ -156,7 +159,7 @@ def test_replicas_on_one_node_share_the_port() -> None:
     served = {"first": 0, "second": 0}
 
     def counting(name: str):
-        async def handler(method: str, path: str, body: bytes) -> Reply:
+        async def handler(method: str, path: str, body: bytes, query: str, content_type: str) -> Reply:
             served[name] += 1
             return Reply(200, b"{}")
         return handler

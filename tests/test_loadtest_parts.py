@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from core.api import parse_search_request
+from core.api import parse_npy_request, parse_search_request
 from loadtests.knee import find_knee
 from loadtests.report import summarize
 from loadtests.targets import make_targets
@@ -69,6 +69,16 @@ def test_targets_are_valid_requests() -> None:
             assert target["url"] == "http://127.0.0.1:1/v1/search"
             parsed = parse_search_request(base64.b64decode(target["body"]), 8, 100, 10)
             assert parsed.k == 4 and parsed.matrix.shape == (1 if batch == 0 else 3, 8)
+        for json_line, npy_line in zip(lines, make_targets(queries, "http://127.0.0.1:1", k=4,
+                                                           params={"nprobe": 2}, batch=batch, count=7,
+                                                           npy=True), strict=True):
+            target = json.loads(npy_line)
+            assert target["header"]["Content-Type"] == ["application/x-npy"]
+            path, _, query = target["url"].partition("?")
+            parsed = parse_npy_request(base64.b64decode(target["body"]), query, 8, 100, 10)
+            same = parse_search_request(base64.b64decode(json.loads(json_line)["body"]), 8, 100, 10)
+            assert path == "http://127.0.0.1:1/v1/search" and np.array_equal(parsed.matrix, same.matrix)
+            assert (parsed.k, parsed.params, parsed.single) == (same.k, same.params, same.single)
 
 
 def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path) -> None:
