@@ -62,21 +62,35 @@ def in_process(index: str, queries: np.ndarray, k: int, params: dict) -> dict:
 
 
 def parse_cost(queries: np.ndarray) -> dict:
-    """Why the router parses with orjson + numpy instead of pydantic: measured, per 784-float body."""
-    from core.api import SearchRequest, parse_search_request
+    """Why the router parses with orjson + numpy instead of pydantic, and what a .npy body saves:
+    measured per body of one query, and of a 256-query batch (JSON vs .npy)."""
+    import io
+
+    from core.api import SearchRequest, parse_npy_request, parse_search_request
 
     body = orjson.dumps({"vector": queries[0], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
+    batch = orjson.dumps({"vectors": queries[:256], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     dim = queries.shape[1]
 
-    def per_call_us(fn) -> float:
+    def npy(array: np.ndarray) -> bytes:
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(array, np.float32), allow_pickle=False)
+        return buffer.getvalue()
+
+    one_npy, batch_npy = npy(queries[0]), npy(queries[:256])
+
+    def per_call_us(fn, calls: int = 2000) -> float:
         start = time.perf_counter()
-        for _ in range(2000):
+        for _ in range(calls):
             fn()
-        return round((time.perf_counter() - start) / 2000 * 1e6, 1)
+        return round((time.perf_counter() - start) / calls * 1e6, 1)
 
     return {"orjson_numpy_us": per_call_us(lambda: parse_search_request(body, dim, 100, 1024)),
             "pydantic_us": per_call_us(
-                lambda: np.asarray(SearchRequest.model_validate_json(body).vector, np.float32))}
+                lambda: np.asarray(SearchRequest.model_validate_json(body).vector, np.float32)),
+            "npy_us": per_call_us(lambda: parse_npy_request(one_npy, "k=10", dim, 100, 1024)),
+            "batch256_json_us": per_call_us(lambda: parse_search_request(batch, dim, 100, 1024), 50),
+            "batch256_npy_us": per_call_us(lambda: parse_npy_request(batch_npy, "k=10", dim, 100, 1024))}
 
 
 class Bench:

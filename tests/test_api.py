@@ -178,6 +178,9 @@ def test_npy_bodies_parse_to_what_the_same_json_parses_to() -> None:
 
 @pytest.mark.parametrize("body, query, field, message", [
     (b"not an array", "", "body", "not a .npy array"),
+    (_npy(np.ones(8, np.float32))[:20], "", "body", "cut short"),
+    (b"\x93NUMPY\x03\x00" + _npy(np.ones(8, np.float32))[8:], "", "body", "version 3"),
+    (_npy(np.ones(8, np.float32)).replace(b"'<f4'", b"'<f3'"), "", "body", "not a .npy array"),
     (_npy(np.arange(16, dtype=np.int64).reshape(2, 8)), "", "body", "must hold floats"),
     (_npy(np.array([{"a": 1}], dtype=object)), "", "body", "must hold floats"),
     (_npy(np.zeros((2, 2, 8), np.float32)), "", "body", "(n, dim)"),
