@@ -19,6 +19,13 @@ CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
                            os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
 
 
+# From this many rows a shard scans a batch's queries in order of their lowest-numbered list, so
+# queries that share lists run back to back while those lists are still in cache (FAISS scans
+# query by query). Less CPU at 256 rows, nothing to gain at 32: `python -m loadtests.scan_cost`
+# records both orders (scan-cost.json).
+LIST_ORDER_ROWS = 64
+
+
 class ShardSearcher:
     """One shard's FAISS index, loaded after its sha256 check, searched with per-request params."""
 
@@ -30,6 +37,7 @@ class ShardSearcher:
         inner = faiss.downcast_index(index)
         self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
         self._ivf_params: dict[int, faiss.SearchParametersIVF] = {}
+        self.list_order_rows = LIST_ORDER_ROWS
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -74,9 +82,14 @@ class ShardSearcher:
         if self.ivf is None:
             raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
         n, nprobe = query.assign.shape
-        matrix = np.ascontiguousarray(query.matrix, np.float32)
-        assign = np.ascontiguousarray(query.assign, np.int64)
-        coarse = np.ascontiguousarray(query.coarse, np.float32)
+        matrix, assign, coarse = query.matrix, query.assign, query.coarse
+        order = None
+        if n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
+            order = np.argsort(assign.min(axis=1), kind="stable")
+            matrix, assign, coarse = matrix[order], assign[order], coarse[order]
+        matrix = np.ascontiguousarray(matrix, np.float32)
+        assign = np.ascontiguousarray(assign, np.int64)
+        coarse = np.ascontiguousarray(coarse, np.float32)
         distances = np.empty((n, query.k), np.float32)
         ids = np.empty((n, query.k), np.int64)
         # The C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must come
@@ -88,7 +101,10 @@ class ShardSearcher:
         self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), query.k, faiss.swig_ptr(assign),
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
                                       faiss.swig_ptr(ids), False, params)
-        return distances, ids, (time.perf_counter() - start) * 1000.0
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        if order is not None:  # back to the caller's row order
+            distances[order], ids[order] = distances.copy(), ids.copy()
+        return distances, ids, elapsed_ms
 
 
 class CoarseAssigner:

@@ -1,8 +1,9 @@
 """How much of a sharded query's CPU is FAISS itself: in-process, one thread, no serving at all.
 
 Per query, at a few batch sizes: the router's coarse quantizer (once per batch), the shards'
-`search_preassigned` scans (every shard, its own shorter lists), and the unsharded (merged) index's
-full search, as the uvicorn baseline runs it. Whatever a served request costs beyond the first two
+`search_preassigned` scans (every shard, its own shorter lists; also with the batch's rows in
+arrival order instead of by lowest list, core.searcher.LIST_ORDER_ROWS), and the unsharded (merged)
+index's full search, as the uvicorn baseline runs it. Whatever a served request costs beyond the first two
 is serving overhead (HTTP, parsing, the hop, Ray's processes); `make bench` measures that total.
 
     python -m loadtests.scan_cost --index indexes/fashion-mnist-ivf1024-4 → records/scan-cost.json
@@ -19,7 +20,7 @@ import numpy as np
 
 from core.datasets import load_dataset
 from core.indexes import prepare_vectors
-from core.searcher import CoarseAssigner, load_all_shards
+from core.searcher import LIST_ORDER_ROWS, CoarseAssigner, load_all_shards
 from core.storage import Location
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import header, save
@@ -51,8 +52,14 @@ def measure(index: str, queries: np.ndarray, k: int, params: dict, batches: list
         n = len(prepared)
         quantizer = cpu_ms_per_query(matrices, n, lambda m: assigner.query(m, k, params))
         scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
+        for shard in shards:  # the same scans with every batch's rows in arrival order
+            shard.list_order_rows = batch + 1
+        arrival = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
+        for shard in shards:
+            shard.list_order_rows = LIST_ORDER_ROWS
         full = cpu_ms_per_query(matrices, n, lambda m: monolith.search(m, k, params, prepared=True))
         rows.append({"batch": batch, "quantizer_ms": quantizer, "shard_scans_ms": scans,
+                     "shard_scans_arrival_order_ms": arrival,
                      "sharded_total_ms": round(quantizer + scans, 4), "monolith_ms": full,
                      "sharded_vs_monolith": round((quantizer + scans) / full, 3)})
         print(rows[-1], flush=True)
@@ -66,7 +73,7 @@ def main() -> None:
     cli.add_argument("--queries", type=int, default=2000)
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--k", type=int, default=10)
-    cli.add_argument("--batches", default="1,8,32")
+    cli.add_argument("--batches", default="1,8,32,256")
     cli.add_argument("--name", default="scan-cost")
     args = cli.parse_args()
     queries = load_dataset(args.dataset, num_queries=args.queries).queries

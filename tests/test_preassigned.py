@@ -49,6 +49,21 @@ def test_quantize_once_equals_unsharded(factory: str, metric: str) -> None:
         assert np.array_equal(plain_ids, ids)
 
 
+def test_row_order_of_a_large_batch_changes_no_answer() -> None:
+    """Large batches are scanned in list order (LIST_ORDER_ROWS) and answered in the caller's."""
+    data = load_dataset("synthetic:8000x32")
+    searchers, _, assigner = _sharded("IVF64,Flat", "l2", data.base)
+    query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 7})
+    for searcher in searchers:
+        ordered_d, ordered_i, _ = searcher.answer(query)
+        searcher.list_order_rows = 10**9
+        arrival_d, arrival_i, _ = searcher.answer(query)
+        assert np.array_equal(ordered_i, arrival_i) and np.array_equal(ordered_d, arrival_d)
+        rows = [searcher.answer(ShardQuery(query.matrix[r:r + 1], 10, query.params, query.assign[r:r + 1],
+                                           query.coarse[r:r + 1]))[1][0] for r in range(0, 300, 37)]
+        assert np.array_equal(np.stack(rows), ordered_i[::37])
+
+
 @pytest.mark.data
 def test_fashion_mnist_quantize_once_equals_unsharded() -> None:
     data = load_dataset("fashion-mnist", limit=12000, num_queries=200)
