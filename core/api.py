@@ -27,6 +27,7 @@ from core.manifest import Manifest
 
 if TYPE_CHECKING:  # the fan-out imports this module for ParsedQuery
     from core.fanout import QueryResult
+    from core.http_front import Request
 
 KNOWN_PARAMS = ("nprobe", "efSearch")
 
@@ -146,16 +147,16 @@ class Limits:
     max_body_bytes: int
 
 
-def parse_query(body: bytes, manifest: Manifest, supported: Collection[str], limits: Limits,
-                content_type: str = "", query_string: str = "") -> ParsedQuery:
+def parse_query(request: Request, manifest: Manifest, supported: Collection[str],
+                limits: Limits) -> ParsedQuery:
     """A /v1/search request checked against the served index: its dim, the params its type takes,
     the work limit; vectors normalised for cosine. JSON unless the body is .npy (`is_npy`); a JSON
     body carries every field, so the query string is not read then."""
-    if is_npy(content_type):
-        query = parse_npy_request(body, query_string, manifest.dim, limits.max_k, limits.max_vectors,
-                                  manifest.metric)
+    if is_npy(request.content_type):
+        query = parse_npy_request(request.body, request.query, manifest.dim, limits.max_k,
+                                  limits.max_vectors, manifest.metric)
     else:
-        query = parse_search_request(body, manifest.dim, limits.max_k, limits.max_vectors,
+        query = parse_search_request(request.body, manifest.dim, limits.max_k, limits.max_vectors,
                                      manifest.metric)
     check_work(query, limits.max_work)
     for name, _ in query.params:

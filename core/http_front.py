@@ -45,8 +45,18 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-# (method, path, body, query string, content type) -> Reply
-Handler = Callable[[str, str, bytes, str, str], Awaitable[Reply]]
+@dataclass(frozen=True)
+class Request:
+    """One complete request, as a handler sees it (the route without its query string)."""
+
+    method: str
+    path: str
+    body: bytes = b""
+    query: str = ""
+    content_type: str = ""
+
+
+Handler = Callable[[Request], Awaitable[Reply]]
 
 
 def dechunk(buffer: bytearray, start: int, limit: int) -> tuple[bytes, int] | None:
@@ -171,7 +181,8 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:consumed]
         self._disarm()
         self.busy = True
-        self.front.loop.create_task(self._answer(method, path, body, query, content_type, keep_alive))
+        request = Request(method, path, body, query, content_type)
+        self.front.loop.create_task(self._answer(request, keep_alive))
 
     @staticmethod
     def _parse_head(head: bytes) -> tuple[str, str, str, str, bool, int]:
@@ -201,12 +212,11 @@ class _Connection(asyncio.Protocol):
         path, _, query = target.partition("?")
         return method, path, query, content_type, keep_alive, length
 
-    async def _answer(self, method: str, path: str, body: bytes, query: str, content_type: str,
-                      keep_alive: bool) -> None:
+    async def _answer(self, request: Request, keep_alive: bool) -> None:
         try:
-            reply = await self.front.handler(method, path, body, query, content_type)
+            reply = await self.front.handler(request)
         except Exception:  # a bug in a handler is a 500 on this request, not a dead connection
-            logger.exception("front door handler failed on %s %s", method, path)
+            logger.exception("front door handler failed on %s %s", request.method, request.path)
             reply = _error(500, "internal error")
         if self.transport is None:
             return
@@ -258,8 +268,7 @@ class _Connection(asyncio.Protocol):
 
 
 class FrontDoor:
-    """A listening HTTP server: `handler(method, path, body, query, content_type)` answers every
-    complete request."""
+    """A listening HTTP server: `handler(request)` answers every complete request."""
 
     def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float):
         self.handler, self.max_body_bytes, self.body_timeout_s = handler, max_body_bytes, body_timeout_s

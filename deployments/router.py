@@ -30,6 +30,7 @@ from core.api import (
 from core.batcher import AdaptiveBatcher
 from core.fanout import QueryResult, search_grouped
 from core.http_front import FrontDoor, Reply
+from core.http_front import Request as HttpRequest
 from core.openapi import docs_reply
 from core.procfs import lower_priority
 from deployments.config import AppArgs, index_app_name
@@ -48,15 +49,17 @@ def _error(error: ApiError) -> Reply:
     return Reply(error.status, error.body(), headers=headers)
 
 
-async def _read_request(request: Request, args: AppArgs) -> tuple[str, str, bytes]:
-    """(route, route prefix, body) of a request on Serve's path; the body bounded in size and time,
-    so an upload holds no admission slot."""
+async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, str]:
+    """(the request as the front door would see it, route prefix) of a request on Serve's path; the
+    body bounded in size and time, so an upload holds no admission slot."""
     root = request.scope.get("root_path", "")  # Serve puts the route prefix here
     body = b""
     if request.method == "POST":
         body = await receive_body(request.stream(), request.headers.get("content-length"),
                                   args.max_body_bytes, args.body_timeout_s)
-    return request.scope.get("path", "")[len(root):], root, body
+    route = request.scope.get("path", "")[len(root):]
+    return HttpRequest(request.method, route, body, request.url.query,
+                       request.headers.get("content-type", "")), root
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -92,19 +95,16 @@ class Router:
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""
         try:
-            route, root, body = await _read_request(request, self.args)
-            reply = await self.respond(request.method, route, body, request.url.query,
-                                       request.headers.get("content-type", ""), root=root)
+            reply = await self.respond(*await _read_request(request, self.args))
         except ApiError as error:
             reply = _error(error)
         return Response(reply.body, reply.status, reply.headers, reply.content_type)
 
-    async def respond(self, method: str, route: str, body: bytes, query: str = "", content_type: str = "",
-                      root: str = "") -> Reply:
+    async def respond(self, request: HttpRequest, root: str = "") -> Reply:
         """Every route, for both doors: Serve's HTTP path and this replica's own (core.http_front)."""
-        route = route.rstrip("/") or "/"
+        method, route = request.method, request.path.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
-            return await self.search(body, query, content_type)
+            return await self.search(request)
         if method == "GET" and route == "/v1/health":
             return await self.health()
         if method == "GET" and route == "/v1/index":
@@ -113,9 +113,8 @@ class Router:
             return docs
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
-    async def search(self, body: bytes, query_string: str = "", content_type: str = "") -> Reply:
-        """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`): a JSON body, or
-        a .npy one with the other fields in the query string (core.api.parse_npy_request)."""
+    async def search(self, request: HttpRequest) -> Reply:
+        """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`), JSON or .npy."""
         started, status, index_set = time.perf_counter(), 200, None
         try:
             if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: a fast 503
@@ -125,8 +124,7 @@ class Router:
             self.in_flight += 1
             index_set = self.active  # answered by this version only, even mid-swap
             self.in_flight_by_generation[index_set.generation] += 1
-            query = parse_query(body, index_set.manifest, index_set.supported, self.limits, content_type,
-                                query_string)
+            query = parse_query(request, index_set.manifest, index_set.supported, self.limits)
             result: QueryResult = await self.batcher.submit((index_set, query))
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)

@@ -9,16 +9,17 @@ import httpx
 import orjson
 import pytest
 
-from core.http_front import FrontDoor, Reply
+from core.http_front import FrontDoor, Reply, Request
 
 
-async def _echo(method: str, path: str, body: bytes, query: str, content_type: str) -> Reply:
-    if path == "/boom":
+async def _echo(request: Request) -> Reply:
+    if request.path == "/boom":
         raise RuntimeError("handler bug")
-    if path == "/slow":
+    if request.path == "/slow":
         await asyncio.sleep(0.05)
-    return Reply(200, orjson.dumps({"method": method, "path": path, "bytes": len(body), "query": query,
-                                    "content_type": content_type}), headers={"X-Echo": "1"})
+    echo = {"method": request.method, "path": request.path, "bytes": len(request.body),
+            "query": request.query, "content_type": request.content_type}
+    return Reply(200, orjson.dumps(echo), headers={"X-Echo": "1"})
 
 
 async def _front(max_body_bytes: int = 1024, body_timeout_s: float = 5.0) -> tuple[FrontDoor, int]:
@@ -159,7 +160,7 @@ def test_replicas_on_one_node_share_the_port() -> None:
     served = {"first": 0, "second": 0}
 
     def counting(name: str):
-        async def handler(method: str, path: str, body: bytes, query: str, content_type: str) -> Reply:
+        async def handler(request: Request) -> Reply:
             served[name] += 1
             return Reply(200, b"{}")
         return handler
