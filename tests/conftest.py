@@ -20,6 +20,13 @@ os.environ.update(SERVING_NODE_ENV)
 # Serve keeps a deleted app's ingress replica up this long so HAProxy stops routing to it (30 s by
 # default); the tests delete many apps whose routes nobody else uses.
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+# tests/test_s3.py's loopback S3 server listens on S3_PORT. Its endpoint and keys enter the
+# environment now, before the session's Ray starts, so Ray's workers (build tasks reading and
+# writing s3://) get them from their node as the driver does: a cluster set up that way.
+S3_PORT = free_port()
+os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "test",
+                   "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                   "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,10 +1,12 @@
 """s3:// end to end against an S3 API server on loopback (moto's server: real HTTP, real S3 wire
 protocol, pyarrow's own S3 client), the way users point shardserve at a bucket: credentials and the
-endpoint in the standard AWS environment variables, plain `s3://bucket/prefix` URIs.
+endpoint in the standard AWS environment variables (set by tests/conftest.py before Ray starts, so
+Ray's workers have them too), plain `s3://bucket/prefix` URIs.
 
 Covered: a parquet dataset read from a bucket, the streaming build writing shards + manifest to a
-bucket (same index version and shard bytes as a local build), shards loaded back from the bucket
-(downloaded once into the node's cache, sha256-checked, searched) and the dataset's metadata.
+bucket (same index version and shard bytes as a local build), in the driver and in Ray's workers;
+shards loaded back from the bucket (downloaded once into the node's cache, sha256-checked,
+searched) and the dataset's metadata.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-from core.ports import free_port
 from index_build.job import build_index
+from tests.conftest import S3_PORT
 from tests.test_ids_and_metadata import write_parquet
 
 moto_server = pytest.importorskip("moto.server")
@@ -24,30 +26,21 @@ BUCKET = "shardserve-test"
 
 
 def bucket_port() -> int:
-    import os
-
-    return int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    return S3_PORT
 
 
 @pytest.fixture(scope="module")
 def bucket():
-    """`s3://shardserve-test` on a loopback S3 server, with the AWS environment pointing at it."""
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    """`s3://shardserve-test` on a loopback S3 server where the AWS environment points."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=S3_PORT, verbose=False)
     server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="test",
-                               secret_key="test", region="us-east-1", allow_bucket_creation=True)
-        fs.create_dir(BUCKET)
-        try:
-            yield fs
-        finally:
-            server.stop()
+    fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{S3_PORT}", scheme="http", access_key="test",
+                           secret_key="test", region="us-east-1", allow_bucket_creation=True)
+    fs.create_dir(BUCKET)
+    try:
+        yield fs
+    finally:
+        server.stop()
 
 
 def _upload(fs: pafs.FileSystem, local: Path, prefix: str) -> None:
@@ -85,6 +78,20 @@ def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tm
         got, want = shard_bucket.search(queries, 5), shard_disk.search(queries, 5)
         np.testing.assert_array_equal(got[1], want[1])
         np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_ray_workers_read_and_write_the_bucket(bucket, ray_cluster, tmp_path: Path) -> None:
+    """The streaming build on Ray: its tasks read the row groups from the bucket and write the shards
+    to it in Ray worker processes (AWS variables from their node), byte-equal to a local build."""
+    local_emb = write_parquet(tmp_path / "emb")
+    _upload(bucket, local_emb, "emb-ray")
+    options = dict(vector_column="emb", id_column="doc_id", metadata_columns=["caption"])
+    local = build_index(str(local_emb), 2, "IVF32,Flat", str(tmp_path / "local"), backend="local", **options)
+    on_ray = build_index(f"s3://{BUCKET}/emb-ray/", 2, "IVF32,Flat", f"s3://{BUCKET}/indexes/ray",
+                         backend="ray", **options)
+    assert on_ray.index_version == local.index_version
+    assert [s.sha256 for s in on_ray.shards] == [s.sha256 for s in local.shards]
+    assert [m.sha256 for m in on_ray.metadata] == [m.sha256 for m in local.metadata]
 
 
 def test_filesystem_options_in_the_uri_survive_the_version_directory(bucket, tmp_path: Path) -> None:
