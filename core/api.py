@@ -255,6 +255,13 @@ def is_npy(content_type: str) -> bool:
     return content_type.partition(";")[0].strip().lower() == NPY_CONTENT_TYPE
 
 
+def npy_body(vectors: np.ndarray) -> bytes:
+    """A .npy request body of float32 query vectors, (dim,) or (n, dim): what clients send."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.asarray(vectors, np.float32), allow_pickle=False)
+    return buffer.getvalue()
+
+
 def parse_npy_request(body: bytes, query_string: str, dim: int, max_k: int, max_vectors: int,
                       metric: str = "l2") -> ParsedQuery:
     """A /v1/search body in NumPy's .npy format (`Content-Type: application/x-npy`): one float

@@ -64,20 +64,13 @@ def in_process(index: str, queries: np.ndarray, k: int, params: dict) -> dict:
 def parse_cost(queries: np.ndarray) -> dict:
     """Why the router parses with orjson + numpy instead of pydantic, and what a .npy body saves:
     measured per body of one query, and of a 256-query batch (JSON vs .npy)."""
-    import io
-
-    from core.api import SearchRequest, parse_npy_request, parse_search_request
+    from core.api import SearchRequest, npy_body, parse_npy_request, parse_search_request
 
     body = orjson.dumps({"vector": queries[0], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     batch = orjson.dumps({"vectors": queries[:256], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     dim = queries.shape[1]
 
-    def npy(array: np.ndarray) -> bytes:
-        buffer = io.BytesIO()
-        np.save(buffer, np.asarray(array, np.float32), allow_pickle=False)
-        return buffer.getvalue()
-
-    one_npy, batch_npy = npy(queries[0]), npy(queries[:256])
+    one_npy, batch_npy = npy_body(queries[0]), npy_body(queries[:256])
 
     def per_call_us(fn, calls: int = 2000) -> float:
         start = time.perf_counter()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 from pathlib import Path
 from urllib.parse import urlencode
 
 import numpy as np
 import orjson
 
-from core.api import NPY_CONTENT_TYPE
+from core.api import NPY_CONTENT_TYPE, npy_body
 from core.datasets import load_dataset
 
 
@@ -27,9 +26,7 @@ def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None
     for i in range(count):
         rows = np.arange(i * batch, (i + 1) * batch) % len(queries) if batch else i % len(queries)
         if npy:
-            buffer = io.BytesIO()
-            np.save(buffer, np.asarray(queries[rows], np.float32), allow_pickle=False)
-            raw, kind = buffer.getvalue(), NPY_CONTENT_TYPE
+            raw, kind = npy_body(queries[rows]), NPY_CONTENT_TYPE
             target = f"{endpoint}?{urlencode({'k': k, **(params or {})})}"
         else:
             body: dict = {"vectors" if batch else "vector": queries[rows], "k": k}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
+from core.api import npy_body
 from core.datasets import load_dataset
 from core.searcher import load_all_shards
 from index_build.job import build_index
@@ -91,25 +91,19 @@ def test_single_and_batch_agree_with_in_process(door: str, fm_index: Path, queri
         assert single["ids"] == hits["ids"]
 
 
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return buffer.getvalue()
-
-
 def test_npy_bodies_answer_as_json_does(door: str, queries: np.ndarray) -> None:
     """The binary request format (core.api.parse_npy_request) over both doors: the same answers as
     JSON, its options in the query string, its errors 4xx naming the field."""
     batch = queries[:16].astype(np.float32)
     want = _post({"vectors": batch, "k": 5, "params": {"nprobe": 8}}, door).json()
     npy = {"content-type": "application/x-npy"}
-    got = httpx.post(f"{door}/v1/search?k=5&nprobe=8", content=_npy(batch), headers=npy, timeout=30)
+    got = httpx.post(f"{door}/v1/search?k=5&nprobe=8", content=npy_body(batch), headers=npy, timeout=30)
     assert got.status_code == 200, got.text
     assert [r["ids"] for r in got.json()["results"]] == [r["ids"] for r in want["results"]]
-    one = httpx.post(f"{door}/v1/search?k=5&nprobe=8", content=_npy(batch[0]), headers=npy, timeout=30)
+    one = httpx.post(f"{door}/v1/search?k=5&nprobe=8", content=npy_body(batch[0]), headers=npy, timeout=30)
     assert one.json()["ids"] == want["results"][0]["ids"]
-    for query, body, field in (("k=5", _npy(batch[:, :100]), "vectors"), ("k=500", _npy(batch), "k"),
-                               ("efSearch=4", _npy(batch), "params.efSearch"), ("", b"junk", "body")):
+    for query, body, field in (("k=5", npy_body(batch[:, :100]), "vectors"), ("k=500", npy_body(batch), "k"),
+                               ("efSearch=4", npy_body(batch), "params.efSearch"), ("", b"junk", "body")):
         refused = httpx.post(f"{door}/v1/search?{query}", content=body, headers=npy, timeout=30)
         assert refused.status_code == 422 and refused.json()["field"] == field, refused.text
 
