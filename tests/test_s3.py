@@ -25,10 +25,6 @@ moto_server = pytest.importorskip("moto.server")
 BUCKET = "shardserve-test"
 
 
-def bucket_port() -> int:
-    return S3_PORT
-
-
 @pytest.fixture(scope="module")
 def bucket():
     """`s3://shardserve-test` on a loopback S3 server where the AWS environment points."""
@@ -100,7 +96,7 @@ def test_filesystem_options_in_the_uri_survive_the_version_directory(bucket, tmp
     from core.manifest import pinned_location, read_manifest
     from core.storage import Location
 
-    port = bucket_port()
+    port = S3_PORT
     uri = f"s3://{BUCKET}/indexes/query?endpoint_override=127.0.0.1:{port}&scheme=http"
     built = build_index("synthetic:600x8", 2, "IVF4,Flat", uri, backend="local")
     pinned = pinned_location(uri)
