@@ -257,23 +257,22 @@ RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_mi
               "batch256_npy_vs_inprocess_batched")  # the .npy ones: runs since bodies could be .npy
 
 
-def bench_runs_table(runs: dict[str, dict]) -> str:
-    """The #10 targets over every committed `make bench` run of the same code, and their median:
-    one run's ratio moves by ~10% here (the baseline's own QPS moved as much between runs)."""
+def bench_runs_table(records: list[dict]) -> str:
+    """The #10 targets over the committed `make bench` runs (oldest first), and their median: one
+    run's ratio moves by ~10% here (the baseline's own QPS moved as much between runs). A ratio
+    added later shows "–" for the runs before it."""
     rows = ["| run | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 1) + "|"]
-    for file, record in runs.items():
-        rows.append(f"| `{file}` {record['created_at'][:16]} | " + " | ".join(
+    for record in records:
+        rows.append(f"| `{record['name']}` {record['created_at'][:16]} | " + " | ".join(
             str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
             for name in RUN_RATIOS) + " |")
-    records = list(runs.values())
 
     def median(name: str) -> str:
         values = [r["ratios"][name]["value"] for r in records if name in r["ratios"]]
         return str(round(statistics.median(values), 3)) if values else "–"
 
     medians = [median(name) for name in RUN_RATIOS]
-    targets = [next(r["ratios"][name]["target"] for r in records if name in r["ratios"])
-               if any(name in r["ratios"] for r in records) else "–" for name in RUN_RATIOS]
+    targets = [records[-1]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest run has all
     rows.append("| median | " + " | ".join(str(m) for m in medians) + " |")
     rows.append("| target | " + " | ".join(targets) + " |")
     return "\n".join(rows)
@@ -292,8 +291,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     glove = json.loads((records / "bench-glove.json").read_text())
     hot_path = json.loads((records / "hot-path-ab.json").read_text())
     batches = json.loads((records / "hot-path-batches.json").read_text())
-    runs = {name: json.loads((records / name).read_text())
-            for name in BENCH_RUNS if (records / name).exists()}
+    runs = [json.loads((records / name).read_text()) for name in BENCH_RUNS if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
