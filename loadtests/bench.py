@@ -190,10 +190,9 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
             bench.run(url, label, 32)
             if label in ("shardserve-4shard", "shardserve-1shard"):
                 bench.run(url, f"{label}-batch256", 2, batch=256)
-            if label == "shardserve-4shard":  # the same queries as .npy bodies (core.api)
-                bench.run(url, f"{label}-npy", 32, npy=True)
-                bench.run(url, f"{label}-batch256-npy", 2, batch=256, npy=True)
             if label == "shardserve-4shard":
+                bench.run(url, f"{label}-npy", 32, npy=True)  # the same queries as .npy bodies
+                bench.run(url, f"{label}-batch256-npy", 2, batch=256, npy=True)
                 bench.run(serve_http, f"{label}-serve-http", 1)
                 bench.run(serve_http, f"{label}-serve-http", 32)
                 # The edge's hop, not its shedding: admission wide enough that c=32 is not shed.
