@@ -1,8 +1,9 @@
 """`shardserve build`: train once, add per shard in parallel (Ray Data), publish shards + manifest.
 
-In memory (every dataset but parquet): load → sample (seeded) → train the empty index ONCE → one
-Ray Data task per shard adds rows i ≡ shard (mod S) from the matrix in the object store and writes
-its shard file → the manifest is written last, atomically (index_build.publish). Parquet is
+In memory (every dataset but parquet): load → sample (seeded) → train the empty index ONCE → deal
+rows to shards (whole IVF lists per shard, else i mod S: core.partition) → one Ray Data task per
+shard adds its rows from the matrix in the object store and writes its shard file → the manifest
+is written last, atomically (index_build.publish). Parquet is
 streamed instead (index_build.streaming), with the same rows, rules and bytes.
 """
 
@@ -20,6 +21,7 @@ from core.errors import ShardserveError
 from core.indexes import add_to_copy, make_empty_index, prepare_vectors
 from core.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
 from core.metadata import write_metadata
+from core.partition import BY_LISTS, Partition, quantizer_of
 from core.storage import Location
 from core.timing import timed
 from index_build.publish import (
@@ -82,17 +84,19 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
     """The in-memory build: `dataset` holds the base matrix; Ray (or this process) adds per shard."""
     vectors = prepare_vectors(dataset.base, params.metric)
 
-    def add(empty: bytes, at: Location, timings: dict) -> tuple[list[ShardEntry], list[ShardEntry] | None]:
+    def add(empty: bytes, partition: Partition, at: Location,
+            timings: dict) -> tuple[list[ShardEntry], list[ShardEntry] | None]:
+        with timed("deal rows to shards", timings):
+            rows_of_shard = rows_per_shard(partition, empty, vectors)
         with timed(f"add+write {params.shards} shards ({backend})", timings):
             add_shards = add_shards_ray if backend == "ray" else add_shards_local
-            entries = add_shards(vectors, dataset.index_ids(), empty, params.shards, at)
+            entries = add_shards(vectors, dataset.index_ids(), empty, rows_of_shard, at)
         metadata = None
-        if dataset.metadata is not None:  # the same rows as each shard's index: i mod S
+        if dataset.metadata is not None:  # the same rows as each shard's index
             with timed("metadata", timings):
                 ids = dataset.index_ids()
-                metadata = [write_metadata(at, s, ids[s::params.shards],
-                                           dataset.metadata.take(np.arange(s, len(ids), params.shards)))
-                            for s in range(params.shards)]
+                metadata = [write_metadata(at, s, ids[rows], dataset.metadata.take(rows))
+                            for s, rows in enumerate(rows_of_shard)]
         return entries, metadata
 
     info = DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint(), vector_column=vector_column,
@@ -102,17 +106,25 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                          lambda: training_sample(vectors, params), add, {"backend": backend}, auto)
 
 
-def add_shards_local(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: int,
+def rows_per_shard(partition: Partition, empty: bytes, vectors: np.ndarray) -> list[np.ndarray]:
+    """Each shard's base rows, ascending (the order they are added in: deterministic bytes)."""
+    quantizer = quantizer_of(empty) if partition.kind == BY_LISTS else None
+    shard_of = partition.shard_of(None if quantizer is None else quantizer[0], vectors,
+                                  np.arange(len(vectors)))
+    return [np.flatnonzero(shard_of == s) for s in range(partition.shards)]
+
+
+def add_shards_local(vectors: np.ndarray, ids: np.ndarray, empty: bytes, rows_of_shard: list[np.ndarray],
                      location: Location) -> list[ShardEntry]:
     """Single-process reference: the same adds, one shard after another, all cores per add.
-    Row i (id `ids[i]`: the user's, or i) goes to shard i mod S."""
-    return [write_shard(location, s, add_to_copy(empty, vectors[s::shards], ids[s::shards]))
-            for s in range(shards)]
+    Row i (id `ids[i]`: the user's, or i) goes to the shard whose rows hold it."""
+    return [write_shard(location, s, add_to_copy(empty, vectors[rows], ids[rows]))
+            for s, rows in enumerate(rows_of_shard)]
 
 
-def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: int,
+def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, rows_of_shard: list[np.ndarray],
                    location: Location) -> list[ShardEntry]:
-    """Ray Data over shard specs: one task per shard adds its rows (id mod S) and writes its file.
+    """Ray Data over shard specs: one task per shard adds its rows and writes its file.
 
     The base matrix and the trained index go into the object store once; each task maps them
     zero-copy and selects its rows, so no shuffle moves the data (a groupby(shard) hash shuffle
@@ -120,10 +132,11 @@ def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: i
     """
     import ray
 
+    shards = len(rows_of_shard)
     specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
     written = specs.map_batches(
         _add_and_write_shard, batch_size=1, batch_format="numpy", num_cpus=1,
-        fn_kwargs={"refs": [ray.put(vectors), ray.put(ids), ray.put(empty)], "shards": shards,
+        fn_kwargs={"refs": [ray.put(vectors), ray.put(ids), ray.put(empty), ray.put(rows_of_shard)],
                    "location_uri": location.uri})
     rows = written.take_all()
     if len(rows) != shards:
@@ -131,16 +144,16 @@ def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, shards: i
     return [ShardEntry.model_validate_json(row["entry"]) for row in rows]
 
 
-def _add_and_write_shard(batch: dict[str, np.ndarray], refs: list, shards: int,
+def _add_and_write_shard(batch: dict[str, np.ndarray], refs: list,
                          location_uri: str) -> dict[str, np.ndarray]:
-    """Ray Data task body: rows i ≡ shard (mod S) of the shared matrix, with their ids → one shard file."""
+    """Ray Data task body: this shard's rows of the shared matrix, with their ids → one shard file."""
     import ray
 
     faiss.omp_set_num_threads(1)  # one CPU per task; also makes HNSW insertion order deterministic
-    vectors, ids, empty = ray.get(refs)
+    vectors, ids, empty, rows_of_shard = ray.get(refs)
     entries = []
     for shard in batch["shard"].tolist():
-        index = add_to_copy(empty, np.ascontiguousarray(vectors[shard::shards]),
-                            np.ascontiguousarray(ids[shard::shards]))
+        rows = rows_of_shard[shard]
+        index = add_to_copy(empty, np.ascontiguousarray(vectors[rows]), np.ascontiguousarray(ids[rows]))
         entries.append(write_shard(Location.parse(location_uri), shard, index).model_dump_json())
     return {"entry": np.array(entries)}

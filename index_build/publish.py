@@ -29,6 +29,7 @@ from core.manifest import (
     published,
     write_manifest,
 )
+from core.partition import Partition
 from core.storage import Location, sha256_hex
 from core.timing import timed
 
@@ -38,7 +39,8 @@ class BuildParams:
     """What determines the shard bytes: same params + same data → byte-identical shards.
 
     factory: any FAISS index_factory string (Flat, IVF1024,Flat, IVF256,PQ16x4fs, HNSW32, ...).
-    shards: number of shards S; row i goes to shard i mod S.
+    shards: number of shards S; plain IVF indexes deal whole lists to shards, others row i to
+        shard i mod S (core.partition).
     metric: l2, ip or cosine (cosine L2-normalises base and queries).
     train_size: rows sampled (seeded) to train the quantizer; 0 = min(n, 256 x nlist or 100K).
     seed: sampling and k-means seed.
@@ -52,7 +54,8 @@ class BuildParams:
 
 
 TrainSample = Callable[[], np.ndarray]
-AddShards = Callable[[bytes, Location, dict], tuple[list[ShardEntry], list[ShardEntry] | None]]
+AddShards = Callable[[bytes, Partition, Location, dict],
+                    tuple[list[ShardEntry], list[ShardEntry] | None]]
 
 
 def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
@@ -68,15 +71,20 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
     try:
         location.fs.create_dir(location.root, recursive=True)
         with timed("train", timings):
-            empty = train_empty_index(params.factory, params.metric, sample(), params.seed)
-        entries, metadata = add(empty, location, timings)
+            train = sample()
+            empty = train_empty_index(params.factory, params.metric, train, params.seed)
+        with timed("partition", timings):
+            partition = Partition.plan(empty, train, params.shards)
+        del train
+        entries, metadata = add(empty, partition, location, timings)
         entries = sorted(entries, key=lambda e: e.name)
         trained = write_file(location, TRAINED_FILE, empty, 0)
         manifest = Manifest(
             index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
             dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
             shards=entries, trained=trained, metadata=metadata, dataset=dataset,
-            build=BuildInfo(params={**_public(params), **extra, "stages_s": timings,
+            build=BuildInfo(params={**_public(params), **extra, "partition": partition.describe(),
+                                    "stages_s": timings,
                                     **({"auto": auto} if auto else {})},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),

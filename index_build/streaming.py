@@ -8,8 +8,10 @@ Stages:
    ids (8 bytes a row: the duplicate check needs them all; the vectors are never kept);
 2. train the empty index ONCE on that bounded sample;
 3. Ray Data over shard specs: each task streams the row groups again and adds only its own rows
-   (base row i goes to shard i mod S, as in the in-memory build), then writes its shard file and
-   its metadata file. Memory per task: one row group plus the shard it builds.
+   (the rows of the IVF lists it owns, else base row i mod S: core.partition, as in the in-memory
+   build), then writes its shard file and its metadata file. Memory per task: one row group plus
+   the shard it builds. Dealing by list costs each task a coarse assignment of every row (S
+   assignments of the data in all, where the adds alone do one).
 
 Row numbers, the held-out queries, the training rows and the row -> shard rule are those of the
 in-memory path (core.datasets, index_build.job), so both builds of the same files write
@@ -48,6 +50,7 @@ from core.errors import ShardserveError
 from core.indexes import make_empty_index, prepare_vectors
 from core.manifest import Manifest
 from core.metadata import write_metadata
+from core.partition import BY_LISTS, Partition, quantizer_of
 from core.storage import Location
 
 TRAIN_MAX_BYTES = 256 * 2**20  # the training sample's cap, whatever the factory asks for
@@ -250,10 +253,10 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
     return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, queries)
 
 
-def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, shards: int,
+def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, partition: Partition,
                         base_rows: int, location: Location) -> tuple[str, str | None]:
-    """Stream every row group, add this shard's rows (base position mod S), write the shard file
-    and its metadata; return their manifest entries as JSON."""
+    """Stream every row group, add this shard's rows (core.partition), write the shard file and its
+    metadata; return their manifest entries as JSON."""
     import faiss
     import pyarrow as pa
 
@@ -262,16 +265,22 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, s
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
     index = index_from_bytes(empty)
+    quantizer = quantizer_of(empty) if partition.kind == BY_LISTS else None
     ids_kept, tables = [], []
     for piece in pieces(source, base_rows):
-        mine = piece.base & (piece.position % shards == shard)
+        rows = np.flatnonzero(piece.base)
+        if not len(rows):
+            continue
+        vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
+        mine = partition.shard_of(None if quantizer is None else quantizer[0], vectors,
+                                  piece.position[rows]) == shard
         if not mine.any():
             continue
-        ids = piece.ids[mine] if piece.ids is not None else piece.position[mine].astype(np.int64)
-        index.add_with_ids(prepare_vectors(np.ascontiguousarray(piece.matrix[mine]), metric), ids)
+        ids = piece.ids[rows[mine]] if piece.ids is not None else piece.position[rows[mine]].astype(np.int64)
+        index.add_with_ids(np.ascontiguousarray(vectors[mine]), ids)
         ids_kept.append(ids)
         if source.metadata_columns:
-            tables.append(piece.table.filter(pa.array(mine)))
+            tables.append(piece.table.take(pa.array(rows[mine])))
     entry = write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
     meta = None
     if source.metadata_columns:
@@ -307,15 +316,15 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     info = DatasetInfo(name=source.name, fingerprint=scanned.fingerprint, vector_column=vector_column,
                        id_column=id_column, metadata_columns=list(source.metadata_columns))
 
-    def add(empty: bytes, at: Location, timings: dict):
+    def add(empty: bytes, partition: Partition, at: Location, timings: dict):
         from core.manifest import ShardEntry
         from core.timing import timed
 
         with timed(f"stream+add+write {params.shards} shards ({backend})", timings):
             if backend == "ray":
-                written = _add_shards_ray(source, empty, params.metric, params.shards, base_rows, at)
+                written = _add_shards_ray(source, empty, params.metric, partition, base_rows, at)
             else:
-                written = [add_shard_streaming(source, empty, params.metric, s, params.shards, base_rows, at)
+                written = [add_shard_streaming(source, empty, params.metric, s, partition, base_rows, at)
                            for s in range(params.shards)]
         entries = [ShardEntry.model_validate_json(entry) for entry, _ in written]
         metadata = ([ShardEntry.model_validate_json(meta) for _, meta in written]
@@ -332,15 +341,16 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto)
 
 
-def _add_shards_ray(source: Source, empty: bytes, metric: str, shards: int, base_rows: int,
+def _add_shards_ray(source: Source, empty: bytes, metric: str, partition: Partition, base_rows: int,
                     location: Location) -> list[tuple[str, str | None]]:
     """Ray Data over shard specs: one task per shard streams the row groups and builds its shard."""
     import ray
 
+    shards = partition.shards
     specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
     written = specs.map_batches(
         _stream_shard_task, batch_size=1, batch_format="numpy", num_cpus=1,
-        fn_kwargs={"source": source, "empty": ray.put(empty), "metric": metric, "shards": shards,
+        fn_kwargs={"source": source, "empty": ray.put(empty), "metric": metric, "partition": partition,
                    "base_rows": base_rows, "location_uri": location.uri})
     rows = written.take_all()
     if len(rows) != shards:
@@ -349,9 +359,9 @@ def _add_shards_ray(source: Source, empty: bytes, metric: str, shards: int, base
 
 
 def _stream_shard_task(batch: dict[str, np.ndarray], source: Source, empty, metric: str,
-                       shards: int, base_rows: int, location_uri: str) -> dict[str, np.ndarray]:
+                       partition: Partition, base_rows: int, location_uri: str) -> dict[str, np.ndarray]:
     import ray
 
-    written = [add_shard_streaming(source, ray.get(empty), metric, int(shard), shards, base_rows,
+    written = [add_shard_streaming(source, ray.get(empty), metric, int(shard), partition, base_rows,
                                    Location.parse(location_uri)) for shard in batch["shard"].tolist()]
     return {"entry": np.array([e for e, _ in written]), "meta": np.array([m or "" for _, m in written])}

@@ -3,7 +3,8 @@
 python -m loadtests.ab_revisions --index DIR [--rounds 2] [--duration 8] [--name hot-path-ab] REV REV ...
 
 A REV may carry app-arg overrides as JSON after a `+`: `HEAD+{"max_concurrent_batches":2}` (the
-same code with other settings).
+same code with other settings); an `"index"` override serves another index (the same code on two
+builds of the same data).
 
 Why: a hot-path change is worth a few percent, and on this shared 2-core machine two `make bench`
 runs of the same code differ by more than that. Here every revision runs in every round (order
@@ -48,6 +49,7 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
     from loadtests.targets import make_targets, write_targets
     from loadtests.vegeta_run import attack
 
+    index = overrides.pop("index", index)
     queries, params = load_dataset("fashion-mnist").queries, {"nprobe": 16}
     front = f"http://127.0.0.1:{FRONT_PORT}"
     if not ensure_ray(serving_node=True):
