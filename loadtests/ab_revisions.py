@@ -44,7 +44,9 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
     from ray import serve
 
     from core.datasets import load_dataset
+    from core.manifest import read_manifest
     from core.procfs import CpuMeter
+    from core.storage import Location
     from deployments.run import deploy
     from loadtests.targets import make_targets, write_targets
     from loadtests.vegeta_run import attack
@@ -54,7 +56,9 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
     front = f"http://127.0.0.1:{FRONT_PORT}"
     if not ensure_ray(serving_node=True):
         raise SystemExit("error: needs its own Ray, and one is already running here")
-    result: dict = {"levels": {}}
+    served = read_manifest(Location.parse(index))
+    dealt = served.build.params.get("partition", {"kind": "rows"})  # builds before core.partition: rows
+    result: dict = {"levels": {}, "index": {"version": served.index_version, "partition": dealt}}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         try:

@@ -1,10 +1,13 @@
 """How much of a sharded query's CPU is FAISS itself: in-process, one thread, no serving at all.
 
-Per query, at a few batch sizes: the router's coarse quantizer (once per batch), the shards'
-`search_preassigned` scans (every shard, its own shorter lists; also with the batch's rows in
-arrival order instead of by lowest list, core.searcher.LIST_ORDER_ROWS), and the unsharded (merged)
-index's full search, as the uvicorn baseline runs it. Whatever a served request costs beyond the first two
-is serving overhead (HTTP, parsing, the hop, Ray's processes); `make bench` measures that total.
+Per query, at a few batch sizes: the router's coarse quantizer (once per batch), then the shards'
+`search_preassigned` scans, with the shards dealt as the index was built (whole IVF lists per shard,
+core.partition) and, for comparison, the same vectors dealt by row (i mod S, every shard a piece of
+every list; built here in memory from the same trained index); the lists-dealt scans with the
+batch's rows in arrival order instead of by lowest list (core.searcher.LIST_ORDER_ROWS); and the
+unsharded (merged) index, both its scan of the same assigned lists and its full search as the uvicorn
+baseline runs it. Whatever a served request costs beyond quantizer + scans is serving overhead
+(HTTP, parsing, the hop, Ray's processes); `make bench` measures that total.
 
     python -m loadtests.scan_cost --index indexes/fashion-mnist-ivf1024-4 → records/scan-cost.json
 """
@@ -19,9 +22,12 @@ import faiss
 import numpy as np
 
 from core.datasets import load_dataset
-from core.indexes import prepare_vectors
-from core.searcher import LIST_ORDER_ROWS, CoarseAssigner, load_all_shards
+from core.indexes import add_to_copy, prepare_vectors
+from core.manifest import read_shard_checked
+from core.partition import BY_LISTS, Partition
+from core.searcher import LIST_ORDER_ROWS, CoarseAssigner, ShardSearcher, load_all_shards
 from core.storage import Location
+from index_build.job import rows_per_shard
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import header, save
 
@@ -37,12 +43,22 @@ def cpu_ms_per_query(items: list, queries: int, search: Callable[[object], objec
     return round(best, 4)
 
 
-def measure(index: str, queries: np.ndarray, k: int, params: dict, batches: list[int]) -> list[dict]:
+def measure(index: str, dataset: str, queries: np.ndarray, k: int, params: dict,
+            batches: list[int]) -> list[dict]:
     faiss.omp_set_num_threads(1)  # as in the router's quantizer thread and every shard replica
     manifest, shards = load_all_shards(index)
-    assigner = CoarseAssigner.load(Location.parse(index), manifest)
-    if assigner is None:
-        raise SystemExit(f"{manifest.index_factory}: not a plain IVF index (no shared quantizer)")
+    if manifest.build.params.get("partition", {}).get("kind") != BY_LISTS:
+        raise SystemExit(f"{index}: not dealt by IVF list (built before core.partition, or not plain IVF)")
+    location = Location.parse(index)
+    assigner = CoarseAssigner.load(location, manifest)
+    empty = read_shard_checked(location, manifest.trained)
+    data = load_dataset(dataset, limit=manifest.num_vectors)
+    if data.fingerprint() != manifest.dataset.fingerprint:
+        raise SystemExit(f"{dataset} is not the data {index} was built from")
+    base = prepare_vectors(data.base, manifest.metric)
+    by_rows = [ShardSearcher(add_to_copy(empty, base[rows], data.index_ids()[rows]), manifest.metric, f"r{s}",
+                             manifest.index_version)
+               for s, rows in enumerate(rows_per_shard(Partition(len(shards)), empty, base))]
     monolith, _ = merged_searcher(index)
     prepared = prepare_vectors(queries, manifest.metric)
     rows = []
@@ -52,16 +68,21 @@ def measure(index: str, queries: np.ndarray, k: int, params: dict, batches: list
         n = len(prepared)
         quantizer = cpu_ms_per_query(matrices, n, lambda m: assigner.query(m, k, params))
         scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
+        rows_scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in by_rows])
         for shard in shards:  # the same scans with every batch's rows in arrival order
             shard.list_order_rows = batch + 1
         arrival = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         for shard in shards:
             shard.list_order_rows = LIST_ORDER_ROWS
+        unsharded_scan = cpu_ms_per_query(assigned, n, monolith.answer)
         full = cpu_ms_per_query(matrices, n, lambda m: monolith.search(m, k, params, prepared=True))
         rows.append({"batch": batch, "quantizer_ms": quantizer, "shard_scans_ms": scans,
-                     "shard_scans_arrival_order_ms": arrival,
+                     "shard_scans_by_rows_ms": rows_scans,
+                     "shard_scans_arrival_order_ms": arrival, "unsharded_scan_ms": unsharded_scan,
                      "sharded_total_ms": round(quantizer + scans, 4), "monolith_ms": full,
-                     "sharded_vs_monolith": round((quantizer + scans) / full, 3)})
+                     "sharded_vs_monolith": round((quantizer + scans) / full, 3),
+                     "scans_vs_unsharded_scan": round(scans / unsharded_scan, 3),
+                     "by_rows_vs_unsharded_scan": round(rows_scans / unsharded_scan, 3)})
         print(rows[-1], flush=True)
     return rows
 
@@ -78,7 +99,8 @@ def main() -> None:
     args = cli.parse_args()
     queries = load_dataset(args.dataset, num_queries=args.queries).queries
     params = {"nprobe": args.nprobe}
-    rows = measure(args.index, queries, args.k, params, [int(b) for b in args.batches.split(",")])
+    rows = measure(args.index, args.dataset, queries, args.k, params,
+                   [int(b) for b in args.batches.split(",")])
     manifest, _ = load_all_shards(args.index)
     record = header(args.name, tool=None,
                     index={"version": manifest.index_version, "factory": manifest.index_factory,

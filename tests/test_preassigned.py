@@ -13,17 +13,22 @@ import pytest
 from core.api import hits
 from core.datasets import load_dataset
 from core.indexes import add_to_copy, index_from_bytes, prepare_vectors, train_empty_index
+from core.partition import BY_LISTS, BY_ROWS, Partition
 from core.searcher import CoarseAssigner, ShardSearcher
 from core.shard_wire import ShardQuery, decode_answer, encode_answer
+from index_build.job import rows_per_shard
 from serving.evaluate import sharded_search
 
 
-def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4):
+def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4, by: str = BY_LISTS):
+    """Shards dealt as the build deals them (whole IVF lists per shard), or by row (i mod S)."""
     vectors = prepare_vectors(base, metric)
     empty = train_empty_index(factory, metric, vectors, seed=3)
     ids = np.arange(len(vectors))
-    searchers = [ShardSearcher(add_to_copy(empty, vectors[s::shards], ids[s::shards]), metric, f"s{s}", "v")
-                 for s in range(shards)]
+    partition = Partition.plan(empty, vectors, shards) if by == BY_LISTS else Partition(shards)
+    assert partition.kind == by
+    searchers = [ShardSearcher(add_to_copy(empty, vectors[rows], ids[rows]), metric, f"s{s}", "v")
+                 for s, rows in enumerate(rows_per_shard(partition, empty, vectors))]
     unsharded = ShardSearcher(add_to_copy(empty, vectors, ids), metric, "all", "v")
     return searchers, unsharded, CoarseAssigner.from_trained(index_from_bytes(empty))
 
@@ -31,9 +36,10 @@ def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4):
 @pytest.mark.parametrize("factory, metric", [("IVF64,Flat", "l2"), ("IVF64,Flat", "ip"),
                                              ("IVF64,Flat", "cosine"), ("IVF64,PQ8", "l2"),
                                              ("IVF64,PQ16x4fs", "l2"), ("IVF64,SQ8", "ip")])
-def test_quantize_once_equals_unsharded(factory: str, metric: str) -> None:
+@pytest.mark.parametrize("by", [BY_LISTS, BY_ROWS])
+def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> None:
     data = load_dataset("synthetic:8000x32")
-    searchers, unsharded, assigner = _sharded(factory, metric, data.base)
+    searchers, unsharded, assigner = _sharded(factory, metric, data.base, by=by)
     assert assigner is not None
     queries = data.queries[:300]
     for nprobe in (1, 7, 64, 200):  # 200 > nlist: clamped like FAISS does
