@@ -231,6 +231,21 @@ def ab_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def partition_ab_table(record: dict) -> str:
+    """The same code serving two builds of the same data, dealt by row and by IVF list."""
+    levels = list(next(iter(record["summary"].values())))
+    rows = [f"| index served ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
+        f"{level} queries/s (vs first) | {level} CPU ms/req (vs first)" for level in levels) + " |",
+        "|---" * (1 + 2 * len(levels)) + "|"]
+    for revision, by_level in record["summary"].items():
+        served = record["runs"][revision][0]["index"]
+        rows.append(f"| shards dealt by {served['partition']['kind']} (version `{served['version']}`) | "
+                    + " | ".join(f"{_cell(v['queries_per_s'])} ({v['qps_vs_first']}) | "
+                                 f"{v['cpu_ms_per_request']:.3f} ({v['cpu_vs_first']})"
+                                 for v in by_level.values()) + " |")
+    return "\n".join(rows)
+
+
 def idle_table(record: dict) -> str:
     """What each Serve system of `make bench` costs serving nothing (steady state, warm pool full)."""
     idle = record.get("idle_percent_of_a_core", {})
@@ -264,17 +279,22 @@ def bench_runs_table(records: list[dict]) -> str:
     added later shows "–" for the runs before it."""
     rows = ["| run | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 1) + "|"]
     for record in records:
-        rows.append(f"| `{record['name']}` {record['created_at'][:16]} | " + " | ".join(
+        label = f"`{record['name']}` {record['created_at'][:16]}, index `{record['index']['version']}`"
+        rows.append(f"| {label} | " + " | ".join(
             str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
             for name in RUN_RATIOS) + " |")
 
+    newest = records[-1]["index"]["version"]  # a rebuilt index (e.g. dealt by list) starts a new series
+    current = [r for r in records if r["index"]["version"] == newest]
+
     def median(name: str) -> str:
-        values = [r["ratios"][name]["value"] for r in records if name in r["ratios"]]
+        values = [r["ratios"][name]["value"] for r in current if name in r["ratios"]]
         return str(round(statistics.median(values), 3)) if values else "–"
 
     medians = [median(name) for name in RUN_RATIOS]
     targets = [records[-1]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest run has all
-    rows.append("| median | " + " | ".join(str(m) for m in medians) + " |")
+    rows.append(f"| median of the {len(current)} run(s) on index `{newest}` | "
+                + " | ".join(str(m) for m in medians) + " |")
     rows.append("| target | " + " | ".join(targets) + " |")
     return "\n".join(rows)
 
@@ -291,6 +311,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     hygiene = json.loads((records / "hygiene.json").read_text())
     glove = json.loads((records / "bench-glove.json").read_text())
     hot_path = json.loads((records / "hot-path-ab.json").read_text())
+    partition_ab = json.loads((records / "partition-ab.json").read_text())
     batches = json.loads((records / "hot-path-batches.json").read_text())
     runs = [json.loads((records / name).read_text()) for name in BENCH_RUNS if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
@@ -300,7 +321,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
             "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
             "hot-path-batches": ab_table(batches), "bench-runs": bench_runs_table(runs),
-            "bench-idle": idle_table(bench)}
+            "bench-idle": idle_table(bench), "partition-ab": partition_ab_table(partition_ab)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:
