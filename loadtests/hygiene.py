@@ -17,7 +17,9 @@ The knobs (issue: process hygiene):
   vs every 1 s (a swap then takes up to 1 s longer to reach every router);
 - HAProxy threads: Serve's HAProxy ingress at Ray's default of 4 threads vs 2 (the cores) vs 1;
 - OpenMP wait policy: with one FAISS thread per shard replica (our default) OpenMP never forks a
-  team, so the policy only matters with `faiss_threads` 2: default (spin, then sleep) vs PASSIVE.
+  team, so the policy only matters with `faiss_threads` 2: default (spin, then sleep) vs PASSIVE;
+- Serve's controller loop: every 0.1 s (Ray's default) vs every 0.5 s (the controller is the
+  largest idle process of the stack; autoscaling and health decisions then come up to 0.4 s later).
 Record: loadtests/records/hygiene.json.
 """
 
@@ -57,6 +59,7 @@ VARIANTS = {
     "faiss-2-threads": Variant(overrides={"faiss_threads": 2}, levels=("front", "batch256")),
     "faiss-2-threads-omp-passive": Variant(env={"OMP_WAIT_POLICY": "PASSIVE"},
                                            overrides={"faiss_threads": 2}, levels=("front", "batch256")),
+    "serve-control-loop-0.5s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}),
 }
 RAY_PROCESSES = [(b"gcs_server", "GCS"), (b"raylet", "raylet"),
                  (b"ray::DashboardAgent", "dashboard agent"), (b"dashboard/dashboard.py", "dashboard head"),
@@ -151,6 +154,7 @@ def main() -> None:
     cli.add_argument("--rounds", type=int, default=2)
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--variants", default=",".join(VARIANTS))
+    cli.add_argument("--name", default="hygiene", help="record name (a subset of variants: its own record)")
     args = cli.parse_args()
     from core.ray_session import apply_serving_node_env
 
@@ -173,7 +177,7 @@ def main() -> None:
             print(f"round {number + 1}: {', '.join(order)}", flush=True)
             for name in order:
                 runs[name].append(run_variant(name, VARIANTS[name], index, queries, args.duration, Path(tmp)))
-    record = header("hygiene", index={"version": manifest.index_version, "factory": manifest.index_factory,
+    record = header(args.name, index={"version": manifest.index_version, "factory": manifest.index_factory,
                                       "shards": len(manifest.shards), "params": {"nprobe": 16}},
                     variants={name: {"env": VARIANTS[name].env, "app_args": VARIANTS[name].overrides}
                               for name in names},
