@@ -66,12 +66,15 @@ class Partition:
         sizes = np.bincount(_assign(ivf_index, sample), minlength=ivf_index.nlist)
         return cls(shards, balanced_owners(sizes, shards))
 
-    def shard_of(self, quantizer: faiss.Index | None, vectors: np.ndarray,
-                 positions: np.ndarray) -> np.ndarray:
-        """Each row's shard; `vectors` prepared (float32, normalised for cosine), `positions` their
-        base row numbers. `quantizer` comes from `quantizer_of(trained)` (None when dealing by row)."""
+    def shard_of(self, positions: np.ndarray, vectors: np.ndarray | None = None,
+                 quantizer: faiss.Index | None = None) -> np.ndarray:
+        """Each row's shard, from its base row number (`positions`) when dealing by row; by list,
+        from its `vectors` (prepared: float32, normalised for cosine) and the coarse `quantizer`
+        (`quantizer_of(trained)`)."""
         if self.owners is None:
             return (np.asarray(positions) % self.shards).astype(np.int32)
+        if vectors is None or quantizer is None:
+            raise ValueError("dealing by IVF list needs the rows' vectors and the coarse quantizer")
         if len(vectors) == 0:
             return np.zeros(0, np.int32)
         return self.owners[_assign_with(quantizer, vectors)]

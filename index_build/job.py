@@ -109,8 +109,8 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
 def rows_per_shard(partition: Partition, empty: bytes, vectors: np.ndarray) -> list[np.ndarray]:
     """Each shard's base rows, ascending (the order they are added in: deterministic bytes)."""
     quantizer = quantizer_of(empty) if partition.kind == BY_LISTS else None
-    shard_of = partition.shard_of(None if quantizer is None else quantizer[0], vectors,
-                                  np.arange(len(vectors)))
+    shard_of = partition.shard_of(np.arange(len(vectors)), vectors,
+                                  None if quantizer is None else quantizer[0])
     return [np.flatnonzero(shard_of == s) for s in range(partition.shards)]
 
 

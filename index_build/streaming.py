@@ -269,18 +269,20 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
     ids_kept, tables = [], []
     for piece in pieces(source, base_rows):
         rows = np.flatnonzero(piece.base)
+        if quantizer is None:  # by row: pick this shard's rows first, prepare only those
+            rows = rows[partition.shard_of(piece.position[rows]) == shard]
+            vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
+        else:  # by list: every base row's list decides, so all of them are prepared and assigned
+            vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
+            mine = partition.shard_of(piece.position[rows], vectors, quantizer[0]) == shard
+            rows, vectors = rows[mine], vectors[mine]
         if not len(rows):
             continue
-        vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
-        mine = partition.shard_of(None if quantizer is None else quantizer[0], vectors,
-                                  piece.position[rows]) == shard
-        if not mine.any():
-            continue
-        ids = piece.ids[rows[mine]] if piece.ids is not None else piece.position[rows[mine]].astype(np.int64)
-        index.add_with_ids(np.ascontiguousarray(vectors[mine]), ids)
+        ids = piece.ids[rows] if piece.ids is not None else piece.position[rows].astype(np.int64)
+        index.add_with_ids(np.ascontiguousarray(vectors), ids)
         ids_kept.append(ids)
         if source.metadata_columns:
-            tables.append(piece.table.take(pa.array(rows[mine])))
+            tables.append(piece.table.take(pa.array(rows)))
     entry = write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
     meta = None
     if source.metadata_columns:

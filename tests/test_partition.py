@@ -30,6 +30,8 @@ def test_every_list_lives_in_exactly_one_shard_and_every_row_in_one() -> None:
     empty = train_empty_index("IVF40,Flat", "l2", vectors, seed=3)
     partition = Partition.plan(empty, vectors, 3)
     assert partition.kind == BY_LISTS and sorted(set(partition.owners.tolist())) == [0, 1, 2]
+    with pytest.raises(ValueError, match="quantizer"):  # by list, a row number alone decides nothing
+        partition.shard_of(np.arange(3))
     rows = rows_per_shard(partition, empty, vectors)
     assert np.array_equal(np.sort(np.concatenate(rows)), np.arange(len(vectors)))
     quantizer, _owner = quantizer_of(empty)
