@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 
-from core.indexes import index_from_bytes, unwrap_id_map
+from core.indexes import index_from_bytes
+from core.searcher import CoarseAssigner
 
 BY_LISTS, BY_ROWS = "ivf-lists", "rows"
 
@@ -58,26 +58,26 @@ class Partition:
 
     @classmethod
     def plan(cls, trained: bytes, sample: np.ndarray, shards: int) -> Partition:
-        """Deal by list when the trained index is plain IVF, sizes estimated on `sample` (prepared)."""
-        ivf = _plain_ivf(trained)
-        if ivf is None or shards == 1:
+        """Deal by list when the router can quantize for the trained index (plain IVF: core.searcher's
+        CoarseAssigner, the one test of "plain IVF"), list sizes estimated on `sample` (prepared)."""
+        assigner = assigner_of(trained)
+        if assigner is None or shards == 1:
             return cls(shards)
-        ivf_index, _owner = ivf
-        sizes = np.bincount(_assign(ivf_index, sample), minlength=ivf_index.nlist)
+        sizes = np.bincount(_nearest_list(assigner, sample), minlength=assigner.ivf.nlist)
         return cls(shards, balanced_owners(sizes, shards))
 
     def shard_of(self, positions: np.ndarray, vectors: np.ndarray | None = None,
-                 quantizer: faiss.Index | None = None) -> np.ndarray:
+                 assigner: CoarseAssigner | None = None) -> np.ndarray:
         """Each row's shard, from its base row number (`positions`) when dealing by row; by list,
-        from its `vectors` (prepared: float32, normalised for cosine) and the coarse `quantizer`
-        (`quantizer_of(trained)`)."""
+        from its `vectors` (prepared: float32, normalised for cosine) and the trained index's
+        `assigner` (`assigner_of(trained)`)."""
         if self.owners is None:
             return (np.asarray(positions) % self.shards).astype(np.int32)
-        if vectors is None or quantizer is None:
+        if vectors is None or assigner is None:
             raise ValueError("dealing by IVF list needs the rows' vectors and the coarse quantizer")
         if len(vectors) == 0:
             return np.zeros(0, np.int32)
-        return self.owners[_assign_with(quantizer, vectors)]
+        return self.owners[_nearest_list(assigner, vectors)]
 
     def describe(self) -> dict:
         """What the manifest records: the rule, and each shard's share of lists."""
@@ -86,26 +86,12 @@ class Partition:
         return {"kind": BY_LISTS, "lists_per_shard": np.bincount(self.owners, minlength=self.shards).tolist()}
 
 
-def quantizer_of(trained: bytes) -> tuple[faiss.Index, faiss.Index] | None:
-    """(coarse quantizer, the index that owns it: keep both referenced) of a plain IVF trained index."""
-    ivf = _plain_ivf(trained)
-    if ivf is None:
-        return None
-    ivf_index, owner = ivf
-    return faiss.downcast_index(ivf_index.quantizer), owner
+def assigner_of(trained: bytes) -> CoarseAssigner | None:
+    """The coarse quantizer of a trained (empty) index, as the router holds it; None: not plain IVF."""
+    return CoarseAssigner.from_trained(index_from_bytes(trained))
 
 
-def _plain_ivf(trained: bytes) -> tuple[faiss.IndexIVF, faiss.Index] | None:
-    owner = index_from_bytes(trained)
-    inner = unwrap_id_map(owner)
-    return (inner, owner) if isinstance(inner, faiss.IndexIVF) else None
-
-
-def _assign(ivf: faiss.IndexIVF, vectors: np.ndarray) -> np.ndarray:
-    return _assign_with(faiss.downcast_index(ivf.quantizer), vectors)
-
-
-def _assign_with(quantizer: faiss.Index, vectors: np.ndarray) -> np.ndarray:
+def _nearest_list(assigner: CoarseAssigner, vectors: np.ndarray) -> np.ndarray:
     """Each row's nearest list, as IndexIVF.add assigns it (the quantizer's own search, k=1)."""
-    _, lists = quantizer.search(np.ascontiguousarray(vectors, np.float32), 1)
+    _, lists = assigner.quantizer.search(np.ascontiguousarray(vectors, np.float32), 1)
     return lists[:, 0]

@@ -21,7 +21,7 @@ from core.errors import ShardserveError
 from core.indexes import add_to_copy, make_empty_index, prepare_vectors
 from core.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
 from core.metadata import write_metadata
-from core.partition import BY_LISTS, Partition, quantizer_of
+from core.partition import BY_LISTS, Partition, assigner_of
 from core.storage import Location
 from core.timing import timed
 from index_build.publish import (
@@ -108,9 +108,8 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
 
 def rows_per_shard(partition: Partition, empty: bytes, vectors: np.ndarray) -> list[np.ndarray]:
     """Each shard's base rows, ascending (the order they are added in: deterministic bytes)."""
-    quantizer = quantizer_of(empty) if partition.kind == BY_LISTS else None
-    shard_of = partition.shard_of(np.arange(len(vectors)), vectors,
-                                  None if quantizer is None else quantizer[0])
+    assigner = assigner_of(empty) if partition.kind == BY_LISTS else None
+    shard_of = partition.shard_of(np.arange(len(vectors)), vectors, assigner)
     return [np.flatnonzero(shard_of == s) for s in range(partition.shards)]
 
 

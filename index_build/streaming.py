@@ -50,7 +50,7 @@ from core.errors import ShardserveError
 from core.indexes import make_empty_index, prepare_vectors
 from core.manifest import Manifest
 from core.metadata import write_metadata
-from core.partition import BY_LISTS, Partition, quantizer_of
+from core.partition import BY_LISTS, Partition, assigner_of
 from core.storage import Location
 
 TRAIN_MAX_BYTES = 256 * 2**20  # the training sample's cap, whatever the factory asks for
@@ -265,16 +265,16 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
     index = index_from_bytes(empty)
-    quantizer = quantizer_of(empty) if partition.kind == BY_LISTS else None
+    assigner = assigner_of(empty) if partition.kind == BY_LISTS else None
     ids_kept, tables = [], []
     for piece in pieces(source, base_rows):
         rows = np.flatnonzero(piece.base)
-        if quantizer is None:  # by row: pick this shard's rows first, prepare only those
+        if assigner is None:  # by row: pick this shard's rows first, prepare only those
             rows = rows[partition.shard_of(piece.position[rows]) == shard]
             vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
         else:  # by list: every base row's list decides, so all of them are prepared and assigned
             vectors = prepare_vectors(np.ascontiguousarray(piece.matrix[rows]), metric)
-            mine = partition.shard_of(piece.position[rows], vectors, quantizer[0]) == shard
+            mine = partition.shard_of(piece.position[rows], vectors, assigner) == shard
             rows, vectors = rows[mine], vectors[mine]
         if not len(rows):
             continue

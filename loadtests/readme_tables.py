@@ -216,33 +216,27 @@ def hygiene_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-def ab_table(record: dict) -> str:
-    """An interleaved A/B of revisions (loadtests.ab_revisions): medians, and ratios to the first."""
+def _revision_label(record: dict, revision: str) -> str:
+    subject = record["revisions"].get(revision.partition("+")[0], "")
+    return f"`{revision}` {subject[:70]}{'…' if len(subject) > 70 else ''}"
+
+
+def _index_label(record: dict, revision: str) -> str:
+    served = record["runs"][revision][0]["index"]
+    return f"shards dealt by {served['partition']['kind']} (version `{served['version']}`)"
+
+
+def ab_table(record: dict, subject: str = "revision", label=_revision_label) -> str:
+    """An interleaved A/B (loadtests.ab_revisions): medians, and ratios to the first; each row
+    named by `label(record, revision)` (the revision, or the index it served)."""
     levels = list(next(iter(record["summary"].values())))
-    rows = [f"| revision ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
+    rows = [f"| {subject} ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
         f"{level} queries/s (vs first) | {level} CPU ms/req (vs first)" for level in levels) + " |",
         "|---" * (1 + 2 * len(levels)) + "|"]
     for revision, by_level in record["summary"].items():
-        subject = record["revisions"].get(revision.partition("+")[0], "")
-        name = f"`{revision}` {subject[:70]}{'…' if len(subject) > 70 else ''}"
-        rows.append(f"| {name} | " + " | ".join(
+        rows.append(f"| {label(record, revision)} | " + " | ".join(
             f"{_cell(v['queries_per_s'])} ({v['qps_vs_first']}) | {v['cpu_ms_per_request']:.3f} "
             f"({v['cpu_vs_first']})" for v in by_level.values()) + " |")
-    return "\n".join(rows)
-
-
-def partition_ab_table(record: dict) -> str:
-    """The same code serving two builds of the same data, dealt by row and by IVF list."""
-    levels = list(next(iter(record["summary"].values())))
-    rows = [f"| index served ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
-        f"{level} queries/s (vs first) | {level} CPU ms/req (vs first)" for level in levels) + " |",
-        "|---" * (1 + 2 * len(levels)) + "|"]
-    for revision, by_level in record["summary"].items():
-        served = record["runs"][revision][0]["index"]
-        rows.append(f"| shards dealt by {served['partition']['kind']} (version `{served['version']}`) | "
-                    + " | ".join(f"{_cell(v['queries_per_s'])} ({v['qps_vs_first']}) | "
-                                 f"{v['cpu_ms_per_request']:.3f} ({v['cpu_vs_first']})"
-                                 for v in by_level.values()) + " |")
     return "\n".join(rows)
 
 
@@ -322,7 +316,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
             "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
             "hot-path-batches": ab_table(batches), "bench-runs": bench_runs_table(runs),
-            "bench-idle": idle_table(bench), "partition-ab": partition_ab_table(partition_ab)}
+            "bench-idle": idle_table(bench),
+            "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
 
 def render(readme: str, generated: dict[str, str]) -> str:

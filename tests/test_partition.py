@@ -11,7 +11,7 @@ import pytest
 
 from core.datasets import load_dataset
 from core.indexes import prepare_vectors, train_empty_index
-from core.partition import BY_LISTS, BY_ROWS, Partition, balanced_owners, quantizer_of
+from core.partition import BY_LISTS, BY_ROWS, Partition, assigner_of, balanced_owners
 from core.searcher import load_all_shards
 from index_build.job import build_index, rows_per_shard
 
@@ -34,8 +34,8 @@ def test_every_list_lives_in_exactly_one_shard_and_every_row_in_one() -> None:
         partition.shard_of(np.arange(3))
     rows = rows_per_shard(partition, empty, vectors)
     assert np.array_equal(np.sort(np.concatenate(rows)), np.arange(len(vectors)))
-    quantizer, _owner = quantizer_of(empty)
-    _, lists = quantizer.search(vectors, 1)
+    assigner = assigner_of(empty)  # holds the index its quantizer lives in
+    _, lists = assigner.quantizer.search(vectors, 1)
     for shard, mine in enumerate(rows):
         assert set(partition.owners[lists[mine, 0]].tolist()) == {shard}
     sizes = [len(r) for r in rows]
