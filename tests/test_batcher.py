@@ -83,3 +83,45 @@ def test_errors_reach_every_caller_and_the_batcher_recovers() -> None:
         assert batcher.running == 0 and batcher.queued == 0
 
     asyncio.run(scenario())
+
+
+def test_small_batches_wait_for_the_one_in_flight_large_or_late_ones_overlap() -> None:
+    """The overlap rule: a second batch starts for a large queue at once, for a small one only
+    after `overlap_after_s` (a slow batch in flight), never beyond `max_concurrent`."""
+    started: list[tuple[float, int]] = []
+    delay = {"s": 0.05}
+
+    async def handler(batch: list[int]) -> list[int]:
+        started.append((asyncio.get_running_loop().time(), sum(batch)))
+        await asyncio.sleep(delay["s"])
+        return batch
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=2, size_of=lambda n: n,
+                                  overlap_min_size=32, overlap_after_s=10.0)
+        t0 = loop.time()
+        first = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0)
+        small = [asyncio.ensure_future(batcher.submit(1)) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        assert batcher.running == 1 and batcher.queued == 5  # small: waits for the batch in flight
+        large = asyncio.ensure_future(batcher.submit(40))  # 45 queued rows: worth overlapping
+        await asyncio.sleep(0.01)
+        assert batcher.running == 2 and batcher.queued == 0
+        await asyncio.gather(first, *small, large)
+        assert started[1][1] == 45 and started[1][0] - t0 < 0.04
+
+        started.clear()  # a slow batch in flight: the small queue goes beside it after the wait
+        delay["s"] = 0.3
+        slow = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=2, size_of=lambda n: n,
+                               overlap_min_size=32, overlap_after_s=0.05)
+        t0 = loop.time()
+        calls = [asyncio.ensure_future(slow.submit(1))]
+        await asyncio.sleep(0)
+        calls += [asyncio.ensure_future(slow.submit(1)) for _ in range(3)]
+        await asyncio.gather(*calls)
+        assert [size for _, size in started] == [1, 3]
+        assert 0.04 < started[1][0] - t0 < 0.2  # after the wait, not after the slow batch (0.3 s)
+
+    asyncio.run(scenario())
