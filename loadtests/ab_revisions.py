@@ -78,7 +78,7 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
                                queries_per_request=batch or 1, meter=CpuMeter())
                 result["levels"][label] = {key: level.get(key) for key in (
                     "qps", "queries_per_s", "p50_ms", "p99_ms", "compute_p50_ms", "status_codes",
-                    "cpu_ms_per_request", "machine_cpu", "batch_mean")}
+                    "cpu_ms_per_request", "machine_cpu", "batch_mean", "batches_per_s")}
         finally:
             serve.shutdown()
             shutdown_ray()

@@ -62,6 +62,8 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
         "server_total_p50_ms": _pct(np.asarray(server_totals), 50) if server_totals else None,
         # queries in the router batch each answered request rode in (shardserve's `batch` field)
         "batch_mean": round(float(np.mean(batches)), 2) if batches else None,
+        # router batches per second: each answered request is queries_per_request of its batch's rows
+        "batches_per_s": round(sum(queries_per_request / b for b in batches) / wall, 1) if batches else None,
         # interface + queue of each answered request = its client latency - its server compute
         "queue_p50_ms": _pct(np.asarray(interface), 50) if interface else None,
         "queue_p99_ms": _pct(np.asarray(interface), 99) if interface else None,
