@@ -44,15 +44,6 @@ class AppArgs(BaseModel):
         2, ge=1, description="batches in flight per router replica (2: larger batches, less CPU per "
                              "query than 4, and still one batch forming while one is searched; "
                              "loadtests/records/hot-path-batches.json)")
-    overlap_min_rows: int = Field(
-        32, ge=1, description="a batch beyond the first starts only when the queue holds this many query "
-                              "vectors (large work, run beside the batch in flight: quantizer and shard "
-                              "scans leave the event loops past 32 rows) or after overlap_after_ms; "
-                              "smaller batches run one after another (loadtests/records/batches-ab.json)."
-                              " 1: always overlap")
-    overlap_after_ms: float = Field(
-        20.0, ge=0, description="a queued request waits at most this long for the batch in flight before "
-                                "its batch starts beside it (a slow shard still sees a queue to scale on)")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")

@@ -83,9 +83,7 @@ class Router:
         # Large batches' coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, a.max_concurrent_batches,
-                                       size_of=lambda item: len(item[1].matrix),
-                                       overlap_min_size=a.overlap_min_rows,
-                                       overlap_after_s=a.overlap_after_ms / 1000.0)
+                                       size_of=lambda item: len(item[1].matrix))
         follow = [self._follow_pointer(),
                   *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in follow]

@@ -34,8 +34,7 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 3, "IVF64,Flat", str(index), limit=6000, backend="ray")
-    # Margins on both sides of the knee: the slow shard holds up to max_concurrent_batches (4 here) calls
-    # (overlap_min_rows=1: every batch starts beside those in flight; the policy is tested, not that rule),
+    # Margins on both sides of the knee: the slow shard holds up to max_concurrent_batches (4 here) calls,
     # the fast ones ~0.1-0.4 (13 batches/s x tens of ms). At knee 1 and 0.15 s, a fast shard's
     # depth hovered near 1 and Serve's policy once scaled it too (a fresh-clone run failed so).
     scaling = autoscaling_config(knee_depth=2, max_replicas=3, upscale_delay_s=1, downscale_delay_s=4,
@@ -43,8 +42,7 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
     url = deploy(str(index), port=PORT, app_name="scaling", route_prefix="/scaling",
                  shard_autoscaling=scaling, shard_class=slow_shards(search_s={"shard-001": 0.3}),
                  shard_num_cpus=0.1, router_num_cpus=0.1,
-                 shard_transport="link" if knee_policy else "serve", max_concurrent_batches=4,
-                 overlap_min_rows=1)
+                 shard_transport="link" if knee_policy else "serve", max_concurrent_batches=4)
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
     history: list[dict[str, int]] = []
