@@ -5,14 +5,6 @@ and only then waits for a free slot, so under steady open-loop arrivals its batc
 requests however long the queue grows (measured on 2 cores: 4-shard throughput stuck at ~230 req/s
 open-loop vs ~650 closed-loop). Here the batch is formed when a slot frees, so batch size follows the
 queue: one request at low load (no added latency), everything in flight under a burst.
-
-Balanced: a batch beyond the first starts only once the queue holds as many vectors as the smallest
-batch in flight. Started the moment a slot frees, the second batch took whatever had arrived (often
-one or two requests), so under a steady closed loop a router ran ~1.6x the batches of one-at-a-time
-batching for the same queries (`batches_per_s` in loadtests/records/one-batch-ab.json), each batch
-paying its shard calls, wake-ups and merge. Balanced batches keep the overlap (one batch forming or
-merging while another is scanned) at about one-at-a-time's batch count; a slow shard still sees a
-second call as soon as a batch's worth of requests waits, so its queue stays visible to autoscaling.
 """
 
 from __future__ import annotations
@@ -39,8 +31,6 @@ class AdaptiveBatcher(Generic[Item, Result]):
         self.size_of = size_of
         self.running = 0
         self._queue: deque[tuple[Item, asyncio.Future]] = deque()
-        self._queued_size = 0  # vectors waiting
-        self._running_sizes: list[int] = []  # vectors of each batch in flight
 
     @property
     def queued(self) -> int:
@@ -49,28 +39,23 @@ class AdaptiveBatcher(Generic[Item, Result]):
     async def submit(self, item: Item) -> Result:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
-        self._queued_size += self.size_of(item)
         self._start_batches()
         return await future
 
     def _start_batches(self) -> None:
         while self.running < self.max_concurrent and self._queue:
-            if self._running_sizes and self._queued_size < min(self._running_sizes):
-                return  # not a batch's worth yet: it grows until then, or a batch in flight ends
             batch = [self._queue.popleft()]
             size = self.size_of(batch[0][0])
             while self._queue and size + self.size_of(self._queue[0][0]) <= self.max_batch_size:
                 size += self.size_of(self._queue[0][0])
                 batch.append(self._queue.popleft())
-            self._queued_size -= size
             live = [(item, future) for item, future in batch if not future.done()]  # drop cancelled
             if not live:
                 continue
             self.running += 1
-            self._running_sizes.append(size)
-            asyncio.get_running_loop().create_task(self._run(live, size))
+            asyncio.get_running_loop().create_task(self._run(live))
 
-    async def _run(self, batch: list[tuple[Item, asyncio.Future]], size: int) -> None:
+    async def _run(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
         try:
             results = await self.handler([item for item, _ in batch])
             for (_, future), result in zip(batch, results, strict=True):
@@ -82,5 +67,4 @@ class AdaptiveBatcher(Generic[Item, Result]):
                     future.set_exception(exc)
         finally:
             self.running -= 1
-            self._running_sizes.remove(size)
             self._start_batches()

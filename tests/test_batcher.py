@@ -83,32 +83,3 @@ def test_errors_reach_every_caller_and_the_batcher_recovers() -> None:
         assert batcher.running == 0 and batcher.queued == 0
 
     asyncio.run(scenario())
-
-
-def test_a_second_batch_waits_for_a_batch_worth_of_queue() -> None:
-    """Balanced batches: beside a batch in flight, the next starts only once the queue holds as many
-    vectors as it; alone, a request never waits."""
-    started: list[int] = []
-
-    async def handler(batch: list[int]) -> list[int]:
-        started.append(sum(batch))
-        await asyncio.sleep(0.05)
-        return batch
-
-    async def scenario() -> None:
-        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=2, size_of=lambda n: n)
-        first = asyncio.ensure_future(batcher.submit(8))
-        await asyncio.sleep(0.01)
-        assert batcher.running == 1
-        small = [asyncio.ensure_future(batcher.submit(1)) for _ in range(7)]
-        await asyncio.sleep(0.01)
-        assert batcher.running == 1 and batcher.queued == 7  # 7 vectors < 8 in flight: waiting
-        eighth = asyncio.ensure_future(batcher.submit(1))
-        await asyncio.sleep(0.01)
-        assert batcher.running == 2 and batcher.queued == 0  # a batch's worth: it overlaps
-        await asyncio.gather(first, eighth, *small)
-        assert started == [8, 8]
-        assert await batcher.submit(3) == 3  # alone again: no wait
-        assert batcher.running == 0 and batcher.queued == 0
-
-    asyncio.run(scenario())
