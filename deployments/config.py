@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.ray_session import SERVING_NODE_ENV
 
+# Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
+# ranges over 0-2, so `shardserve tune` puts its knee depth at 1 (loadtests/records/hot-path-batches.json).
+AUTOSCALED_BATCHES = 2
+
 
 class AppArgs(BaseModel):
     """Arguments of `deployments.app:build_app`; unknown keys fail loudly."""
@@ -40,10 +44,13 @@ class AppArgs(BaseModel):
     max_batch_size: int = Field(
         256, ge=1, description="query vectors per router batch (a batch takes everything queued when a "
                                "slot frees, up to this)")
-    max_concurrent_batches: int = Field(
-        2, ge=1, description="batches in flight per router replica (2: larger batches, less CPU per "
-                             "query than 4, and still one batch forming while one is searched; "
-                             "loadtests/records/hot-path-batches.json)")
+    max_concurrent_batches: int | None = Field(
+        None, ge=1, description="batches in flight per router replica. Unset: one per shard replica "
+                                "(replicas_per_shard) while replicas are fixed, since a replica scans one "
+                                "batch at a time (on 2 cores, 1 batch instead of 2 gave c=32 more "
+                                "throughput for less CPU per query in every interleaved pair: "
+                                "loadtests/records/one-batch-ab.json); AUTOSCALED_BATCHES with shard "
+                                "autoscaling, so a shard's queue can grow past its knee depth")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")
@@ -92,6 +99,12 @@ class AppArgs(BaseModel):
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
+
+    def concurrent_batches(self) -> int:
+        """`max_concurrent_batches`, or what it defaults to for these replicas (its description)."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return AUTOSCALED_BATCHES if self.shard_autoscaling else self.replicas_per_shard
 
 
 INDEX_INGRESS = "IndexVersion"  # the index version app's ingress: readiness, gate, link directory

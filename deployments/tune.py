@@ -20,7 +20,7 @@ from pathlib import Path
 
 from core.errors import ShardserveError
 from deployments.autoscaling import autoscaling_config
-from deployments.config import AppArgs, serve_config_yaml
+from deployments.config import AUTOSCALED_BATCHES, AppArgs, serve_config_yaml
 
 
 def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
@@ -28,7 +28,7 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
     if knee.get("mode", "concurrency") != "concurrency":
         raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
     knee_concurrency = max(1, int(knee["value"]))
-    concurrent_batches = AppArgs.model_fields["max_concurrent_batches"].default
+    concurrent_batches = AUTOSCALED_BATCHES  # what the router keeps in flight once shards autoscale
     return {
         "max_in_flight": knee_concurrency,
         "router_max_ongoing_requests": max(2 * knee_concurrency, concurrent_batches),
