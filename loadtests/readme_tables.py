@@ -261,7 +261,7 @@ def idle_table(record: dict) -> str:
 
 BENCH_RUNS = ("bench-run-1.json", "bench-run-2.json", "bench-run-3.json", "bench-run-4.json",
               "bench-run-5.json", "bench-run-6.json", "bench-run-7.json",
-              "bench-run-8.json", "bench.json")  # oldest first
+              "bench-run-8.json", "bench-run-9.json", "bench.json")  # oldest first
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
