@@ -5,6 +5,12 @@ and only then waits for a free slot, so under steady open-loop arrivals its batc
 requests however long the queue grows (measured on 2 cores: 4-shard throughput stuck at ~230 req/s
 open-loop vs ~650 closed-loop). Here the batch is formed when a slot frees, so batch size follows the
 queue: one request at low load (no added latency), everything in flight under a burst.
+
+Beyond `at_once` batches in flight, a batch starts only for large work (at least `overlap_min_size`
+vectors queued): a shard replica scans one batch at a time, so a second small batch only overlaps
+the router's parsing and merging with a scan, and measured, cost more than it gained (smaller
+batches, more of them: loadtests/records/one-batch-ab.json), while two 256-vector requests gain from
+overlapping one's quantizing and merging with the other's scan.
 """
 
 from __future__ import annotations
@@ -22,15 +28,19 @@ class AdaptiveBatcher(Generic[Item, Result]):
     """Runs `handler(batch) -> results` with at most `max_concurrent` batches in flight."""
 
     def __init__(self, handler: Callable[[list[Item]], Awaitable[list[Result]]], max_batch_size: int,
-                 max_concurrent: int, size_of: Callable[[Item], int] = lambda _: 1):
-        if max_batch_size < 1 or max_concurrent < 1:
-            raise ValueError("max_batch_size and max_concurrent must be >= 1")
+                 max_concurrent: int, size_of: Callable[[Item], int] = lambda _: 1,
+                 at_once: int | None = None, overlap_min_size: int = 1):
+        if max_batch_size < 1 or max_concurrent < 1 or overlap_min_size < 1:
+            raise ValueError("max_batch_size, max_concurrent and overlap_min_size must be >= 1")
         self.handler = handler
         self.max_batch_size = max_batch_size
         self.max_concurrent = max_concurrent
         self.size_of = size_of
+        self.at_once = max_concurrent if at_once is None else min(at_once, max_concurrent)
+        self.overlap_min_size = overlap_min_size
         self.running = 0
         self._queue: deque[tuple[Item, asyncio.Future]] = deque()
+        self._queued_size = 0  # vectors waiting
 
     @property
     def queued(self) -> int:
@@ -39,16 +49,20 @@ class AdaptiveBatcher(Generic[Item, Result]):
     async def submit(self, item: Item) -> Result:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
+        self._queued_size += self.size_of(item)
         self._start_batches()
         return await future
 
     def _start_batches(self) -> None:
         while self.running < self.max_concurrent and self._queue:
+            if self.running >= self.at_once and self._queued_size < self.overlap_min_size:
+                return  # small work waits for a batch in flight to end
             batch = [self._queue.popleft()]
             size = self.size_of(batch[0][0])
             while self._queue and size + self.size_of(self._queue[0][0]) <= self.max_batch_size:
                 size += self.size_of(self._queue[0][0])
                 batch.append(self._queue.popleft())
+            self._queued_size -= size
             live = [(item, future) for item, future in batch if not future.done()]  # drop cancelled
             if not live:
                 continue

@@ -14,6 +14,10 @@ from core.ray_session import SERVING_NODE_ENV
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
 # ranges over 0-2, so `shardserve tune` puts its knee depth at 1 (loadtests/records/hot-path-batches.json).
 AUTOSCALED_BATCHES = 2
+# With fixed replicas, a batch beyond one per shard replica starts only for this much queued work:
+# past 32 rows the router's quantizer runs in a thread and shards scan off their event loop, so
+# two such batches overlap for real; smaller ones run one after another.
+OVERLAP_MIN_ROWS = 32
 
 
 class AppArgs(BaseModel):
@@ -45,12 +49,12 @@ class AppArgs(BaseModel):
         256, ge=1, description="query vectors per router batch (a batch takes everything queued when a "
                                "slot frees, up to this)")
     max_concurrent_batches: int | None = Field(
-        None, ge=1, description="batches in flight per router replica. Unset: one per shard replica "
-                                "(replicas_per_shard) while replicas are fixed, since a replica scans one "
-                                "batch at a time (on 2 cores, 1 batch instead of 2 gave c=32 more "
-                                "throughput for less CPU per query in every interleaved pair: "
-                                "loadtests/records/one-batch-ab.json); AUTOSCALED_BATCHES with shard "
-                                "autoscaling, so a shard's queue can grow past its knee depth")
+        None, ge=1, description="batches in flight per router replica (`batching()`). Unset, with fixed "
+                                "replicas: one per shard replica (replicas_per_shard), since a replica "
+                                "scans one batch at a time, plus one more for large work only (>= "
+                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json); "
+                                "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
+                                "past its knee depth")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")
@@ -100,11 +104,14 @@ class AppArgs(BaseModel):
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
 
-    def concurrent_batches(self) -> int:
-        """`max_concurrent_batches`, or what it defaults to for these replicas (its description)."""
+    def batching(self) -> tuple[int, int, int]:
+        """(batches in flight at most, how many start whatever their size, queued vectors that let
+        one more start): `max_concurrent_batches` or its default (see its description)."""
         if self.max_concurrent_batches is not None:
-            return self.max_concurrent_batches
-        return AUTOSCALED_BATCHES if self.shard_autoscaling else self.replicas_per_shard
+            return self.max_concurrent_batches, self.max_concurrent_batches, 1
+        if self.shard_autoscaling:
+            return AUTOSCALED_BATCHES, AUTOSCALED_BATCHES, 1
+        return self.replicas_per_shard + 1, self.replicas_per_shard, OVERLAP_MIN_ROWS
 
 
 INDEX_INGRESS = "IndexVersion"  # the index version app's ingress: readiness, gate, link directory

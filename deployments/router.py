@@ -82,8 +82,10 @@ class Router:
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         # Large batches' coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
-        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, a.concurrent_batches(),
-                                       size_of=lambda item: len(item[1].matrix))
+        most, at_once, overlap_rows = a.batching()
+        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
+                                       size_of=lambda item: len(item[1].matrix), at_once=at_once,
+                                       overlap_min_size=overlap_rows)
         follow = [self._follow_pointer(),
                   *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in follow]

@@ -259,38 +259,45 @@ def idle_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-BENCH_RUNS = ("bench-run-1.json", "bench-run-2.json", "bench-run-3.json", "bench-run-4.json",
-              "bench-run-5.json", "bench-run-6.json", "bench-run-7.json",
-              "bench-run-8.json", "bench-run-9.json", "bench.json")  # oldest first
+# (record, what it served): the serving side of each committed `make bench` run, oldest first, from
+# the revision it ran on. The median row takes the runs of the newest kind only.
+ROW_DEALT, LIST_DEALT = "index dealt by row, 2 batches", "index dealt by list, 2 batches"
+ONE_BATCH = "index dealt by list, 1 batch per shard replica"
+BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
+              ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
+              ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
+              ("bench-run-7.json", LIST_DEALT), ("bench-run-8.json", LIST_DEALT),
+              ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
+              ("bench-run-11.json", ONE_BATCH), ("bench.json", ONE_BATCH))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
               "batch256_npy_vs_inprocess_batched")  # the .npy ones: runs since bodies could be .npy
 
 
-def bench_runs_table(records: list[dict]) -> str:
-    """The #10 targets over the committed `make bench` runs (oldest first), and their median: one
-    run's ratio moves by ~10% here (the baseline's own QPS moved as much between runs). A ratio
-    added later shows "–" for the runs before it."""
-    rows = ["| run | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 1) + "|"]
-    for record in records:
+def bench_runs_table(runs: list[tuple[dict, str]]) -> str:
+    """The #10 targets over the committed `make bench` runs (oldest first, each with what it
+    served), and the median of the newest kind: one run's ratio moves by ~10% here (the
+    baseline's own QPS moved as much between runs). A ratio added later shows "–" before it."""
+    rows = ["| run | served | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 2) + "|"]
+    for record, served in runs:
         label = f"`{record['name']}` {record['created_at'][:16]}, index `{record['index']['version']}`"
-        rows.append(f"| {label} | " + " | ".join(
+        rows.append(f"| {label} | {served} | " + " | ".join(
             str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
             for name in RUN_RATIOS) + " |")
 
-    newest = records[-1]["index"]["version"]  # a rebuilt index (e.g. dealt by list) starts a new series
-    current = [r for r in records if r["index"]["version"] == newest]
+    newest = runs[-1][1]  # a rebuilt index or a new serving default starts a new series
+    current = [record for record, served in runs if served == newest]
 
     def median(name: str) -> str:
         values = [r["ratios"][name]["value"] for r in current if name in r["ratios"]]
         return str(round(statistics.median(values), 3)) if values else "–"
 
     medians = [median(name) for name in RUN_RATIOS]
-    targets = [records[-1]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest run has all
-    rows.append(f"| median of the {len(current)} run(s) on index `{newest}` | "
+    targets = [runs[-1][0]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest has all
+    rows.append(f"| median of the {len(current)} run(s) | {newest} | "
                 + " | ".join(str(m) for m in medians) + " |")
-    rows.append("| target | " + " | ".join(targets) + " |")
+    rows.append("| target | | " + " | ".join(targets) + " |")
     return "\n".join(rows)
 
 
@@ -308,14 +315,18 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     hot_path = json.loads((records / "hot-path-ab.json").read_text())
     partition_ab = json.loads((records / "partition-ab.json").read_text())
     batches = json.loads((records / "hot-path-batches.json").read_text())
-    runs = [json.loads((records / name).read_text()) for name in BENCH_RUNS if (records / name).exists()]
+    batches_ab = json.loads((records / "batches-ab.json").read_text())
+    one_batch_ab = json.loads((records / "one-batch-ab.json").read_text())
+    runs = [(json.loads((records / name).read_text()), served) for name, served in BENCH_RUNS
+            if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "shedding": shedding_table(shedding), "autoscale": autoscale_table(autoscale),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
             "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
-            "hot-path-batches": ab_table(batches), "bench-runs": bench_runs_table(runs),
+            "hot-path-batches": ab_table(batches), "batches-ab": ab_table(batches_ab),
+            "one-batch-ab": ab_table(one_batch_ab), "bench-runs": bench_runs_table(runs),
             "bench-idle": idle_table(bench),
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 

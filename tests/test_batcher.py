@@ -83,3 +83,31 @@ def test_errors_reach_every_caller_and_the_batcher_recovers() -> None:
         assert batcher.running == 0 and batcher.queued == 0
 
     asyncio.run(scenario())
+
+
+def test_beyond_at_once_only_large_work_starts_another_batch() -> None:
+    """One batch starts at once; a second only when the queue holds `overlap_min_size` vectors."""
+    started: list[int] = []
+
+    async def handler(batch: list[int]) -> list[int]:
+        started.append(sum(batch))
+        await asyncio.sleep(0.05)
+        return batch
+
+    async def scenario() -> None:
+        batcher = AdaptiveBatcher(handler, max_batch_size=256, max_concurrent=2, size_of=lambda n: n,
+                                  at_once=1, overlap_min_size=32)
+        first = asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.01)
+        small = [asyncio.ensure_future(batcher.submit(1)) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        assert batcher.running == 1 and batcher.queued == 20  # small: waits for the batch in flight
+        await asyncio.gather(first, *small)
+        assert started == [1, 20]  # then taken whole, as one batch
+        large = [asyncio.ensure_future(batcher.submit(256)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert batcher.running == 2  # two large requests overlap
+        await asyncio.gather(*large)
+        assert batcher.running == 0 and batcher.queued == 0
+
+    asyncio.run(scenario())

@@ -96,12 +96,12 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
     # half the router's concurrent batches, at least 1 (the default: 2 batches -> 1)
-    assert args.shard_autoscaling["target_ongoing_requests"] == max(1, args.concurrent_batches() // 2)
+    assert args.shard_autoscaling["target_ongoing_requests"] == max(1, args.batching()[0] // 2)
     from ray.serve.config import AutoscalingConfig
 
     scaling = AutoscalingConfig.model_validate(args.shard_autoscaling)  # what Serve will accept
     assert scaling.policy.policy_function == "deployments.autoscaling:knee_policy"
-    assert args.max_batch_size * args.concurrent_batches() >= knee
+    assert args.max_batch_size * args.batching()[0] >= knee
 
 
 def test_readme_results_are_rendered_from_the_records() -> None:
