@@ -260,15 +260,17 @@ def idle_table(record: dict) -> str:
 
 
 # (record, what it served): the serving side of each committed `make bench` run, oldest first, from
-# the revision it ran on. The median row takes the runs of the newest kind only.
+# the revision it ran on. A median row per kind.
 ROW_DEALT, LIST_DEALT = "index dealt by row, 2 batches", "index dealt by list, 2 batches"
 ONE_BATCH = "index dealt by list, 1 batch per shard replica"
+LARGE_OVERLAP = "index dealt by list, 1 batch per shard replica + 1 for >= 32 queued vectors"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
               ("bench-run-7.json", LIST_DEALT), ("bench-run-8.json", LIST_DEALT),
               ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
-              ("bench-run-11.json", ONE_BATCH), ("bench.json", ONE_BATCH))
+              ("bench-run-11.json", ONE_BATCH), ("bench-run-12.json", ONE_BATCH),
+              ("bench.json", LARGE_OVERLAP))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
@@ -277,8 +279,8 @@ RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_mi
 
 def bench_runs_table(runs: list[tuple[dict, str]]) -> str:
     """The #10 targets over the committed `make bench` runs (oldest first, each with what it
-    served), and the median of the newest kind: one run's ratio moves by ~10% here (the
-    baseline's own QPS moved as much between runs). A ratio added later shows "–" before it."""
+    served), and the median of each kind: one run's ratio moves by ~10% here (the baseline's own
+    QPS moved as much between runs). A ratio added later shows "–" before it."""
     rows = ["| run | served | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 2) + "|"]
     for record, served in runs:
         label = f"`{record['name']}` {record['created_at'][:16]}, index `{record['index']['version']}`"
@@ -286,17 +288,17 @@ def bench_runs_table(runs: list[tuple[dict, str]]) -> str:
             str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
             for name in RUN_RATIOS) + " |")
 
-    newest = runs[-1][1]  # a rebuilt index or a new serving default starts a new series
-    current = [record for record, served in runs if served == newest]
+    series = list(dict.fromkeys(served for _, served in runs))  # a new index or default: a new one
 
-    def median(name: str) -> str:
+    def median(current: list[dict], name: str) -> str:
         values = [r["ratios"][name]["value"] for r in current if name in r["ratios"]]
         return str(round(statistics.median(values), 3)) if values else "–"
 
-    medians = [median(name) for name in RUN_RATIOS]
+    for kind in series:
+        current = [record for record, served in runs if served == kind]
+        rows.append(f"| median of the {len(current)} run(s) | {kind} | "
+                    + " | ".join(median(current, name) for name in RUN_RATIOS) + " |")
     targets = [runs[-1][0]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest has all
-    rows.append(f"| median of the {len(current)} run(s) | {newest} | "
-                + " | ".join(str(m) for m in medians) + " |")
     rows.append("| target | | " + " | ".join(targets) + " |")
     return "\n".join(rows)
 
@@ -317,6 +319,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     batches = json.loads((records / "hot-path-batches.json").read_text())
     batches_ab = json.loads((records / "batches-ab.json").read_text())
     one_batch_ab = json.loads((records / "one-batch-ab.json").read_text())
+    large_overlap_ab = json.loads((records / "large-overlap-ab.json").read_text())
     runs = [(json.loads((records / name).read_text()), served) for name, served in BENCH_RUNS
             if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
@@ -326,7 +329,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
             "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
             "hot-path-batches": ab_table(batches), "batches-ab": ab_table(batches_ab),
-            "one-batch-ab": ab_table(one_batch_ab), "bench-runs": bench_runs_table(runs),
+            "one-batch-ab": ab_table(one_batch_ab), "large-overlap-ab": ab_table(large_overlap_ab),
+            "bench-runs": bench_runs_table(runs),
             "bench-idle": idle_table(bench),
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
