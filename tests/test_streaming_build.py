@@ -236,3 +236,13 @@ def test_a_dataset_uri_that_matches_nothing_is_one_clear_error(tmp_path: Path) -
         parquet_files((tmp_path / "nowhere").as_uri())
     with pytest.raises(ShardserveError, match="cannot list"):
         parquet_files("nosuchscheme://bucket/emb/")
+
+
+def test_in_sorted_is_isin_for_sorted_values() -> None:
+    from index_build.streaming import in_sorted
+
+    rng = np.random.default_rng(0)
+    values = np.sort(rng.choice(10_000, 700, replace=False))
+    x = rng.integers(-5, 10_010, 5_000)
+    assert (in_sorted(values, x) == np.isin(x, values)).all()
+    assert not in_sorted(values[:0], x).any()
