@@ -71,21 +71,14 @@ class AdaptiveBatcher(Generic[Item, Result]):
 
     async def _run(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
         try:
-            outcome: list[Result] | Exception = await self.handler([item for item, _ in batch])
+            results = await self.handler([item for item, _ in batch])
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
         except Exception as exc:  # every request of the batch gets the error
-            outcome = exc
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
         finally:
             self.running -= 1
             self._start_batches()
-        # One loop turn first: the batch just started sends its calls (its first step) before this
-        # batch's callers wake up to render their answers, so shards scan while the router renders
-        # instead of waiting for it.
-        await asyncio.sleep(0)
-        if isinstance(outcome, Exception):
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(outcome)
-            return
-        for (_, future), result in zip(batch, outcome, strict=True):
-            if not future.done():
-                future.set_result(result)

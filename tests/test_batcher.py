@@ -111,27 +111,3 @@ def test_beyond_at_once_only_large_work_starts_another_batch() -> None:
         assert batcher.running == 0 and batcher.queued == 0
 
     asyncio.run(scenario())
-
-
-def test_the_next_batch_starts_before_the_last_one_is_answered() -> None:
-    """The next batch's first step (where the router sends its shard calls) runs before the finished
-    batch's callers resume: shards scan while the router renders the answers."""
-    events: list[str] = []
-
-    async def handler(batch: list[int]) -> list[int]:
-        events.append(f"start {batch}")
-        await asyncio.sleep(0.02)
-        return batch
-
-    async def scenario() -> None:
-        batcher = AdaptiveBatcher(handler, max_batch_size=8, max_concurrent=1)
-
-        async def caller(item: int, delay: float) -> None:
-            await asyncio.sleep(delay)
-            await batcher.submit(item)
-            events.append(f"answered {item}")
-
-        await asyncio.gather(caller(1, 0), caller(2, 0.005))
-
-    asyncio.run(scenario())
-    assert events == ["start [1]", "start [2]", "answered 1", "answered 2"]
