@@ -270,7 +270,7 @@ BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-7.json", LIST_DEALT), ("bench-run-8.json", LIST_DEALT),
               ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
               ("bench-run-11.json", ONE_BATCH), ("bench-run-12.json", ONE_BATCH),
-              ("bench.json", LARGE_OVERLAP))
+              ("bench-run-13.json", LARGE_OVERLAP), ("bench.json", LARGE_OVERLAP))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
