@@ -109,6 +109,31 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def sched_times(pid: int) -> tuple[float, float, int, int]:
+    """(seconds on a CPU, seconds runnable but waiting in a run queue, voluntary and involuntary
+    context switches) of the process, summed over its threads (/proc/<pid>/task/*/schedstat and
+    status); zeros when it is gone. Waiting while a core is idle means the scheduler, not the
+    work, holds a request up."""
+    run = wait = voluntary = involuntary = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0, 0, 0
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                on_cpu, queued, _ = handle.read().split()
+            with open(f"/proc/{pid}/task/{tid}/status") as handle:
+                status = dict(line.split(":", 1) for line in handle.read().splitlines() if ":" in line)
+        except (OSError, ValueError):
+            continue  # the thread ended between the listing and the read
+        run += int(on_cpu)
+        wait += int(queued)
+        voluntary += int(status.get("voluntary_ctxt_switches", 0))
+        involuntary += int(status.get("nonvoluntary_ctxt_switches", 0))
+    return run / 1e9, wait / 1e9, voluntary, involuntary
+
+
 def age_seconds(pid: int) -> float:
     """Seconds since the process started (0 when it is gone)."""
     try:

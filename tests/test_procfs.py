@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from core.procfs import SELF_CLASS, CpuMeter, age_seconds, machine_cpu_seconds, memory_mb
+from core.procfs import SELF_CLASS, CpuMeter, age_seconds, machine_cpu_seconds, memory_mb, sched_times
 from loadtests.vegeta_run import machine_share
 
 
@@ -84,3 +84,15 @@ def test_machine_share_splits_busy_idle_and_unaccounted() -> None:
     share = machine_share({"busy": 12.0, "idle": 4.0}, accounted_s=10.0)
     assert share == {"busy_percent": 75.0, "idle_percent": 25.0, "busy_unaccounted_percent": 12.5}
     assert machine_share({"busy": 0.0, "idle": 0.0}, 0.0) == {}
+
+
+def test_sched_times_count_this_process_running() -> None:
+    run, wait, voluntary, involuntary = sched_times(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:  # 50 ms on a CPU
+        pass
+    time.sleep(0.01)  # one voluntary switch at least
+    run_after, wait_after, voluntary_after, involuntary_after = sched_times(os.getpid())
+    assert run_after - run >= 0.04 and wait_after >= wait >= 0.0
+    assert voluntary_after > voluntary and involuntary_after >= involuntary
+    assert sched_times(2**22 + 12345) == (0.0, 0.0, 0, 0)  # no such process
