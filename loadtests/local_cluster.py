@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,8 +77,14 @@ class LocalCluster:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """Stop the cluster; its temp dir (session logs) goes too, unless the block failed: then it
+        is kept for the logs, and its path printed."""
         self.stop()
+        if exc_type is None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        else:
+            print(f"LocalCluster: logs kept in {self.temp_dir}", file=sys.stderr)
 
     def kill_worker(self, number: int) -> None:
         """Node failure: SIGKILL worker `number`'s raylet and every process under it, at once."""

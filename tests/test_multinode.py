@@ -18,12 +18,14 @@ pytestmark = pytest.mark.slow
 
 def test_worker_node_killed_under_load(tmp_path: Path) -> None:
     index = tmp_path / "idx"
+    temp_dirs = set(Path("/tmp").glob("rmn*"))  # LocalCluster's (loadtests.local_cluster)
     build_index("fashion-mnist", 4, "IVF64,Flat", str(index), limit=8000, backend="local")
     # Its own driver process: this test session may already be connected to another Ray.
     done = subprocess.run([sys.executable, "-m", "loadtests.node_kill", "--index", str(index),
                            "--rate", "60", "--duration", "25", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert set(Path("/tmp").glob("rmn*")) <= temp_dirs, "the cluster's temp dir was left behind"
     record = json.loads((tmp_path / "node-kill.json").read_text())
     assert record["answers_equal_single_node"]
     before = record["placement_before"]
