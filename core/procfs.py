@@ -57,6 +57,24 @@ def pids_matching(fragment: bytes) -> list[int]:
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and fragment in cmdline(int(e))]
 
 
+def pids_with_environment(name: str, value: str) -> list[int]:
+    """Processes (other than this one) started with `name=value` in their environment: what a
+    process inherited, which renaming itself (Ray workers become `ray::IDLE`) or losing its parent
+    does not change."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if wanted in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

@@ -82,7 +82,7 @@ class LocalCluster:
         is kept for the logs, and its path printed."""
         self.stop()
         if exc_type is None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.remove_temp_dir()
         else:
             print(f"LocalCluster: logs kept in {self.temp_dir}", file=sys.stderr)
 
@@ -93,17 +93,31 @@ class LocalCluster:
             _signal(pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        """Stop every process of this cluster (and nothing else): SIGTERM, then SIGKILL stragglers."""
-        roots = self._own_processes()
-        victims = set(roots)
-        for pid in roots:
-            victims.update(procfs.descendants(pid))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in victims:
-                _signal(pid, sig)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(procfs.alive(p) for p in victims):
-                time.sleep(0.2)
+        """Stop every process of this cluster (and nothing else): SIGTERM, then SIGKILL stragglers.
+        Again while any is left: a raylet can fork a worker between the listing and its own end."""
+        for _ in range(3):
+            roots = self._everything_started()
+            if not roots:
+                return
+            victims = set(roots)
+            for pid in roots:
+                victims.update(procfs.descendants(pid))
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in victims:
+                    _signal(pid, sig)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and any(procfs.alive(p) for p in victims):
+                    time.sleep(0.2)
+
+    def remove_temp_dir(self, settle_s: float = 1.0, timeout_s: float = 15.0) -> None:
+        """Remove the temp dir until it stays gone for `settle_s` (belt and braces: a process of
+        the cluster still starting as it stopped could create its session dirs again)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            time.sleep(settle_s)
+            if not os.path.exists(self.temp_dir) or time.monotonic() > deadline:
+                return
 
     def _ray_start(self, *args: str, node: int) -> None:
         ports = [f"--dashboard-agent-listen-port={self.port_base + 10 + node * 10}",
@@ -129,6 +143,14 @@ class LocalCluster:
     def _own_processes(self) -> list[int]:
         """Processes whose command line names this cluster's temp dir (GCS, raylets, agents)."""
         return procfs.pids_matching(self.temp_dir.encode())
+
+    def _everything_started(self) -> list[int]:
+        """Those, and every process that carries this cluster's auth token in its environment: its
+        workers, even orphaned and renamed (`ray::IDLE`), and drivers and load generators started
+        for it (the calling process is left out)."""
+        found = set(self._own_processes())
+        found.update(procfs.pids_with_environment("RAY_AUTH_TOKEN", self.env["RAY_AUTH_TOKEN"]))
+        return sorted(found)
 
 
 def _signal(pid: int, sig: int) -> None:

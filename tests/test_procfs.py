@@ -10,7 +10,15 @@ import time
 
 import pytest
 
-from core.procfs import SELF_CLASS, CpuMeter, age_seconds, machine_cpu_seconds, memory_mb, sched_times
+from core.procfs import (
+    SELF_CLASS,
+    CpuMeter,
+    age_seconds,
+    machine_cpu_seconds,
+    memory_mb,
+    pids_with_environment,
+    sched_times,
+)
 from loadtests.vegeta_run import machine_share
 
 
@@ -96,3 +104,20 @@ def test_sched_times_count_this_process_running() -> None:
     assert run_after - run >= 0.04 and wait_after >= wait >= 0.0
     assert voluntary_after > voluntary and involuntary_after >= involuntary
     assert sched_times(2**22 + 12345) == (0.0, 0.0, 0, 0)  # no such process
+
+
+def test_pids_with_environment_finds_a_child_by_what_it_inherited_never_this_process() -> None:
+    token = f"t{os.getpid()}-{time.monotonic_ns()}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env={**os.environ, "SHARDSERVE_TEST_TOKEN": token})
+    try:
+        os.environ["SHARDSERVE_TEST_TOKEN"] = token  # this process is left out whatever its environment
+        deadline = time.monotonic() + 10
+        while pids_with_environment("SHARDSERVE_TEST_TOKEN", token) != [child.pid]:
+            assert time.monotonic() < deadline, pids_with_environment("SHARDSERVE_TEST_TOKEN", token)
+            time.sleep(0.05)
+        assert pids_with_environment("SHARDSERVE_TEST_TOKEN", token + "x") == []
+    finally:
+        os.environ.pop("SHARDSERVE_TEST_TOKEN", None)
+        child.kill()
+        child.wait()
