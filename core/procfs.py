@@ -212,6 +212,17 @@ def machine_cpu_seconds() -> dict[str, float]:
 SELF_CLASS = "measuring process"
 
 
+def classified_pids(classify: Callable[[bytes], str | None] = process_class) -> dict[int, str]:
+    """Every process but this one that `classify` names a part of the stack, by its command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            name = classify(cmdline(int(entry)))
+            if name is not None:
+                found[int(entry)] = name
+    return found
+
+
 class CpuMeter:
     """CPU seconds per process class over a window, read from /proc at its start and end.
 
@@ -237,11 +248,8 @@ class CpuMeter:
         for name, root in self.extra.items():
             for pid in [root, *descendants(root)]:
                 classes[pid] = name
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in classes and int(entry) != os.getpid():
-                found = self.classify(cmdline(int(entry)))
-                if found is not None:
-                    classes[int(entry)] = found
+        for pid, found in classified_pids(self.classify).items():
+            classes.setdefault(pid, found)
         if self.include_self:
             classes.setdefault(os.getpid(), SELF_CLASS)
         return {pid: (name, cpu_seconds(pid)) for pid, name in classes.items()}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtests.record import header, save
+from loadtests.record import header, save, work_dir
 
 PORT, FRONT_PORT = 18720, 18722
 ID_OFFSET, ID_STRIDE = 5_000_000_000, 13  # the user's ids: sparse int64, never row numbers
@@ -114,11 +114,8 @@ def main() -> None:
     cli.add_argument("--work", default=None,
                      help="keep the parquet files and the index here (default: a temp dir, removed)")
     args = cli.parse_args()
-    if args.work:
-        run(args, Path(args.work))
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-glove-") as work:
-        run(args, Path(work))
+    with work_dir(args.work, "bench-glove-") as work:
+        run(args, work)
 
 
 def run(args: argparse.Namespace, work: Path) -> None:

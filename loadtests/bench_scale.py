@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 
 from core import procfs
 from loadtests.local_cluster import LocalCluster
-from loadtests.record import header, save
+from loadtests.record import header, save, work_dir
 
 CAPTION = "caption {}"
 
@@ -158,11 +157,8 @@ def main() -> None:
                      help="keep the data and index here (default: a temp dir, removed at the end)")
     cli.add_argument("--name", default="bench-scale")
     args = cli.parse_args()
-    if args.work:
-        run(args, Path(args.work))
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as work:  # 2.7 GB of data and index
-        run(args, Path(work))
+    with work_dir(args.work, "bench-scale-") as work:
+        run(args, work)
 
 
 def run(args: argparse.Namespace, work: Path) -> None:

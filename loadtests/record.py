@@ -8,10 +8,13 @@ python -m loadtests.record --name N --url URL --out DIR LEVEL.json [LEVEL.json .
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from loadtests.knee import find_knee
@@ -68,6 +71,17 @@ def new_record(name: str, levels: list[dict], index: dict, tool: str | dict = VE
         record["knee"] = knee
     record.update(extra)
     return record
+
+
+@contextlib.contextmanager
+def work_dir(kept: str | None, prefix: str) -> Iterator[Path]:
+    """Where a benchmark writes its data: `kept` (the user's `--work`, left in place), else a temp
+    dir removed at the end (bench-scale writes 2.7 GB)."""
+    if kept:
+        yield Path(kept)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as temp:
+        yield Path(temp)
 
 
 def save(record: dict, out_dir: Path = RECORDS, plot_levels: bool = True) -> Path:

@@ -24,21 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.procfs import cmdline, machine_cpu_seconds, process_class, sched_times
+from core.procfs import CpuMeter, classified_pids, sched_times
 from loadtests.record import header, index_info, save
 
 SERVE_PORT, FRONT_PORT = 18000, 18001
 CLIENTS = 32
-
-
-def _classes() -> dict[int, str]:
-    found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            name = process_class(cmdline(int(entry)))
-            if name is not None:
-                found[int(entry)] = name
-    return found
 
 
 def _sched(classes: dict[int, str]) -> dict[int, tuple[float, float, int, int]]:
@@ -104,7 +94,7 @@ def main() -> None:
             attack(warm, "concurrency", 8, 4.0, work, "warm-up")
             targets = write_targets(work / "c32.jsonl",
                                     make_targets(queries, front, 10, params, 0, count=1000))
-            classes = _classes()
+            classes = classified_pids()
             routers = [pid for pid, name in classes.items() if name == "router"]
             for round_ in range(args.rounds):
                 for nice in (nices if round_ % 2 == 0 else nices[::-1]):
@@ -114,15 +104,13 @@ def main() -> None:
                     except PermissionError:
                         print(f"router nice {nice}: not permitted here (CAP_SYS_NICE), skipped", flush=True)
                         continue
-                    before, machine_before, started = _sched(classes), machine_cpu_seconds(), time.monotonic()
-                    level = attack(targets, "concurrency", CLIENTS, args.duration, work, f"c32-nice{nice}")
-                    after, machine_after = _sched(classes), machine_cpu_seconds()
-                    wall_s = time.monotonic() - started
-                    busy = machine_after["busy"] - machine_before["busy"]
-                    idle = machine_after["idle"] - machine_before["idle"]
+                    before, started = _sched(classes), time.monotonic()
+                    level = attack(targets, "concurrency", CLIENTS, args.duration, work, f"c32-nice{nice}",
+                                   meter=CpuMeter())
+                    after, wall_s = _sched(classes), time.monotonic() - started
                     run = {"round": round_, "router_nice": nice, "qps": level["qps"],
                            "p50_ms": level["p50_ms"], "status_codes": level["status_codes"],
-                           "machine_idle_percent": round(100 * idle / (busy + idle), 1),
+                           "machine_idle_percent": level["machine_cpu"]["idle_percent"],
                            "classes": per_class(classes, before, after, wall_s)}
                     runs.append(run)
                     shards, router = run["classes"].get("shards", {}), run["classes"].get("router", {})
