@@ -9,7 +9,7 @@ with nothing runnable anywhere (everyone waiting on a hand-off: a pipeline matte
 the switch, wake-up and migration events and splits each core's idle time into those two.
 
     python -m loadtests.sched_trace --index indexes/fashion-mnist-ivf1024-4 [--windows 3]
-    → loadtests/records/sched-trace.json
+    → loadtests/records/sched-trace.json (sched-trace-try.json: one exploratory window)
 Needs `perf` with the sched tracepoints (root here). Starts its own local Ray and stops it.
 """
 
@@ -26,10 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.record import header, index_info, save, work_dir
-
-SERVE_PORT, FRONT_PORT = 18000, 18001
-CLIENTS = 32
+from loadtests.record import header, save, work_dir
+from loadtests.sched_wait import CLIENTS, warm_c32_app
 
 _EVENT = re.compile(r"^\s*(?P<comm>.+?)\s+(?P<tid>-?\d+)\s+\[(?P<cpu>\d+)\]\s+(?P<time>[\d.]+):\s+"
                     r"sched:(?P<name>\w+):\s+(?P<rest>.*)$")
@@ -186,67 +184,36 @@ def main() -> None:
     cli.add_argument("--work", help="keep the perf data here (default: a temporary directory)")
     args = cli.parse_args()
 
-    from core.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
-
-    apply_serving_node_env()
-    from ray import serve
-
-    from core.datasets import load_dataset
     from core.procfs import CpuMeter, classified_pids, machine_cpu_seconds
-    from deployments.run import deploy
-    from loadtests.targets import make_targets, write_targets
     from loadtests.vegeta_run import attack
 
-    queries, params = load_dataset("fashion-mnist").queries, {"nprobe": 16}
-    front = f"http://127.0.0.1:{FRONT_PORT}"
-    if not ensure_ray(serving_node=True):
-        raise SystemExit("error: needs its own Ray, and one is already running here")
     record = header(args.name, index=None)
     windows: list[dict] = []
     cpus = os.cpu_count() or 1
-    with work_dir(args.work, "sched-trace") as work:
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-            deploy(args.index, port=SERVE_PORT, app_name="trace", front_port=FRONT_PORT)
-            record["index"] = index_info(front)
-            warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
-            attack(warm, "concurrency", 8, 4.0, work, "warm-up")
-            targets = write_targets(work / "c32.jsonl",
-                                    make_targets(queries, front, 10, params, 0, count=1000))
-            for window in range(args.windows):
-                level: dict = {}
-                load = threading.Thread(target=lambda level=level, label=f"c32-{window}": level.update(
-                    attack(targets, "concurrency", CLIENTS, args.window + 4.0, work, label,
-                           meter=CpuMeter())))
-                load.start()
-                time.sleep(2.0)  # past the attack's start-up
-                classes = thread_classes({**classified_pids(), **{
-                    pid: "load generator" for pid in _pids_named(b"vegeta")}})
-                before = machine_cpu_seconds()
-                events = record_window(args.window, work / f"perf-{window}.data")
-                after = machine_cpu_seconds()
-                load.join()
-                summary = replay(events, cpus, classes).summary()
-                idle_s, busy_s = after["idle"] - before["idle"], after["busy"] - before["busy"]
-                summary.update({"proc_stat_idle_percent": round(100 * idle_s / (idle_s + busy_s), 1),
-                                "qps": level.get("qps"), "events": len(events),
-                                "attack_machine_idle_percent":
-                                    level.get("machine_cpu", {}).get("idle_percent")})
-                windows.append(summary)
-                print(f"window {window}: {summary}", flush=True)
-        finally:
-            serve.shutdown()
-            shutdown_ray()
+    with work_dir(args.work, "sched-trace") as work, warm_c32_app(args.index, "trace", work) as served:
+        record["index"], targets = served
+        for window in range(args.windows):
+            level: dict = {}
+            load = threading.Thread(target=lambda level=level, label=f"c32-{window}": level.update(
+                attack(targets, "concurrency", CLIENTS, args.window + 4.0, work, label, meter=CpuMeter())))
+            load.start()
+            time.sleep(2.0)  # past the attack's start-up
+            classes = thread_classes(classified_pids())  # vegeta included, as "load generator"
+            before = machine_cpu_seconds()
+            events = record_window(args.window, work / f"perf-{window}.data")
+            after = machine_cpu_seconds()
+            load.join()
+            summary = replay(events, cpus, classes).summary()
+            idle_s, busy_s = after["idle"] - before["idle"], after["busy"] - before["busy"]
+            summary.update({"proc_stat_idle_percent": round(100 * idle_s / (idle_s + busy_s), 1),
+                            "qps": level.get("qps"), "events": len(events),
+                            "attack_machine_idle_percent": level.get("machine_cpu", {}).get("idle_percent")})
+            windows.append(summary)
+            print(f"window {window}: {summary}", flush=True)
     record.update({"clients": CLIENTS, "window_s": args.window, "windows": windows, "not_covered": [
         "perf's own cost while recording (it runs on these cores too)",
         "other concurrencies, indexes and machines; one Ray session"]})
     print(f"record: {save(record, plot_levels=False)}")
-
-
-def _pids_named(fragment: bytes) -> list[int]:
-    from core.procfs import pids_matching
-
-    return pids_matching(fragment)
 
 
 if __name__ == "__main__":

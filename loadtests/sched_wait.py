@@ -18,10 +18,12 @@ Starts its own local Ray and stops it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from core.procfs import CpuMeter, classified_pids, sched_times
@@ -58,16 +60,10 @@ def per_class(classes: dict[int, str], before: dict, after: dict, wall_s: float)
             for name, (run, wait, vol, invol) in sorted(sums.items())}
 
 
-def main() -> None:
-    cli = argparse.ArgumentParser(description=__doc__)
-    cli.add_argument("--index", required=True)
-    cli.add_argument("--rounds", type=int, default=3)
-    cli.add_argument("--duration", type=float, default=8.0)
-    cli.add_argument("--router-nice", default="19,15", help="nice values the router alternates between")
-    cli.add_argument("--name", default="sched-wait")
-    args = cli.parse_args()
-    nices = [int(v) for v in args.router_nice.split(",")]
-
+@contextlib.contextmanager
+def warm_c32_app(index: str, app_name: str, work: Path) -> Iterator[tuple[dict, Path]]:
+    """Its own local Ray with the app deployed (front door on FRONT_PORT), warmed up for 4 s:
+    yields (the served index's summary, c=32 vegeta targets); stops Serve and Ray on exit."""
     from core.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
     apply_serving_node_env()
@@ -82,44 +78,57 @@ def main() -> None:
     front = f"http://127.0.0.1:{FRONT_PORT}"
     if not ensure_ray(serving_node=True):
         raise SystemExit("error: needs its own Ray, and one is already running here")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+        deploy(index, port=SERVE_PORT, app_name=app_name, front_port=FRONT_PORT)
+        warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
+        attack(warm, "concurrency", 8, 4.0, work, "warm-up")
+        yield index_info(front), write_targets(work / "c32.jsonl",
+                                               make_targets(queries, front, 10, params, 0, count=1000))
+    finally:
+        serve.shutdown()
+        shutdown_ray()
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__)
+    cli.add_argument("--index", required=True)
+    cli.add_argument("--rounds", type=int, default=3)
+    cli.add_argument("--duration", type=float, default=8.0)
+    cli.add_argument("--router-nice", default="19,15", help="nice values the router alternates between")
+    cli.add_argument("--name", default="sched-wait")
+    args = cli.parse_args()
+    nices = [int(v) for v in args.router_nice.split(",")]
+
+    from loadtests.vegeta_run import attack
+
     record = header(args.name, index=None)
     runs: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
-            deploy(args.index, port=SERVE_PORT, app_name="sched", front_port=FRONT_PORT)
-            record["index"] = index_info(front)
-            warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
-            attack(warm, "concurrency", 8, 4.0, work, "warm-up")
-            targets = write_targets(work / "c32.jsonl",
-                                    make_targets(queries, front, 10, params, 0, count=1000))
-            classes = classified_pids()
-            routers = [pid for pid, name in classes.items() if name == "router"]
-            for round_ in range(args.rounds):
-                for nice in (nices if round_ % 2 == 0 else nices[::-1]):
-                    try:
-                        for pid in routers:
-                            _renice_tree(pid, nice)
-                    except PermissionError:
-                        print(f"router nice {nice}: not permitted here (CAP_SYS_NICE), skipped", flush=True)
-                        continue
-                    before, started = _sched(classes), time.monotonic()
-                    level = attack(targets, "concurrency", CLIENTS, args.duration, work, f"c32-nice{nice}",
-                                   meter=CpuMeter())
-                    after, wall_s = _sched(classes), time.monotonic() - started
-                    run = {"round": round_, "router_nice": nice, "qps": level["qps"],
-                           "p50_ms": level["p50_ms"], "status_codes": level["status_codes"],
-                           "machine_idle_percent": level["machine_cpu"]["idle_percent"],
-                           "classes": per_class(classes, before, after, wall_s)}
-                    runs.append(run)
-                    shards, router = run["classes"].get("shards", {}), run["classes"].get("router", {})
-                    print(f"round {round_} router nice {nice}: {run['qps']:.0f} req/s, machine idle "
-                          f"{run['machine_idle_percent']} %, shards wait/run {shards.get('wait_per_run')}, "
-                          f"router wait/run {router.get('wait_per_run')}", flush=True)
-        finally:
-            serve.shutdown()
-            shutdown_ray()
+    with tempfile.TemporaryDirectory() as tmp, warm_c32_app(args.index, "sched", Path(tmp)) as served:
+        work, (record["index"], targets) = Path(tmp), served
+        classes = classified_pids()
+        routers = [pid for pid, name in classes.items() if name == "router"]
+        for round_ in range(args.rounds):
+            for nice in (nices if round_ % 2 == 0 else nices[::-1]):
+                try:
+                    for pid in routers:
+                        _renice_tree(pid, nice)
+                except PermissionError:
+                    print(f"router nice {nice}: not permitted here (CAP_SYS_NICE), skipped", flush=True)
+                    continue
+                before, started = _sched(classes), time.monotonic()
+                level = attack(targets, "concurrency", CLIENTS, args.duration, work, f"c32-nice{nice}",
+                               meter=CpuMeter())
+                after, wall_s = _sched(classes), time.monotonic() - started
+                run = {"round": round_, "router_nice": nice, "qps": level["qps"],
+                       "p50_ms": level["p50_ms"], "status_codes": level["status_codes"],
+                       "machine_idle_percent": level["machine_cpu"]["idle_percent"],
+                       "classes": per_class(classes, before, after, wall_s)}
+                runs.append(run)
+                shards, router = run["classes"].get("shards", {}), run["classes"].get("router", {})
+                print(f"round {round_} router nice {nice}: {run['qps']:.0f} req/s, machine idle "
+                      f"{run['machine_idle_percent']} %, shards wait/run {shards.get('wait_per_run')}, "
+                      f"router wait/run {router.get('wait_per_run')}", flush=True)
     record.update({"clients": CLIENTS, "duration_s": args.duration, "runs": runs, "summary": {
         str(nice): {key: statistics.median(values) for key, values in {
             "qps": [r["qps"] for r in runs if r["router_nice"] == nice],
