@@ -70,15 +70,8 @@ class AdaptiveBatcher(Generic[Item, Result]):
             asyncio.get_running_loop().create_task(self._run(live))
 
     async def _run(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
-        released = False
         try:
             results = await self.handler([item for item, _ in batch])
-            # Free the slot and start the next batch BEFORE waking this batch's callers: the next
-            # batch's task is queued ahead of them, so it reaches the shards first, and they scan
-            # while this batch's answers are rendered and written (otherwise they sit idle then).
-            released = True
-            self.running -= 1
-            self._start_batches()
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
                     future.set_result(result)
@@ -87,6 +80,5 @@ class AdaptiveBatcher(Generic[Item, Result]):
                 if not future.done():
                     future.set_exception(exc)
         finally:
-            if not released:
-                self.running -= 1
-                self._start_batches()
+            self.running -= 1
+            self._start_batches()

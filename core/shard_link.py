@@ -192,41 +192,22 @@ class ShardLink:
         self._transport: asyncio.Transport | None = None
         self._connecting: asyncio.Future | None = None
 
-    def send(self, payload: bytes) -> Awaitable[bytes]:
-        """Write the frame NOW when connected (else connect first), return its answer to await.
-
-        Why not just `async def call`: a coroutine writes only when its task first runs, after
-        everything the event loop queued before it (under load, a batch's worth of HTTP replies),
-        so the shards would wait for those; written here, they scan meanwhile. Raises
-        ConnectionError at once if the link is broken; the awaitable raises it if it breaks later
-        (the caller falls back), ShardLinkError if the shard raised."""
-        if self.broken:
-            raise ConnectionError(f"link to {self.address} is broken")
-        if self._transport is None:
-            return self.call(payload)
-        return self._write(self._transport, payload)
-
     async def call(self, payload: bytes) -> bytes:
-        """`send` as a coroutine (connects first when needed)."""
+        """Send one frame, await its answer. Raises ConnectionError if the link breaks (the caller
+        falls back), ShardLinkError if the shard raised."""
         if self.broken:
             raise ConnectionError(f"link to {self.address} is broken")
         transport = self._transport or await self._connect()
-        return await self._write(transport, payload)
-
-    def _write(self, transport: asyncio.Transport, payload: bytes) -> asyncio.Future:
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         self.in_flight += 1
-        # Bookkeeping on completion, not in a `finally`: it runs however the answer ends (result,
-        # link failure, or the caller cancelling the future), even if nobody ever awaits it.
-        future.add_done_callback(lambda _: self._settled(request_id))
-        transport.write(_frame(request_id, _OK, payload))
-        return future
-
-    def _settled(self, request_id: int) -> None:
-        self.in_flight -= 1
-        self._pending.pop(request_id, None)
+        try:
+            transport.write(_frame(request_id, _OK, payload))
+            return await future
+        finally:
+            self.in_flight -= 1
+            self._pending.pop(request_id, None)
 
     async def _connect(self) -> asyncio.Transport:
         if self.broken:

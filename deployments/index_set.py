@@ -20,7 +20,7 @@ from core.manifest import Manifest, read_manifest
 from core.metadata import combine
 from core.ray_private import deployment_handle_unchecked
 from core.searcher import CoarseAssigner
-from core.shard_link import ShardLink, ShardLinks
+from core.shard_link import ShardLinks
 from core.shard_wire import ShardQuery, decode_answer
 from core.storage import Location
 from deployments.config import INDEX_INGRESS
@@ -73,23 +73,14 @@ class IndexSet:
             return
         self.links.update(endpoints)
 
-    def call(self, shard: int, query: ShardQuery) -> Awaitable[tuple[np.ndarray, np.ndarray, float]]:
-        """One shard call: over the shard's link when one is up, else (or if it breaks) Serve. A
-        link call's frame is written before this returns (ShardLink.send says why)."""
+    async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+        """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""
         link = self.links.pick(shard) if self.links is not None else None
         if link is not None:
             try:
-                return self._link_answer(shard, link, link.send(query.encode()), query)
+                return decode_answer(await link.call(query.encode()))
             except ConnectionError:
                 self.links.drop(shard, link)
-        return call_shard(self.shards[shard], query)
-
-    async def _link_answer(self, shard: int, link: ShardLink, answer: Awaitable[bytes],
-                           query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
-        try:
-            return decode_answer(await answer)
-        except ConnectionError:
-            self.links.drop(shard, link)
         return await call_shard(self.shards[shard], query)
 
     def search(self, queries: list[ParsedQuery], executor: Executor, timeout_s: float, hedge_after_s: float,
