@@ -23,6 +23,20 @@ def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
     return prepared
 
 
+# From this many query rows, FAISS's flat distance computations (the router's coarse quantizer, a
+# flat shard) run as one BLAS matrix product. FAISS switches by rows x dim against a process-wide
+# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch is
+# 10-20 rows, and BLAS costs less per query from ~5 rows here (2.4x less at 14 rows; the lists
+# picked are the same): `python -m loadtests.blas_rows` records both paths (blas-rows.json).
+BLAS_MIN_ROWS = 6
+
+
+def flat_search_with_blas_from(rows: int, dim: int) -> None:
+    """Process-wide: FAISS computes flat distances with BLAS for batches of at least `rows` rows of
+    `dim` dimensions, with its own per-query kernels below that (better for a single query)."""
+    faiss.cvar.distance_compute_blas_threshold = min(max(rows * dim - 1, 0), 2**31 - 1)  # a C int
+
+
 # A refine step re-ranks this many times k candidates of the compressed index with exact (or 8-bit)
 # distances. 4-bit fast-scan codes of 128-d data order the near neighbours poorly: at 4x, the true
 # top-10 was often not among the candidates at all (make bench-scale's data, checked in process);

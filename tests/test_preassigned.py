@@ -12,7 +12,14 @@ import pytest
 
 from core.api import hits
 from core.datasets import load_dataset
-from core.indexes import add_to_copy, index_from_bytes, prepare_vectors, train_empty_index
+from core.indexes import (
+    BLAS_MIN_ROWS,
+    add_to_copy,
+    flat_search_with_blas_from,
+    index_from_bytes,
+    prepare_vectors,
+    train_empty_index,
+)
 from core.partition import BY_LISTS, BY_ROWS, Partition
 from core.searcher import CoarseAssigner, ShardSearcher
 from core.shard_wire import ShardQuery, decode_answer, encode_answer
@@ -137,3 +144,20 @@ def test_refine_searches_with_per_request_nprobe() -> None:
     exact = faiss.knn(data.queries[:50], data.base, 10)[1]
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, exact, strict=True)])
     assert recall > 0.8
+
+
+@pytest.mark.data
+def test_router_batches_on_blas_answer_as_single_queries_do() -> None:
+    """The router's quantizer takes BLAS from BLAS_MIN_ROWS rows (core.indexes); the lists it picks,
+    hence the answers, are those of FAISS's per-query kernels (one query at a time, as a plain
+    server searches)."""
+    data = load_dataset("fashion-mnist", limit=12000, num_queries=280)
+    searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
+    queries, params = prepare_vectors(data.queries, "l2"), {"nprobe": 16}
+    flat_search_with_blas_from(1 << 30, queries.shape[1])  # never BLAS
+    expected_d, expected_i, _ = unsharded.search(queries, 10, params, prepared=True)
+    flat_search_with_blas_from(BLAS_MIN_ROWS, queries.shape[1])
+    for start in range(0, len(queries), 14):  # a router batch under load
+        rows = slice(start, start + 14)
+        distances, ids = sharded_search(searchers, queries[rows], 10, params, "l2", assigner)
+        assert np.array_equal(ids, expected_i[rows]) and np.array_equal(distances, expected_d[rows])
