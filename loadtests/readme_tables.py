@@ -216,6 +216,15 @@ def hygiene_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def blas_rows_table(record: dict) -> str:
+    """The router's coarse quantizer per query by batch rows: FAISS's per-query kernels vs BLAS."""
+    rows = ["| batch rows | per-query kernels, us per query | BLAS, us per query | BLAS / kernels |",
+            "|---|---|---|---|"]
+    rows += [f"| {r['rows']} | {r['kernels_ms_per_query'] * 1000:.1f} | {r['blas_ms_per_query'] * 1000:.1f} "
+             f"| {r['blas_vs_kernels']} |" for r in record["rows"]]
+    return "\n".join(rows)
+
+
 def _revision_label(record: dict, revision: str) -> str:
     subject = record["revisions"].get(revision.partition("+")[0], "")
     return f"`{revision}` {subject[:70]}{'…' if len(subject) > 70 else ''}"
@@ -264,13 +273,16 @@ def idle_table(record: dict) -> str:
 ROW_DEALT, LIST_DEALT = "index dealt by row, 2 batches", "index dealt by list, 2 batches"
 ONE_BATCH = "index dealt by list, 1 batch per shard replica"
 LARGE_OVERLAP = "index dealt by list, 1 batch per shard replica + 1 for >= 32 queued vectors"
+BLAS_QUANTIZER = LARGE_OVERLAP + ", router quantizer on BLAS from 6 rows"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
               ("bench-run-7.json", LIST_DEALT), ("bench-run-8.json", LIST_DEALT),
               ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
               ("bench-run-11.json", ONE_BATCH), ("bench-run-12.json", ONE_BATCH),
-              ("bench-run-13.json", LARGE_OVERLAP), ("bench.json", LARGE_OVERLAP))
+              ("bench-run-13.json", LARGE_OVERLAP), ("bench-run-14.json", LARGE_OVERLAP),
+              ("bench-run-15.json", BLAS_QUANTIZER),
+              ("bench.json", BLAS_QUANTIZER))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
@@ -320,6 +332,9 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     batches_ab = json.loads((records / "batches-ab.json").read_text())
     one_batch_ab = json.loads((records / "one-batch-ab.json").read_text())
     large_overlap_ab = json.loads((records / "large-overlap-ab.json").read_text())
+    early_release_ab = json.loads((records / "early-release-ab.json").read_text())
+    blas_rows = json.loads((records / "blas-rows.json").read_text())
+    blas_rows_ab = json.loads((records / "blas-rows-ab.json").read_text())
     runs = [(json.loads((records / name).read_text()), served) for name, served in BENCH_RUNS
             if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
@@ -332,6 +347,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "one-batch-ab": ab_table(one_batch_ab), "large-overlap-ab": ab_table(large_overlap_ab),
             "bench-runs": bench_runs_table(runs),
             "bench-idle": idle_table(bench),
+            "early-release-ab": ab_table(early_release_ab), "blas-rows": blas_rows_table(blas_rows),
+            "blas-rows-ab": ab_table(blas_rows_ab),
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
 
