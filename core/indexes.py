@@ -32,8 +32,12 @@ BLAS_MIN_ROWS = 6
 
 
 def flat_search_with_blas_from(rows: int, dim: int) -> None:
-    """Process-wide: FAISS computes flat distances with BLAS for batches of at least `rows` rows of
-    `dim` dimensions, with its own per-query kernels below that (better for a single query)."""
+    """FAISS computes flat distances with BLAS for batches of at least `rows` rows of `dim`
+    dimensions, with its own per-query kernels below that (better for a single query).
+
+    Process-wide, so only a serving process sets it (router, shard replica: deployments/), once,
+    at load, never library code: the two paths round distances differently, and a (cosine) build in
+    a process that changed it half-way came out different from the same build before the change."""
     faiss.cvar.distance_compute_blas_threshold = min(max(rows * dim - 1, 0), 2**31 - 1)  # a C int
 
 

@@ -9,14 +9,7 @@ import time
 import faiss
 import numpy as np
 
-from core.indexes import (
-    BLAS_MIN_ROWS,
-    flat_search_with_blas_from,
-    index_from_bytes,
-    prepare_vectors,
-    search_params,
-    unwrap_id_map,
-)
+from core.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from core.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from core.shard_wire import ShardQuery
 from core.storage import Location
@@ -45,7 +38,6 @@ class ShardSearcher:
         self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
         self._ivf_params: dict[int, faiss.SearchParametersIVF] = {}
         self.list_order_rows = LIST_ORDER_ROWS
-        flat_search_with_blas_from(BLAS_MIN_ROWS, int(index.d))  # a flat shard's or quantizer's batches
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -128,7 +120,6 @@ class CoarseAssigner:
         self.ivf = ivf
         self.quantizer = faiss.downcast_index(ivf.quantizer)
         self.default_nprobe = int(ivf.nprobe)
-        flat_search_with_blas_from(BLAS_MIN_ROWS, int(ivf.d))  # a router batch is 10-20 rows
 
     @classmethod
     def from_trained(cls, trained: faiss.Index) -> CoarseAssigner | None:

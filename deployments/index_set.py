@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from core.api import ParsedQuery, real_ids
 from core.fanout import Prepare, QueryResult, ShardCall, hedged, plain_query, search_batch
-from core.indexes import supported_params
+from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from core.manifest import Manifest, read_manifest
 from core.metadata import combine
 from core.ray_private import deployment_handle_unchecked
@@ -52,6 +52,7 @@ class IndexSet:
         """Files are read in a thread; handles are made on the replica's event loop (Serve's
         throughput-optimised handles refuse to be set up outside it)."""
         manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
+        flat_search_with_blas_from(BLAS_MIN_ROWS, manifest.dim)  # the quantizer's 10-20 row batches
         shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,

@@ -13,6 +13,7 @@ import faiss
 import ray
 from ray import serve
 
+from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from
 from core.manifest import read_version
 from core.metadata import MetadataTable
 from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
@@ -48,6 +49,7 @@ class ShardDeployment:
         self.metadata_table = None if manifest.metadata is None else await asyncio.to_thread(
             MetadataTable.load, location, manifest.metadata[shard])
         loaded_s = time.monotonic() - loading
+        flat_search_with_blas_from(BLAS_MIN_ROWS, self.searcher.dim)  # a flat shard's batches
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
         self.shard = shard

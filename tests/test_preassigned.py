@@ -154,10 +154,14 @@ def test_router_batches_on_blas_answer_as_single_queries_do() -> None:
     data = load_dataset("fashion-mnist", limit=12000, num_queries=280)
     searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
     queries, params = prepare_vectors(data.queries, "l2"), {"nprobe": 16}
-    flat_search_with_blas_from(1 << 30, queries.shape[1])  # never BLAS
-    expected_d, expected_i, _ = unsharded.search(queries, 10, params, prepared=True)
-    flat_search_with_blas_from(BLAS_MIN_ROWS, queries.shape[1])
-    for start in range(0, len(queries), 14):  # a router batch under load
-        rows = slice(start, start + 14)
-        distances, ids = sharded_search(searchers, queries[rows], 10, params, "l2", assigner)
-        assert np.array_equal(ids, expected_i[rows]) and np.array_equal(distances, expected_d[rows])
+    faiss_default = faiss.cvar.distance_compute_blas_threshold
+    try:  # process-wide: the tests after this one get FAISS's own setting back
+        flat_search_with_blas_from(1 << 30, queries.shape[1])  # never BLAS
+        expected_d, expected_i, _ = unsharded.search(queries, 10, params, prepared=True)
+        flat_search_with_blas_from(BLAS_MIN_ROWS, queries.shape[1])
+        for start in range(0, len(queries), 14):  # a router batch under load
+            rows = slice(start, start + 14)
+            distances, ids = sharded_search(searchers, queries[rows], 10, params, "l2", assigner)
+            assert np.array_equal(ids, expected_i[rows]) and np.array_equal(distances, expected_d[rows])
+    finally:
+        faiss.cvar.distance_compute_blas_threshold = faiss_default
