@@ -25,8 +25,8 @@ def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
 
 # From this many query rows, FAISS's flat distance computations (the router's coarse quantizer, a
 # flat shard) run as one BLAS matrix product. FAISS switches by rows x dim against a process-wide
-# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch is
-# 10-20 rows, and BLAS costs less per query from ~5 rows here (2.3-2.8x less at 12-16 rows; the lists
+# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch at
+# c=32 is 16-25 rows, and BLAS costs less per query from ~5 rows here (2.3-2.8x less at 12-16 rows; the lists
 # picked are the same): `python -m loadtests.blas_rows` records both paths (blas-rows.json).
 BLAS_MIN_ROWS = 6
 

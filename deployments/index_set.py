@@ -52,7 +52,7 @@ class IndexSet:
         """Files are read in a thread; handles are made on the replica's event loop (Serve's
         throughput-optimised handles refuse to be set up outside it)."""
         manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
-        flat_search_with_blas_from(BLAS_MIN_ROWS, manifest.dim)  # the quantizer's 10-20 row batches
+        flat_search_with_blas_from(BLAS_MIN_ROWS, manifest.dim)  # the quantizer's 16-25 row batches
         shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,

@@ -2,7 +2,7 @@
 batch rows: where core.indexes.BLAS_MIN_ROWS comes from. In-process, one thread, no serving.
 
 FAISS picks the path by rows x dim against a process-wide threshold (its default: BLAS from 164
-rows at d=784); a router batch under load is 10-20 rows. Both paths must pick the same lists
+rows at d=784); a router batch at c=32 is 16-25 rows. Both paths must pick the same lists
 (answers identical to the unsharded index), so the record also counts rows whose lists differ.
 
     python -m loadtests.blas_rows --index indexes/fashion-mnist-ivf1024-4 → records/blas-rows.json
