@@ -10,6 +10,7 @@ import faiss
 import numpy as np
 
 from core.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
+from core.list_scan import nonempty_lists, search_by_lists
 from core.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from core.shard_wire import ShardQuery
 from core.storage import Location
@@ -19,10 +20,12 @@ CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
                            os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
 
 
-# From this many rows a shard scans a batch's queries in order of their lowest-numbered list, so
-# queries that share lists run back to back while those lists are still in cache (FAISS scans
-# query by query). Less CPU at 256 rows, nothing to gain at 32: `python -m loadtests.scan_cost`
-# records both orders (scan-cost.json).
+# From this many rows an IVF-Flat shard scans a batch list by list (core.list_scan): each list is
+# read once for all its queries. Other IVF codes are scanned query by query, as FAISS does, with the
+# rows in order of their lowest-numbered list, so queries that share lists run back to back while
+# those lists are still in cache. Both pay at 256 rows, neither at 32: `python -m
+# loadtests.scan_cost` records each order (scan-cost.json).
+LIST_SCAN_ROWS = 64
 LIST_ORDER_ROWS = 64
 
 
@@ -38,6 +41,10 @@ class ShardSearcher:
         self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
         self._ivf_params: dict[int, faiss.SearchParametersIVF] = {}
         self.list_order_rows = LIST_ORDER_ROWS
+        # IVF-Flat only: its scans are bound by reading the lists (other codes are small, and their
+        # per-list tables would be built once per pair instead of once per query).
+        self.nonempty = nonempty_lists(self.ivf) if type(self.ivf) is faiss.IndexIVFFlat else None
+        self.list_scan_rows = LIST_SCAN_ROWS
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -82,29 +89,45 @@ class ShardSearcher:
         if self.ivf is None:
             raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
         n, nprobe = query.assign.shape
-        matrix, assign, coarse = query.matrix, query.assign, query.coarse
-        order = None
-        if n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
+        matrix = np.ascontiguousarray(query.matrix, np.float32)
+        assign = np.ascontiguousarray(query.assign, np.int64)
+        coarse = np.ascontiguousarray(query.coarse, np.float32)
+        start = time.perf_counter()
+        if self.nonempty is not None and n >= self.list_scan_rows:
+            distances, ids, again = search_by_lists(self.ivf, self.nonempty, matrix, assign, coarse, query.k,
+                                                    self.metric != "l2", self._params(1))
+            if len(again):  # a tie at the k-th distance: FAISS's own scan decides, as unsharded
+                distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
+                                                          query.k)
+        elif n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
             order = np.argsort(assign.min(axis=1), kind="stable")
-            matrix, assign, coarse = matrix[order], assign[order], coarse[order]
-        matrix = np.ascontiguousarray(matrix, np.float32)
-        assign = np.ascontiguousarray(assign, np.int64)
-        coarse = np.ascontiguousarray(coarse, np.float32)
-        distances = np.empty((n, query.k), np.float32)
-        ids = np.empty((n, query.k), np.int64)
-        # The C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must come
-        # from the request (the shared index's own nprobe is never mutated per request).
+            distances, ids = np.empty((n, query.k), np.float32), np.empty((n, query.k), np.int64)
+            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], query.k)
+        else:
+            distances, ids = self._scan(matrix, assign, coarse, query.k)
+        return distances, ids, (time.perf_counter() - start) * 1000.0
+
+    def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = self._ivf_params.get(nprobe)
         if params is None:  # one per nprobe, kept: a SWIG object per call cost ~1.5% of a shard's CPU
             params = self._ivf_params[nprobe] = faiss.SearchParametersIVF(nprobe=nprobe)
-        start = time.perf_counter()
-        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), query.k, faiss.swig_ptr(assign),
+        return params
+
+    def _scan(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
+              k: int) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS's query-by-query scan of the assigned lists (the C++ call: FAISS's Python wrapper
+        takes no SearchParameters here, and nprobe must come from the request, never from mutating
+        the shared index)."""
+        n, nprobe = assign.shape
+        matrix = np.ascontiguousarray(matrix, np.float32)
+        assign = np.ascontiguousarray(assign, np.int64)
+        coarse = np.ascontiguousarray(coarse, np.float32)
+        distances = np.empty((n, k), np.float32)
+        ids = np.empty((n, k), np.int64)
+        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
-                                      faiss.swig_ptr(ids), False, params)
-        elapsed_ms = (time.perf_counter() - start) * 1000.0
-        if order is not None:  # back to the caller's row order
-            distances[order], ids[order] = distances.copy(), ids.copy()
-        return distances, ids, elapsed_ms
+                                      faiss.swig_ptr(ids), False, self._params(nprobe))
+        return distances, ids
 
 
 class CoarseAssigner:

@@ -3,8 +3,9 @@
 Per query, at a few batch sizes: the router's coarse quantizer (once per batch), then the shards'
 `search_preassigned` scans, with the shards dealt as the index was built (whole IVF lists per shard,
 core.partition) and, for comparison, the same vectors dealt by row (i mod S, every shard a piece of
-every list; built here in memory from the same trained index); the lists-dealt scans with the
-batch's rows in arrival order instead of by lowest list (core.searcher.LIST_ORDER_ROWS); and the
+every list; built here in memory from the same trained index); the lists-dealt scans query by query
+(FAISS's own order, rows by lowest list: core.searcher.LIST_ORDER_ROWS) instead of list by list
+(core.list_scan, from LIST_SCAN_ROWS rows), and with the rows in arrival order too; and the
 unsharded (merged) index, both its scan of the same assigned lists and its full search as the uvicorn
 baseline runs it. Whatever a served request costs beyond quantizer + scans is serving overhead
 (HTTP, parsing, the hop, Ray's processes); `make bench` measures that total.
@@ -25,7 +26,7 @@ from core.datasets import load_dataset
 from core.indexes import add_to_copy, prepare_vectors
 from core.manifest import read_shard_checked
 from core.partition import BY_LISTS, Partition
-from core.searcher import LIST_ORDER_ROWS, CoarseAssigner, ShardSearcher, load_all_shards
+from core.searcher import LIST_ORDER_ROWS, LIST_SCAN_ROWS, CoarseAssigner, ShardSearcher, load_all_shards
 from core.storage import Location
 from index_build.job import rows_per_shard
 from loadtests.baseline_server import merged_searcher
@@ -69,15 +70,18 @@ def measure(index: str, dataset: str, queries: np.ndarray, k: int, params: dict,
         quantizer = cpu_ms_per_query(matrices, n, lambda m: assigner.query(m, k, params))
         scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         rows_scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in by_rows])
-        for shard in shards:  # the same scans with every batch's rows in arrival order
+        for shard in shards:  # the same scans query by query (FAISS's order), rows by lowest list
+            shard.list_scan_rows = batch + 1
+        query_major = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
+        for shard in shards:  # ... and rows in arrival order
             shard.list_order_rows = batch + 1
         arrival = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         for shard in shards:
-            shard.list_order_rows = LIST_ORDER_ROWS
+            shard.list_order_rows, shard.list_scan_rows = LIST_ORDER_ROWS, LIST_SCAN_ROWS
         unsharded_scan = cpu_ms_per_query(assigned, n, monolith.answer)
         full = cpu_ms_per_query(matrices, n, lambda m: monolith.search(m, k, params, prepared=True))
         rows.append({"batch": batch, "quantizer_ms": quantizer, "shard_scans_ms": scans,
-                     "shard_scans_by_rows_ms": rows_scans,
+                     "shard_scans_by_rows_ms": rows_scans, "shard_scans_query_major_ms": query_major,
                      "shard_scans_arrival_order_ms": arrival, "unsharded_scan_ms": unsharded_scan,
                      "sharded_total_ms": round(quantizer + scans, 4), "monolith_ms": full,
                      "sharded_vs_monolith": round((quantizer + scans) / full, 3),

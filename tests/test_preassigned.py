@@ -20,6 +20,7 @@ from core.indexes import (
     prepare_vectors,
     train_empty_index,
 )
+from core.list_scan import search_by_lists
 from core.partition import BY_LISTS, BY_ROWS, Partition
 from core.searcher import CoarseAssigner, ShardSearcher
 from core.shard_wire import ShardQuery, decode_answer, encode_answer
@@ -63,18 +64,49 @@ def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> N
 
 
 def test_row_order_of_a_large_batch_changes_no_answer() -> None:
-    """Large batches are scanned in list order (LIST_ORDER_ROWS) and answered in the caller's."""
+    """Large batches are scanned list by list (IVF-Flat, core.list_scan) or in list order (other IVF
+    codes, LIST_ORDER_ROWS) and answered in the caller's order, as FAISS's scan of them in arrival
+    order and one query at a time answers."""
     data = load_dataset("synthetic:8000x32")
-    searchers, _, assigner = _sharded("IVF64,Flat", "l2", data.base)
-    query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 7})
-    for searcher in searchers:
-        ordered_d, ordered_i, _ = searcher.answer(query)
-        searcher.list_order_rows = 10**9
-        arrival_d, arrival_i, _ = searcher.answer(query)
-        assert np.array_equal(ordered_i, arrival_i) and np.array_equal(ordered_d, arrival_d)
-        rows = [searcher.answer(ShardQuery(query.matrix[r:r + 1], 10, query.params, query.assign[r:r + 1],
-                                           query.coarse[r:r + 1]))[1][0] for r in range(0, 300, 37)]
-        assert np.array_equal(np.stack(rows), ordered_i[::37])
+    for factory in ("IVF64,Flat", "IVF64,SQ8"):
+        searchers, _, assigner = _sharded(factory, "l2", data.base)
+        query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 7})
+        for searcher in searchers:
+            assert (searcher.nonempty is not None) == (factory == "IVF64,Flat")
+            ordered_d, ordered_i, _ = searcher.answer(query)
+            searcher.list_order_rows = searcher.list_scan_rows = 10**9
+            arrival_d, arrival_i, _ = searcher.answer(query)
+            assert np.array_equal(ordered_i, arrival_i) and np.array_equal(ordered_d, arrival_d)
+            rows = [searcher.answer(ShardQuery(query.matrix[r:r + 1], 10, query.params, query.assign[r:r + 1],
+                                               query.coarse[r:r + 1]))[1][0] for r in range(0, 300, 37)]
+            assert np.array_equal(np.stack(rows), ordered_i[::37])
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None:
+    """Small integer vectors, many of them duplicates: the k-th distance ties often, the rows where
+    it does are scanned again FAISS's way, and every row answers as FAISS's own scan does (ids in
+    the same order too: FAISS sorts ties by id)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 3, (6000, 8)).astype(np.float32)
+    searchers, _, assigner = _sharded("IVF16,Flat", metric, base)
+    queries = prepare_vectors(rng.integers(0, 3, (400, 8)).astype(np.float32), metric)
+    for k, nprobe in ((10, 4), (1, 1), (50, 16)):
+        query = assigner.query(queries, k, {"nprobe": nprobe})
+        tied = 0
+        for searcher in searchers:
+            assert searcher.nonempty is not None
+            distances, ids, again = search_by_lists(
+                searcher.ivf, searcher.nonempty, query.matrix, query.assign, query.coarse, k,
+                metric != "l2", faiss.SearchParametersIVF(nprobe=1))
+            expected_d, expected_i = searcher._scan(query.matrix, query.assign, query.coarse, k)
+            tied += len(again)
+            settled = np.setdiff1d(np.arange(len(queries)), again)
+            assert np.array_equal(ids[settled], expected_i[settled]), (metric, k, nprobe)
+            assert np.array_equal(distances[settled], expected_d[settled]), (metric, k, nprobe)
+            got_d, got_i, _ = searcher.answer(query)  # the tied rows too, once scanned again
+            assert np.array_equal(got_i, expected_i) and np.array_equal(got_d, expected_d)
+        assert tied > 0, (metric, k, nprobe)  # the ties this test is about did happen
 
 
 @pytest.mark.data
