@@ -276,6 +276,7 @@ ROW_DEALT, LIST_DEALT = "index dealt by row, 2 batches", "index dealt by list, 2
 ONE_BATCH = "index dealt by list, 1 batch per shard replica"
 LARGE_OVERLAP = "index dealt by list, 1 batch per shard replica + 1 for >= 32 queued vectors"
 BLAS_QUANTIZER = LARGE_OVERLAP + ", router quantizer on BLAS from 6 rows"
+LIST_SCAN = BLAS_QUANTIZER + ", shards scan 64+ rows list by list"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
@@ -283,8 +284,8 @@ BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
               ("bench-run-11.json", ONE_BATCH), ("bench-run-12.json", ONE_BATCH),
               ("bench-run-13.json", LARGE_OVERLAP), ("bench-run-14.json", LARGE_OVERLAP),
-              ("bench-run-15.json", BLAS_QUANTIZER),
-              ("bench.json", BLAS_QUANTIZER))
+              ("bench-run-15.json", BLAS_QUANTIZER), ("bench-run-16.json", BLAS_QUANTIZER),
+              ("bench-run-17.json", LIST_SCAN), ("bench.json", LIST_SCAN))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
@@ -337,6 +338,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     early_release_ab = json.loads((records / "early-release-ab.json").read_text())
     blas_rows = json.loads((records / "blas-rows.json").read_text())
     blas_rows_ab = json.loads((records / "blas-rows-ab.json").read_text())
+    list_scan_ab = json.loads((records / "list-scan-ab.json").read_text())
     runs = [(json.loads((records / name).read_text()), served) for name, served in BENCH_RUNS
             if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
@@ -350,7 +352,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-runs": bench_runs_table(runs),
             "bench-idle": idle_table(bench),
             "early-release-ab": ab_table(early_release_ab), "blas-rows": blas_rows_table(blas_rows),
-            "blas-rows-ab": ab_table(blas_rows_ab),
+            "blas-rows-ab": ab_table(blas_rows_ab), "list-scan-ab": ab_table(list_scan_ab),
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
 
