@@ -19,6 +19,8 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
+from core.merge import merge_topk
+
 # Worst-possible distances FAISS writes where a result is missing (id -1).
 _MISSING = {False: np.finfo(np.float32).max, True: -np.finfo(np.float32).max}
 
@@ -58,13 +60,8 @@ def search_by_lists(ivf: faiss.IndexIVF, nonempty: np.ndarray, matrix: np.ndarra
     pool_d = np.full((n, width, kept), _MISSING[higher_is_better], np.float32)
     pool_i = np.full((n, width, kept), -1, np.int64)
     pool_d[pair_rows, slot], pool_i[pair_rows, slot] = pair_d, pair_i
-    pool_d, pool_i = pool_d.reshape(n, width * kept), pool_i.reshape(n, width * kept)
-    # FAISS's order: best first; equal distances by id, ascending for L2, descending for inner
-    # product (its heaps' tie rule, CMax/CMin::cmp2). Missing results sort last on distance alone.
-    key, id_key = (-pool_d, -pool_i) if higher_is_better else (pool_d, pool_i)
-    order = np.lexsort((id_key, key), axis=1)[:, :kept]
-    top_d = np.take_along_axis(pool_d, order, axis=1)
-    top_i = np.take_along_axis(pool_i, order, axis=1)
+    top_d, top_i = merge_topk([pool_d.reshape(n, width * kept)], [pool_i.reshape(n, width * kept)], kept,
+                              higher_is_better, ties_by_id=True)  # FAISS's order: best first, ties by id
     top_key = -top_d if higher_is_better else top_d
     # Ambiguous only where the (k+1)-th candidate ties the k-th. Otherwise nothing a list dropped
     # can reach the k-th distance: a list drops a candidate only behind k+1 at least as good, all

@@ -6,11 +6,13 @@ import numpy as np
 
 
 def merge_topk(distances: list[np.ndarray], ids: list[np.ndarray], k: int,
-               higher_is_better: bool) -> tuple[np.ndarray, np.ndarray]:
+               higher_is_better: bool, ties_by_id: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Merge per-shard (nq, k_i) results into the global (nq, k) best, vectorised.
 
     Missing results (FAISS pads with id -1) sort last. Ties keep shard order (stable sort), so the
-    merge is deterministic. `higher_is_better` is True for inner product / cosine.
+    merge is deterministic; `ties_by_id` orders them as FAISS's own heaps do instead (id ascending
+    for L2, descending for inner product: CMax/CMin::cmp2), for merging pieces of one index's scan
+    (core.list_scan). `higher_is_better` is True for inner product / cosine.
     """
     if not distances:
         raise ValueError("merge_topk needs at least one shard result")
@@ -18,7 +20,10 @@ def merge_topk(distances: list[np.ndarray], ids: list[np.ndarray], k: int,
     all_ids = np.concatenate(ids, axis=1)
     keys = -all_distances if higher_is_better else all_distances.copy()
     keys[all_ids < 0] = np.inf
-    order = np.argsort(keys, axis=1, kind="stable")[:, :k]
+    if ties_by_id:
+        order = np.lexsort((-all_ids if higher_is_better else all_ids, keys), axis=1)[:, :k]
+    else:
+        order = np.argsort(keys, axis=1, kind="stable")[:, :k]
     top_ids = np.take_along_axis(all_ids, order, axis=1)
     top_distances = np.take_along_axis(all_distances, order, axis=1)
     if top_ids.shape[1] < k:  # fewer candidates than k in total: pad like FAISS does

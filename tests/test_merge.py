@@ -42,3 +42,19 @@ def test_ties_keep_shard_order() -> None:
     d = [np.array([[1.0]], np.float32), np.array([[1.0]], np.float32)]
     _, ids = merge_topk(d, [np.array([[20]]), np.array([[10]])], 2, False)
     assert ids.tolist() == [[20, 10]]
+
+@pytest.mark.parametrize("higher_is_better", [False, True])
+def test_ties_by_id_order_equal_distances_as_faiss_does(higher_is_better: bool) -> None:
+    """Default: equal distances keep shard order. `ties_by_id`: FAISS's heap order, id ascending
+    for L2 and descending for inner product, checked against FAISS's own flat search."""
+    import faiss
+
+    base = np.array([[1.0], [1.0], [1.0], [0.0]], np.float32)  # ids 0-2 tie for any query
+    index = faiss.IndexFlatIP(1) if higher_is_better else faiss.IndexFlatL2(1)
+    index.add(base)
+    faiss_d, faiss_i = index.search(np.array([[2.0]], np.float32), 3)
+    d = [np.array([[2.0 if higher_is_better else 1.0]], np.float32)] * 3
+    i = [np.array([[2]]), np.array([[0]]), np.array([[1]])]
+    assert merge_topk(d, i, 3, higher_is_better)[1].tolist() == [[2, 0, 1]]
+    by_id_d, by_id_i = merge_topk(d, i, 3, higher_is_better, ties_by_id=True)
+    assert by_id_i.tolist() == faiss_i.tolist() and by_id_d.tolist() == faiss_d.tolist()
