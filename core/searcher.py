@@ -88,7 +88,7 @@ class ShardSearcher:
             return self.search(query.matrix, query.k, query.params, prepared=True)
         if self.ivf is None:
             raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
-        n, nprobe = query.assign.shape
+        n = len(query.assign)
         matrix = np.ascontiguousarray(query.matrix, np.float32)
         assign = np.ascontiguousarray(query.assign, np.int64)
         coarse = np.ascontiguousarray(query.coarse, np.float32)
@@ -115,13 +115,10 @@ class ShardSearcher:
 
     def _scan(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
               k: int) -> tuple[np.ndarray, np.ndarray]:
-        """FAISS's query-by-query scan of the assigned lists (the C++ call: FAISS's Python wrapper
-        takes no SearchParameters here, and nprobe must come from the request, never from mutating
-        the shared index)."""
+        """FAISS's query-by-query scan of the assigned lists; arrays C-contiguous float32 / int64 /
+        float32 (the C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must
+        come from the request, never from mutating the shared index)."""
         n, nprobe = assign.shape
-        matrix = np.ascontiguousarray(matrix, np.float32)
-        assign = np.ascontiguousarray(assign, np.int64)
-        coarse = np.ascontiguousarray(coarse, np.float32)
         distances = np.empty((n, k), np.float32)
         ids = np.empty((n, k), np.int64)
         self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),
