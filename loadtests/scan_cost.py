@@ -1,14 +1,15 @@
 """How much of a sharded query's CPU is FAISS itself: in-process, one thread, no serving at all.
 
-Per query, at a few batch sizes: the router's coarse quantizer (once per batch), then the shards'
-`search_preassigned` scans, with the shards dealt as the index was built (whole IVF lists per shard,
-core.partition) and, for comparison, the same vectors dealt by row (i mod S, every shard a piece of
-every list; built here in memory from the same trained index); the lists-dealt scans query by query
-(FAISS's own order, rows by lowest list: core.searcher.LIST_ORDER_ROWS) instead of list by list
-(core.list_scan, from LIST_SCAN_ROWS rows), and with the rows in arrival order too; and the
-unsharded (merged) index, both its scan of the same assigned lists and its full search as the uvicorn
-baseline runs it. Whatever a served request costs beyond quantizer + scans is serving overhead
-(HTTP, parsing, the hop, Ray's processes); `make bench` measures that total.
+Per query, at a few batch sizes: the router's coarse quantizer (once per batch, on BLAS from
+BLAS_MIN_ROWS rows as the router runs it), then the shards' `search_preassigned` scans, with the
+shards dealt as the index was built (whole IVF lists per shard, core.partition) and, for comparison,
+the same vectors dealt by row (i mod S, every shard a piece of every list; built here in memory from
+the same trained index); the lists-dealt scans query by query (FAISS's own order, rows by lowest
+list: core.searcher.LIST_ORDER_ROWS) instead of list by list (core.list_scan, from LIST_SCAN_ROWS
+rows), and with the rows in arrival order too; and the unsharded (merged) index, both its scan of
+the same assigned lists and its full search as the uvicorn baseline runs it. Whatever a served
+request costs beyond quantizer + scans is serving overhead (HTTP, parsing, the hop, Ray's
+processes); `make bench` measures that total.
 
     python -m loadtests.scan_cost --index indexes/fashion-mnist-ivf1024-4 → records/scan-cost.json
 """
@@ -23,7 +24,7 @@ import faiss
 import numpy as np
 
 from core.datasets import load_dataset
-from core.indexes import add_to_copy, prepare_vectors
+from core.indexes import BLAS_MIN_ROWS, add_to_copy, flat_search_with_blas_from, prepare_vectors
 from core.manifest import read_shard_checked
 from core.partition import BY_LISTS, Partition
 from core.searcher import LIST_ORDER_ROWS, LIST_SCAN_ROWS, CoarseAssigner, ShardSearcher, load_all_shards
@@ -67,7 +68,10 @@ def measure(index: str, dataset: str, queries: np.ndarray, k: int, params: dict,
         matrices = [prepared[row:row + batch] for row in range(0, len(prepared), batch)]
         assigned = [assigner.query(matrix, k, params) for matrix in matrices]
         n = len(prepared)
+        faiss_default = faiss.cvar.distance_compute_blas_threshold
+        flat_search_with_blas_from(BLAS_MIN_ROWS, prepared.shape[1])  # as the router sets it
         quantizer = cpu_ms_per_query(matrices, n, lambda m: assigner.query(m, k, params))
+        faiss.cvar.distance_compute_blas_threshold = faiss_default  # the baseline keeps FAISS's
         scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         rows_scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in by_rows])
         for shard in shards:  # the same scans query by query (FAISS's order), rows by lowest list
