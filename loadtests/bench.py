@@ -195,8 +195,8 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                 bench.run(url, f"{label}-batch256-npy", 2, batch=256, npy=True)
                 bench.run(serve_http, f"{label}-serve-http", 1)
                 bench.run(serve_http, f"{label}-serve-http", 32)
-                # The edge's hop, not its shedding: admission wide enough that c=32 is not shed.
-                with EdgeProcess(f"127.0.0.1:{FRONT_PORT}", f"127.0.0.1:{EDGE_PORT}", 64):
+                # The edge as `shardserve serve` runs it: default admission.
+                with EdgeProcess(f"127.0.0.1:{FRONT_PORT}", f"127.0.0.1:{EDGE_PORT}"):
                     edge = f"http://127.0.0.1:{EDGE_PORT}"
                     bench.run(edge, f"{label}-edge", 1)
                     bench.run(edge, f"{label}-edge", 32)

@@ -16,7 +16,7 @@ from core.datasets import load_dataset
 from loadtests.record import RECORDS, header, index_info, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import assert_loopback, attack
-from serving.edge import EdgeProcess
+from serving.edge import Admission, EdgeProcess
 
 
 def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_flight: int,
@@ -27,8 +27,8 @@ def overload_side_by_side(url: str, rate: float, duration_s: float, max_in_fligh
     levels = {}
     parsed = urlparse(url)
     with tempfile.TemporaryDirectory() as work_dir, EdgeProcess(
-            f"{parsed.hostname}:{parsed.port or 80}", f"127.0.0.1:{edge_port}", max_in_flight,
-            queue_timeout_ms):
+            f"{parsed.hostname}:{parsed.port or 80}", f"127.0.0.1:{edge_port}",
+            Admission(max_in_flight=max_in_flight, queue_timeout_ms=max(1, queue_timeout_ms))):
         work = Path(work_dir)
         for label, target_url in (("direct", url), ("edge", f"http://127.0.0.1:{edge_port}")):
             targets = write_targets(work / f"{label}.jsonl", make_targets(queries, target_url, 10, params))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from core.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
@@ -47,7 +48,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
-                   edge=not args.no_edge, edge_in_flight=args.edge_in_flight)
+                   edge=not args.no_edge, admission=_admission(args), api_key=_api_key())
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -169,11 +170,37 @@ def _plan(args: argparse.Namespace) -> None:
 def _edge_config(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from serving.edge import default_in_flight, write_edge
+    from serving.edge import write_edge
 
-    config = write_edge(Path(args.dir), args.backend, args.listen, args.max_in_flight or default_in_flight(),
-                        args.queue_timeout_ms)
+    config = write_edge(Path(args.dir), args.backend, args.listen, _admission(args), _api_key())
     print(f"wrote {config} (run: haproxy -f {config})")
+
+
+def _admission(args: argparse.Namespace):
+    from serving.edge import Admission
+
+    given = {"max_in_flight": args.edge_in_flight, "max_queue": args.edge_queue,
+             "queue_timeout_ms": args.edge_queue_timeout_ms}
+    return Admission(**{key: value for key, value in given.items() if value is not None})
+
+
+def _api_key() -> str | None:
+    """SHARDSERVE_API_KEY, when set: the edge then wants it on every request but the health check."""
+    from serving.edge import check_api_key
+
+    key = os.environ.get("SHARDSERVE_API_KEY")
+    return check_api_key(key) if key else None
+
+
+def _edge_options(cmd: argparse.ArgumentParser) -> None:
+    from serving.edge import DEFAULT_IN_FLIGHT, DEFAULT_QUEUE, DEFAULT_QUEUE_TIMEOUT_MS
+
+    cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests inside the router at once "
+                     f"(default {DEFAULT_IN_FLIGHT}; `shardserve tune` writes a measured one)")
+    cmd.add_argument("--edge-queue", type=_at_least(0), help="requests waiting at the edge beyond which a "
+                     f"new one gets 503 at once (default {DEFAULT_QUEUE})")
+    cmd.add_argument("--edge-queue-timeout-ms", type=_POSITIVE, help="an admitted request still queued "
+                     f"after this gets 503 (default {DEFAULT_QUEUE_TIMEOUT_MS})")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -272,8 +299,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")
-            cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests the shedding edge lets "
-                             "through at once (default: 3 x cores); the rest get a fast 503")
+            _edge_options(cmd)
             cmd.add_argument("--no-edge", action="store_true", help="no HAProxy edge in front of Serve "
                              "(overload is then shed by the router, later and slower)")
 
@@ -304,9 +330,7 @@ def parser() -> argparse.ArgumentParser:
                                                "before Serve (max in flight = the knee concurrency)")
     edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
     edge.add_argument("--listen", default="127.0.0.1:8080")
-    edge.add_argument("--max-in-flight", type=_POSITIVE, help="requests let through at once (default: "
-                      "3 x this machine's cores, as `shardserve serve` uses)")
-    edge.add_argument("--queue-timeout-ms", type=int, default=5)
+    _edge_options(edge)
     edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
     edge.set_defaults(func=_edge_config)
 

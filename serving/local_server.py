@@ -1,12 +1,12 @@
 """`shardserve serve`: one command from an index directory to a running HTTP endpoint, on a local Ray
 it starts (or one it joins), with overload shed at an HAProxy edge by default.
 
-Why the edge: past the knee the router's event loop is the saturated resource, so a 503 decided in
-Python waits behind the queue it protects. The edge (serving/edge.py) lets at most `edge_in_flight`
-requests reach the router and answers the rest 503 + Retry-After in C within `queue_timeout_ms`:
-latency past the knee stays bounded by that in-flight count instead of growing with the offered load.
-The edge sends requests to the router replicas' own HTTP door (core.http_front), not through Serve's
-HTTP ingress: that path cost more server CPU per request than the whole monolith baseline spends.
+Why the edge: past capacity the router's event loop is the saturated resource, so a 503 decided in
+Python waits behind the queue it protects. The edge (serving/edge.py) admits by standing queue: a
+client that waits for its answers is queued, never refused; a request that finds the edge's queue
+full gets 503 + Retry-After at once, in C. The edge sends requests to the router replicas' own HTTP
+door (core.http_front), not through Serve's HTTP ingress: that path cost more server CPU per request
+than the whole monolith baseline spends.
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ from core.manifest import read_manifest
 from core.ports import free_port
 from core.storage import Location
 from deployments.run import APP_NAME, deploy, undeploy
-from serving.edge import EdgeProcess, default_in_flight, haproxy_binary
+from serving.edge import Admission, EdgeProcess, haproxy_binary
 
 
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
-                   num_cpus: float | None = None, edge: bool = True, edge_in_flight: int | None = None,
-                   queue_timeout_ms: int = 2) -> None:
-    """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C."""
+                   num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
+                   api_key: str | None = None) -> None:
+    """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C.
+
+    Arguments:
+        admission: the edge's in-flight and queue bounds (serving.edge.Admission; default: its defaults).
+        api_key: when set, the edge answers 401 to any request but /v1/health without it.
+    """
     from ray import serve
 
     from core.ray_session import ensure_ray, shutdown_ray
@@ -45,12 +50,12 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             serve_port, front_port = free_port(), free_port()
             deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard,
                    front_port=front_port)
-            in_flight = edge_in_flight or default_in_flight()
-            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", in_flight,
-                                queue_timeout_ms).start()
+            a = admission or Admission()
+            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key).start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-            shedding = (f"edge: {in_flight} requests in flight, the rest 503 within {queue_timeout_ms} ms "
-                        f"(router front door on 127.0.0.1:{front_port}, Serve on 127.0.0.1:{serve_port})")
+            shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_queue} queued, beyond that "
+                        f"503 at once (router door 127.0.0.1:{front_port}, Serve 127.0.0.1:{serve_port})"
+                        + ("; API key required" if api_key else ""))
         else:
             url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
