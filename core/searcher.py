@@ -12,7 +12,7 @@ import numpy as np
 from core.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from core.list_scan import nonempty_lists, search_by_lists
 from core.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
-from core.shard_wire import ShardQuery
+from core.shard_wire import QueryBounds, ShardQuery
 from core.storage import Location
 
 # Shards on remote storage (s3://, ...) are downloaded here once per node, then memory-mapped.
@@ -69,6 +69,12 @@ class ShardSearcher:
     @property
     def dim(self) -> int:
         return int(self.index.d)
+
+    def query_bounds(self, *, max_rows: int, max_k: int, params: frozenset[str]) -> QueryBounds:
+        """What this shard accepts off the wire (core.shard_wire checks a batch against it)."""
+        ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
+        return QueryBounds(dim=self.dim, nlist=0 if ivf is None else int(ivf.nlist), max_rows=max_rows,
+                           max_k=max_k, params=params)
 
     def search(self, queries: np.ndarray, k: int, params: dict | None = None,
                prepared: bool = False) -> tuple[np.ndarray, np.ndarray, float]:

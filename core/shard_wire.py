@@ -7,6 +7,10 @@ objects), and its answer comes back the same way. The hop then costs a memcpy, n
 Layout (little-endian): a fixed header, the float32 (n, dim) matrix, then — when the router already
 ran the IVF coarse quantizer — the int64 (n, nprobe) list numbers and float32 (n, nprobe) coarse
 distances, then the search params as JSON.
+
+A shard decodes a batch only against its own `QueryBounds`: every header field, every list number
+and every param is checked before any array reaches FAISS, which trusts the shapes it is given (a
+`dim` smaller than the index's made it read past the buffer).
 """
 
 from __future__ import annotations
@@ -20,6 +24,25 @@ import orjson
 _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment (0 = none), params len
 _ANSWER = struct.Struct("<4sIId")  # magic, n, k, search milliseconds
 _QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA1"
+MAX_PARAMS_BYTES = 1024
+MAX_EF_SEARCH = 65536
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueryBounds:
+    """What one shard accepts. Arguments:
+    dim: the index's dimension; a batch must have exactly this many columns.
+    nlist: IVF lists of the index (0: not an IVF index, list assignments refused).
+    max_rows: query rows per batch.
+    max_k: neighbours per query.
+    params: search params the index takes (`nprobe` <= nlist, `efSearch` <= MAX_EF_SEARCH).
+    """
+
+    dim: int
+    nlist: int
+    max_rows: int
+    max_k: int
+    params: frozenset[str]
 
 
 @dataclass
@@ -51,14 +74,30 @@ class ShardQuery:
 
     @staticmethod
     def rows(blob: bytes) -> int:
-        """Query rows of an encoded batch, read from its header alone."""
-        return _QUERY.unpack_from(blob)[1]
+        """Query rows of an encoded batch, read from its header alone (0 for a short blob)."""
+        return _QUERY.unpack_from(blob)[1] if len(blob) >= _QUERY.size else 0
 
     @classmethod
-    def decode(cls, blob: bytes) -> ShardQuery:
+    def decode(cls, blob: bytes, bounds: QueryBounds) -> ShardQuery:
+        """The batch, every field checked against `bounds` (ValueError naming the field)."""
+        if len(blob) < _QUERY.size:
+            raise ValueError(f"shard query of {len(blob)} bytes is shorter than its header")
         magic, n, dim, k, nprobe, params_len = _QUERY.unpack_from(blob)
         if magic != _QUERY_MAGIC:
             raise ValueError(f"not a shard query (magic {magic!r})")
+        if dim != bounds.dim:
+            raise ValueError(f"dim {dim}, the index has {bounds.dim}")
+        if not 1 <= n <= bounds.max_rows:
+            raise ValueError(f"rows {n} not in 1..{bounds.max_rows}")
+        if not 1 <= k <= bounds.max_k:
+            raise ValueError(f"k {k} not in 1..{bounds.max_k}")
+        if nprobe and not nprobe <= bounds.nlist:
+            raise ValueError(f"nprobe {nprobe} of the assignment, the index has {bounds.nlist} lists")
+        if params_len > MAX_PARAMS_BYTES:
+            raise ValueError(f"params of {params_len} bytes")
+        expected = _QUERY.size + 4 * n * dim + 12 * n * nprobe + params_len
+        if len(blob) != expected:
+            raise ValueError(f"shard query of {len(blob)} bytes, its header says {expected}")
         offset = _QUERY.size
         matrix = np.frombuffer(blob, np.float32, n * dim, offset).reshape(n, dim)
         offset += 4 * n * dim
@@ -66,12 +105,26 @@ class ShardQuery:
         if nprobe:
             assign = np.frombuffer(blob, np.int64, n * nprobe, offset).reshape(n, nprobe)
             offset += 8 * n * nprobe
+            if assign.min() < -1 or assign.max() >= bounds.nlist:  # -1: no list (FAISS skips it)
+                raise ValueError(f"list numbers outside 0..{bounds.nlist - 1}")
             coarse = np.frombuffer(blob, np.float32, n * nprobe, offset).reshape(n, nprobe)
             offset += 4 * n * nprobe
-        params = orjson.loads(blob[offset:offset + params_len]) if params_len else {}
-        if offset + params_len != len(blob):
-            raise ValueError(f"shard query of {len(blob)} bytes, expected {offset + params_len}")
+        params = _checked_params(blob[offset:offset + params_len], bounds) if params_len else {}
         return cls(matrix, k, params, assign, coarse)
+
+
+def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
+    try:
+        params = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise ValueError("params are not JSON") from None
+    if not isinstance(params, dict) or not set(params) <= bounds.params:
+        raise ValueError(f"params must be an object of {sorted(bounds.params)}")
+    limit = {"nprobe": bounds.nlist, "efSearch": MAX_EF_SEARCH}
+    for key, value in params.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit[key]:
+            raise ValueError(f"param {key} must be an integer in 1..{limit[key]}")
+    return params
 
 
 def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float) -> bytes:

@@ -66,13 +66,14 @@ class IndexSet:
         if self.links is None:
             return
         try:
-            endpoints = await asyncio.wait_for(self.directory.endpoints.remote(), timeout_s)
+            found = await asyncio.wait_for(self.directory.endpoints.remote(), timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             logger.info("shard link directory of %s not reachable: %s", self.app, exc)
             return
-        self.links.update(endpoints)
+        if found["secret"] is not None:
+            self.links.update(found["endpoints"], bytes.fromhex(found["secret"]))
 
     async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
         """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""

@@ -21,7 +21,7 @@ from core.fanout import plain_query, search_batch
 from core.indexes import prepare_vectors
 from core.manifest import pinned_location, read_manifest
 from core.searcher import CoarseAssigner
-from core.shard_link import EndpointDirectory
+from core.shard_link import EndpointDirectory, new_secret
 from core.shard_wire import ShardQuery
 from core.storage import Location
 from deployments.autoscaling import with_link_policy
@@ -36,7 +36,8 @@ class IndexVersion:
     """Readiness, gate searches and the shard-link directory of one index version (not on the
     query path: routers read the directory once a second)."""
 
-    def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float):
+    def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float,
+                 link_secret: str | None = None):
         location = Location.parse(index)
         self.manifest = read_manifest(location)
         self.shards = shards
@@ -44,13 +45,15 @@ class IndexVersion:
         self.assigner = CoarseAssigner.load(location, self.manifest)
         self.shard_timeout_s = shard_timeout_s
         self.directory = EndpointDirectory(len(shards))
+        self.link_secret = link_secret
 
     def announce(self, shard: int, replica: str, host: str, port: int) -> None:
         self.directory.announce(shard, replica, host, port)
 
-    def endpoints(self) -> list[list[tuple[str, int]]]:
-        """Per shard, where its live replicas listen (routers poll this)."""
-        return self.directory.endpoints()
+    def endpoints(self) -> dict:
+        """Per shard, where its live replicas listen, and the secret their links want (routers
+        poll this)."""
+        return {"secret": self.link_secret, "endpoints": self.directory.endpoints()}
 
     async def info(self) -> dict:
         """The manifest's version and each shard's (raises until every shard is loaded)."""
@@ -91,6 +94,9 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
     app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
     manifest = read_manifest(Location.parse(app_args.index))
     link = app_args.shard_transport == "link"
+    # One secret per build of this app: its shards demand it, its directory hands it to routers
+    # (inside Ray, over its authenticated RPC); nothing outside Ray ever sees it.
+    secret = new_secret() if link else None
     scaling = ({"autoscaling_config": with_link_policy(app_args.shard_autoscaling) if link
                 else app_args.shard_autoscaling} if app_args.shard_autoscaling
                else {"num_replicas": app_args.replicas_per_shard})
@@ -103,8 +109,10 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
             name=entry.name, **scaling,
             max_ongoing_requests=app_args.shard_max_ongoing_requests,
             ray_actor_options=actor_options, logging_config={"enable_access_log": False},
-        ).bind(app_args.index, position, app_args.faiss_threads, link, manifest.index_version,
-               app_args.serving_nice, app_args.shard_mmap, app_args.warm_workers)
+        ).bind(app_args.index, position, faiss_threads=app_args.faiss_threads, link_secret=secret,
+               index_version=manifest.index_version, nice=app_args.serving_nice, mmap=app_args.shard_mmap,
+               warm_workers=app_args.warm_workers, max_rows=app_args.max_vectors + app_args.max_batch_size,
+               max_k=app_args.max_k, max_frame=app_args.max_body_bytes)
         for position, entry in enumerate(manifest.shards)
     ]
-    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s)
+    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret)

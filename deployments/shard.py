@@ -13,12 +13,12 @@ import faiss
 import ray
 from ray import serve
 
-from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from
+from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from core.manifest import read_version
 from core.metadata import MetadataTable
 from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from core.searcher import ShardSearcher
-from core.shard_link import InFlight, serve_link
+from core.shard_link import InFlight, LinkLimits, serve_link
 from core.shard_wire import ShardQuery, encode_answer
 from core.storage import Location
 from core.warm_pool import WarmPool
@@ -34,9 +34,14 @@ class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (core.shard_link) or a Serve handle call, both through `search`."""
 
-    async def __init__(self, index: str, shard: int, faiss_threads: int = 1, link: bool = True,
+    async def __init__(self, index: str, shard: int, *, faiss_threads: int = 1,
+                       link_secret: str | None = None,
                        index_version: str | None = None, nice: int = 0, mmap: bool = True,
-                       warm_workers: int = 0):
+                       warm_workers: int = 0, max_rows: int = 2048, max_k: int = 100,
+                       max_frame: int = 16 * 1024 * 1024):
+        """`link_secret` (hex, the index version's): listen on a shard link that callers must prove
+        it to; None: Serve handle calls only. `max_rows`, `max_k`, `max_frame`: what one batch may
+        hold (core.shard_wire.QueryBounds, core.shard_link.LinkLimits)."""
         constructing = time.monotonic()
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
@@ -49,6 +54,9 @@ class ShardDeployment:
         self.metadata_table = None if manifest.metadata is None else await asyncio.to_thread(
             MetadataTable.load, location, manifest.metadata[shard])
         loaded_s = time.monotonic() - loading
+        self.bounds = self.searcher.query_bounds(
+            max_rows=max_rows, max_k=max_k,
+            params=supported_params(manifest.index_factory, manifest.dim, manifest.metric))
         flat_search_with_blas_from(BLAS_MIN_ROWS, self.searcher.dim)  # a flat shard's batches
         self.node_id = ray.get_runtime_context().get_node_id()
         self.faiss_threads = faiss_threads
@@ -56,11 +64,11 @@ class ShardDeployment:
         self.link_in_flight = InFlight()
         self.link_server: asyncio.Server | None = None
         self._announcer: asyncio.Task | None = None
-        if link:
-            # The node's address, as Ray uses it: reachable by routers on other nodes.
-            host = ray.util.get_node_ip_address()
-            self.link_server = await serve_link(self.search, host, 0, self.link_in_flight,
-                                                answer_now=self.answer_now)
+        if link_secret is not None:
+            host = _link_host()
+            self.link_server = await serve_link(
+                self.search, host, 0, secret=bytes.fromhex(link_secret), in_flight=self.link_in_flight,
+                answer_now=self.answer_now, limits=LinkLimits(max_frame=max_frame + 4096))
             context = serve.get_replica_context()
             self._announcer = asyncio.get_running_loop().create_task(self._announce(
                 context.app_name, context.replica_id.unique_id, host,
@@ -97,7 +105,7 @@ class ShardDeployment:
         return self._answer(query)
 
     def _answer(self, query: bytes) -> bytes:
-        return encode_answer(*self.searcher.answer(ShardQuery.decode(query)))
+        return encode_answer(*self.searcher.answer(ShardQuery.decode(query, self.bounds)))
 
     async def _announce(self, app: str, replica: str, host: str, port: int) -> None:
         """Tell the index version's directory where this replica listens, again every few seconds
@@ -137,6 +145,15 @@ class ShardDeployment:
     def check_health(self) -> None:
         if self.searcher.index.ntotal < 0:
             raise RuntimeError("shard index lost")
+
+
+def _link_host() -> str:
+    """Where the link listens: loopback on a one-node Ray (its routers are on this node), else the
+    node's address, which routers on other nodes reach. A router that cannot reach it (a node
+    added later) calls the shard through Serve instead."""
+    if len([node for node in ray.nodes() if node.get("Alive")]) <= 1:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 STARTUP_KEY = "replica-start/{app}/{deployment}/{replica}"  # GCS key-value (core.ray_private)

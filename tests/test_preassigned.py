@@ -3,6 +3,7 @@ unsharded index at the same params; the wire format; index types whose params us
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from core.indexes import (
 from core.list_scan import search_by_lists
 from core.partition import BY_LISTS, BY_ROWS, Partition
 from core.searcher import CoarseAssigner, ShardSearcher
-from core.shard_wire import ShardQuery, decode_answer, encode_answer
+from core.shard_wire import QueryBounds, ShardQuery, decode_answer, encode_answer
 from index_build.job import rows_per_shard
 from serving.evaluate import sharded_search
 
@@ -126,6 +127,9 @@ def test_non_ivf_has_no_assigner() -> None:
         assert CoarseAssigner.from_trained(index_from_bytes(empty)) is None, factory
 
 
+BOUNDS = QueryBounds(dim=12, nlist=64, max_rows=8, max_k=10, params=frozenset({"nprobe"}))
+
+
 def test_wire_round_trip() -> None:
     rng = np.random.default_rng(0)
     matrix = rng.standard_normal((5, 12)).astype(np.float32)
@@ -134,7 +138,7 @@ def test_wire_round_trip() -> None:
     for query in (ShardQuery(matrix, 7, {"nprobe": 3}, assign, coarse), ShardQuery(matrix, 2, {})):
         blob = query.encode()
         assert query.encode() is blob  # encoded once, however many shards it goes to
-        back = ShardQuery.decode(blob)
+        back = ShardQuery.decode(blob, BOUNDS)
         assert np.array_equal(back.matrix, matrix) and back.k == query.k and back.params == query.params
         if query.assign is not None:
             assert np.array_equal(back.assign, assign) and np.array_equal(back.coarse, coarse)
@@ -144,9 +148,67 @@ def test_wire_round_trip() -> None:
     got_d, got_i, ms = decode_answer(encode_answer(distances, ids, 1.5))
     assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and ms == 1.5
     with pytest.raises(ValueError, match="magic"):
-        ShardQuery.decode(b"XXXX" + blob[4:])
+        ShardQuery.decode(b"XXXX" + blob[4:], BOUNDS)
     with pytest.raises(ValueError, match="bytes"):
-        ShardQuery.decode(ShardQuery(matrix, 2, {}).encode() + b"junk")
+        ShardQuery.decode(ShardQuery(matrix, 2, {}).encode() + b"junk", BOUNDS)
+
+
+def _bad_frames() -> dict[str, bytes]:
+    """One hostile frame per field, each otherwise well formed (lengths consistent with the header)."""
+    rng = np.random.default_rng(1)
+    m = rng.standard_normal((3, 12)).astype(np.float32)
+    assign, coarse = rng.integers(0, 64, (3, 2)), rng.standard_normal((3, 2)).astype(np.float32)
+    good = ShardQuery(m, 5, {"nprobe": 2}, assign, coarse).encode()
+    header = struct.Struct("<4sIIIII")
+
+    def with_header(**fields) -> bytes:
+        values = dict(zip(("magic", "n", "dim", "k", "nprobe", "params_len"), header.unpack_from(good),
+                          strict=True))
+        values.update(fields)
+        return header.pack(*values.values()) + good[header.size:]
+
+    return {
+        "dim 1, the index has 12": ShardQuery(m[:, :1].copy(), 5, {}).encode(),
+        "dim 1, the index has 12 ": with_header(dim=1),  # the header lies about the buffer
+        "rows 0": ShardQuery(m[:0], 5, {}).encode(),
+        "rows 9": ShardQuery(np.zeros((9, 12), np.float32), 5, {}).encode(),
+        "rows 4294967295": with_header(n=2**32 - 1),
+        "k 0": ShardQuery(m, 0, {}).encode(),
+        "k 11": ShardQuery(m, 11, {}).encode(),
+        "nprobe 65": ShardQuery(m, 5, {}, rng.integers(0, 64, (3, 65)),
+                                np.zeros((3, 65), np.float32)).encode(),
+        "list numbers": ShardQuery(m, 5, {}, np.full((3, 2), 64), coarse).encode(),
+        "list numbers ": ShardQuery(m, 5, {}, np.full((3, 2), -7), coarse).encode(),
+        "params of": with_header(params_len=4096),
+        "header says": good[:-3],
+        "shorter than its header": good[:10],
+        "params must be an object": ShardQuery(m, 5, {"efSearch": 4}).encode(),
+        "param nprobe": ShardQuery(m, 5, {"nprobe": 65}).encode(),
+        "param nprobe ": ShardQuery(m, 5, {"nprobe": True}).encode(),
+    }
+
+
+@pytest.mark.parametrize("expected", list(_bad_frames()))
+def test_every_field_of_a_frame_is_checked_before_faiss(expected: str) -> None:
+    with pytest.raises(ValueError, match=expected.strip()):
+        ShardQuery.decode(_bad_frames()[expected], BOUNDS)
+
+
+def test_no_frame_reaches_faiss_with_a_buffer_shorter_than_its_header_says() -> None:
+    """Every frame a shard accepts, cut or padded anywhere, is either refused or decodes into arrays
+    exactly as long as their shapes (what FAISS reads)."""
+    rng = np.random.default_rng(2)
+    good = ShardQuery(rng.standard_normal((3, 12)).astype(np.float32), 5, {"nprobe": 2},
+                      rng.integers(0, 64, (3, 2)), rng.standard_normal((3, 2)).astype(np.float32)).encode()
+    for cut in range(len(good) + 8):
+        blob = good[:cut] if cut <= len(good) else good + bytes(cut - len(good))
+        try:
+            query = ShardQuery.decode(blob, BOUNDS)
+        except ValueError:
+            continue
+        assert cut == len(good)
+        assert query.matrix.shape == (3, 12) and query.matrix.nbytes == 3 * 12 * 4
+        assert query.assign.shape == query.coarse.shape == (3, 2)
 
 
 def test_padding_never_leaves_the_server() -> None:
