@@ -1,38 +1,45 @@
-"""The router's own HTTP/1.1 door: a plain asyncio server on the router replica's event loop.
+"""The router's own HTTP/1.1 door: a plain asyncio server on the router replica's event loop,
+parsing with httptools (llhttp, the parser uvicorn uses).
 
-Why: a Serve no-op request costs ~0.47 ms of server CPU here (its HAProxy ingress, the replica's
-uvicorn + ASGI wrapper + request-id middleware; `serve-noop` in loadtests/records/bench.json), two
-thirds of what the whole uvicorn + FAISS baseline spends on a query. Going through Serve's HTTP
-path, a sharded query cannot cost less than the monolith. This door is what the shard links are for
-the shard hop: Serve still owns the router deployment (replicas, placement, health checks,
-restarts); each replica also listens here, and the edge HAProxy sends requests straight to it.
+Why its own door: a request through Serve's HTTP path (its HAProxy ingress, the replica's uvicorn +
+ASGI wrapper) cost two thirds of what the whole uvicorn + FAISS baseline spends on a query (`make
+bench` records both); through it a sharded query cannot cost less than the monolith. Serve still
+owns the router deployment (replicas, placement, health checks, restarts); each replica also
+listens here, and the edge HAProxy sends requests straight to it. Every replica on a node binds the
+same port with SO_REUSEPORT, so the kernel spreads connections over them.
 
-Every replica on a node binds the same port with SO_REUSEPORT, so the kernel spreads connections
-over them and a replica that starts or stops needs no reconfiguration anywhere.
-
-Kept small on purpose: HTTP/1.1 keep-alive (or 1.0), one request at a time per connection, bodies
-by Content-Length or chunked; a body over `max_body_bytes` is refused (413) from its declared length
-before a byte of it is read, or, chunked, as soon as the chunks received pass the limit, so it is
-never buffered beyond it; a request not fully received within `body_timeout_s` is answered 408.
-Plain asyncio, no Ray: tested in-process.
+Why httptools and not a hand parser: llhttp refuses ambiguous framing (Content-Length with
+Transfer-Encoding, duplicate or signed lengths, bad chunk syntax, obs-fold, bare LF) that a
+lenient parser lets through as a second, smuggled request. Every refusal is a 400 and a closed
+connection. What this module adds around the parser is bounded: the head (bytes and header count,
+counted while it arrives), the body (413 from its declared length before a byte of it is read, or
+as soon as chunks pass the limit), the time a request may take to arrive (408), idle keep-alive
+time, connections per door, and pipelined requests (reading pauses while one is answered, and while
+the client does not read its answers). HEAD is answered as GET without a body; `Expect:
+100-continue` gets its interim answer. Plain asyncio, no Ray: tested in-process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+import httptools
 import orjson
 
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers; more is not a client of this API
+MAX_HEADERS = 64
+MAX_PIPELINED = 16  # complete requests waiting behind the one being answered; more: the client is hostile
+MAX_CONNECTIONS = 4096
+KEEP_ALIVE_IDLE_S = 75.0  # an idle keep-alive connection closes after this
 LINGER_IDLE_S, LINGER_MAX_S = 2.0, 10.0  # after a refusal: read and drop what the client still sends
 JSON = "application/json"
-CHUNKED = -1  # a body length that says: Transfer-Encoding: chunked
 
 
 @dataclass
@@ -59,33 +66,12 @@ class Request:
 Handler = Callable[[Request], Awaitable[Reply]]
 
 
-def dechunk(buffer: bytearray, start: int, limit: int) -> tuple[bytes, int] | None:
-    """A chunked body starting at `start`: (body, end offset) once complete, None while incomplete.
-    ValueError when malformed, or as soon as the chunks already received exceed `limit` bytes."""
-    parts, size, pos = [], 0, start
-    while True:
-        eol = buffer.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        try:
-            chunk = int(bytes(buffer[pos:eol]).split(b";")[0], 16)
-        except ValueError:
-            raise ValueError("malformed chunk size line") from None
-        size += chunk
-        if chunk < 0 or size > limit:
-            raise ValueError(f"body exceeds {limit} bytes (stopped reading at {size})")
-        if chunk == 0:  # last chunk: skip trailer lines up to the empty one
-            while True:
-                line_end = buffer.find(b"\r\n", eol + 2)
-                if line_end < 0:
-                    return None
-                if line_end == eol + 2:
-                    return b"".join(parts), line_end + 2
-                eol = line_end
-        if len(buffer) < eol + 2 + chunk + 2:
-            return None
-        parts.append(bytes(buffer[eol + 2:eol + 2 + chunk]))
-        pos = eol + 2 + chunk + 2
+class _Refused(Exception):
+    """A request this door will not read further: answered with `status`, then the connection closes."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> Reply:
@@ -121,98 +107,143 @@ def _full_head(reply: Reply, keep_alive: bool) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: parse a request, answer it, then the next (no overlap per connection)."""
+    """One client connection: llhttp parses, requests are answered one at a time, in order."""
 
     def __init__(self, front: FrontDoor):
         self.front = front
-        self.buffer = bytearray()
+        self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.ready: deque[tuple[Request, bool, bool]] = deque()  # (request, keep-alive, head only)
         self.busy = False  # a request of this connection is being answered
+        self.writable = True
         self.timer: asyncio.TimerHandle | None = None
         self.lingering_until = 0.0  # > 0: refused, answered, write side shut; dropping what arrives
+        self._reset()
 
+    def _reset(self) -> None:
+        self.in_message = False
+        self.url, self.headers_done, self.head_bytes, self.header_count = b"", False, 0, 0
+        self.content_type, self.expect_continue, self.declared = "", False, -1
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+
+    # -- connection ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.front.connections) >= self.front.max_connections:
+            transport.abort()
+            return
         self.front.connections.add(self)
+        self._arm(KEEP_ALIVE_IDLE_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self.transport = None
         self.front.connections.discard(self)
 
+    def pause_writing(self) -> None:  # the client does not read its answers: stop taking requests
+        self.writable = False
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        self._flow()
+
     def data_received(self, data: bytes) -> None:
         if self.lingering_until:
             return self._linger()
-        self.buffer += data
-        if not self.busy:
-            self._next()
-        elif len(self.buffer) > self.front.max_body_bytes + MAX_HEAD_BYTES:
-            self.transport.pause_reading()  # a pipelining client waits until this answer is out
-
-    def _next(self) -> None:
-        """Dispatch the next complete request in the buffer, or wait (bounded in time) for it."""
-        if not self.buffer or self.transport is None:
-            return
-        end = self.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.buffer) > MAX_HEAD_BYTES:
-                return self._refuse(431, f"request head over {MAX_HEAD_BYTES} bytes")
-            return self._arm()
+        if not self.in_message:
+            self._arm(self.front.body_timeout_s)  # a request has begun: it must arrive in time
+        in_head = self.in_message and not self.headers_done
         try:
-            method, path, query, content_type, keep_alive, length = self._parse_head(
-                bytes(self.buffer[:end]))
-        except ValueError as exc:
-            return self._refuse(400, str(exc))
-        limit, start = self.front.max_body_bytes, end + 4
-        if length == CHUNKED:
-            try:
-                found = dechunk(self.buffer, start, limit)
-            except ValueError as exc:
-                return self._refuse(413 if "exceeds" in str(exc) else 400, str(exc))
-            if found is None:
-                return self._arm()
-            body, consumed = found
-        else:
-            if length > limit:
-                return self._refuse(413, f"body of {length} bytes exceeds {limit}")
-            if len(self.buffer) < start + length:
-                return self._arm()
-            body, consumed = bytes(self.buffer[start:start + length]), start + length
-        del self.buffer[:consumed]
-        self._disarm()
-        self.busy = True
-        request = Request(method, path, body, query, content_type)
-        self.front.loop.create_task(self._answer(request, keep_alive))
+            self.parser.feed_data(data)
+            # llhttp would buffer an unfinished head without limit: bound it, counting a read that
+            # ends inside a head as head from its first byte (an upper bound, exact unless the same
+            # read also finished a pipelined request before it)
+            if self.in_message and not self.headers_done:
+                self.head_bytes = (self.head_bytes if in_head else 0) + len(data)
+                if self.head_bytes > MAX_HEAD_BYTES:
+                    raise _Refused(431, f"request head over {MAX_HEAD_BYTES} bytes")
+        except _Refused as refused:
+            return self._refuse(refused.status, str(refused))
+        except httptools.HttpParserUpgrade:
+            return self._refuse(400, "protocol upgrades are not served here")
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Refused):
+                return self._refuse(cause.status, str(cause))
+            return self._refuse(400, f"malformed request: {str(exc)[:120]}")
+        if len(self.ready) > MAX_PIPELINED:
+            return self._refuse(400, f"more than {MAX_PIPELINED} pipelined requests")
+        self._flow()
 
-    @staticmethod
-    def _parse_head(head: bytes) -> tuple[str, str, str, str, bool, int]:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            raise ValueError(f"malformed request line {lines[0][:80]!r}")
-        method, target, version = parts
-        keep_alive, length, content_type = version == "HTTP/1.1", 0, ""
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError(f"malformed header line {line[:80]!r}")
-            name, value = name.strip().lower(), value.strip()
-            if name == "content-length":
-                if not value.isdigit():
-                    raise ValueError(f"bad Content-Length {value[:40]!r}")
-                length = int(value)
-            elif name == "transfer-encoding" and value.lower() != "identity":
-                if value.lower() != "chunked":
-                    raise ValueError(f"unsupported Transfer-Encoding {value[:40]!r}")
-                length = CHUNKED
-            elif name == "content-type":
-                content_type = value
-            elif name == "connection":
-                keep_alive = value.lower() == "keep-alive" or (keep_alive and value.lower() != "close")
+    # -- llhttp callbacks ---------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.in_message = True
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > MAX_HEAD_BYTES:
+            raise _Refused(414, f"request target over {MAX_HEAD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_count += 1
+        if self.header_count > MAX_HEADERS:
+            raise _Refused(431, f"more than {MAX_HEADERS} headers")
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value.decode("latin-1")
+        elif name == b"content-length":
+            self.declared = int(value)  # llhttp checked its digits and that it is the only one
+            if self.declared > self.front.max_body_bytes:
+                raise _Refused(413, f"body of {self.declared} bytes exceeds {self.front.max_body_bytes}")
+        elif name == b"transfer-encoding" and value.lower() != b"chunked":
+            raise _Refused(501, f"unsupported Transfer-Encoding {value[:40].decode('latin-1')!r}")
+        elif name == b"expect":
+            if value.lower() != b"100-continue":
+                raise _Refused(417, "only Expect: 100-continue is understood")
+            self.expect_continue = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        if self.expect_continue and not self.busy and not self.ready:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        if self.body_bytes > self.front.max_body_bytes:
+            raise _Refused(413, f"body exceeds {self.front.max_body_bytes} bytes (stopped reading at "
+                                f"{self.body_bytes})")
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method().decode("ascii")
+        head_only = method == "HEAD"
+        target = self.url.decode("latin-1")
         path, _, query = target.partition("?")
-        return method, path, query, content_type, keep_alive, length
+        request = Request("GET" if head_only else method, path, b"".join(self.body), query,
+                          self.content_type)
+        self.ready.append((request, self.parser.should_keep_alive(), head_only))
+        self._reset()
 
-    async def _answer(self, request: Request, keep_alive: bool) -> None:
+    # -- answering ----------------------------------------------------------------------------
+    def _flow(self) -> None:
+        """Answer the next ready request, or read on; reading pauses while requests wait."""
+        if self.transport is None or self.lingering_until:
+            return
+        if not self.busy and self.ready and self.writable:
+            self.busy = True
+            request, keep_alive, head_only = self.ready.popleft()
+            self._disarm()
+            self.front.loop.create_task(self._answer(request, keep_alive, head_only))
+        if self.busy or self.ready or not self.writable:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+            if not self.in_message:
+                self._arm(KEEP_ALIVE_IDLE_S)
+
+    async def _answer(self, request: Request, keep_alive: bool, head_only: bool) -> None:
         try:
             reply = await self.front.handler(request)
         except Exception:  # a bug in a handler is a 500 on this request, not a dead connection
@@ -220,13 +251,13 @@ class _Connection(asyncio.Protocol):
             reply = _error(500, "internal error")
         if self.transport is None:
             return
-        self.transport.write(_head(reply, keep_alive) + reply.body)
+        head = _head(reply, keep_alive)
+        self.transport.write(head if head_only else head + reply.body)
         self.busy = False
         if not keep_alive:
             self.transport.close()
             return
-        self.transport.resume_reading()
-        self._next()
+        self._flow()
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request that will not be read, then close: the rest of its bytes are unknown.
@@ -234,9 +265,12 @@ class _Connection(asyncio.Protocol):
         still sends is read and dropped for a while, so a client busy uploading gets to read this
         answer instead of a connection reset."""
         self._disarm()
-        self.buffer.clear()
+        self.ready.clear()
+        if self.transport is None:
+            return
         reply = _error(status, message)
         self.transport.write(_head(reply, keep_alive=False) + reply.body)
+        self.transport.resume_reading()
         if not self.transport.can_write_eof():
             return self.transport.close()
         self.transport.write_eof()
@@ -252,9 +286,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
         else:
             self.timer = self.front.loop.call_later(wait, self.transport.close)
-    def _arm(self) -> None:
-        if self.timer is None:
-            self.timer = self.front.loop.call_later(self.front.body_timeout_s, self._timed_out)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self.timer = self.front.loop.call_later(seconds, self._timed_out)
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -263,15 +298,21 @@ class _Connection(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self.timer = None
-        if self.transport is not None and not self.busy and not self.lingering_until:
+        if self.transport is None or self.busy or self.lingering_until:
+            return
+        if self.in_message:
             self._refuse(408, f"request not received within {self.front.body_timeout_s} s")
+        else:  # idle keep-alive connection
+            self.transport.close()
 
 
 class FrontDoor:
     """A listening HTTP server: `handler(request)` answers every complete request."""
 
-    def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float):
+    def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float,
+                 max_connections: int = MAX_CONNECTIONS):
         self.handler, self.max_body_bytes, self.body_timeout_s = handler, max_body_bytes, body_timeout_s
+        self.max_connections = max_connections
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.server: asyncio.Server | None = None

@@ -91,13 +91,13 @@ def test_pipelined_requests_are_answered_in_order() -> None:
 
 @pytest.mark.parametrize(("request_bytes", "status", "says"), [
     (b"POST /v1/search HTTP/1.1\r\nContent-Length: 999999\r\n\r\n", 413, b"exceeds 1024"),
-    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n" + b"x" * 1024 + b"\r\n1\r\n",
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n" + b"x" * 1024 + b"\r\n1\r\nx",
      413, b"exceeds 1024 bytes (stopped reading at 1025)"),
-    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, b"malformed chunk"),
-    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400, b"unsupported Transfer"),
-    (b"GARBAGE\r\n\r\n", 400, b"malformed request line"),
-    (b"POST / HTTP/1.1\r\nContent-Length: -3\r\n\r\n", 400, b"bad Content-Length"),
-    (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400, b"malformed header"),
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400, b"chunk size"),
+    (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 501, b"unsupported Transfer"),
+    (b"GARBAGE\r\n\r\n", 400, b"malformed request"),
+    (b"POST / HTTP/1.1\r\nContent-Length: -3\r\n\r\n", 400, b"Content-Length"),
+    (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400, b"malformed request"),
     (b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000, 431, b"request head over"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_problem_and_the_connection_closes(
@@ -206,3 +206,113 @@ def test_cached_heads_equal_the_full_heads() -> None:
                   Reply(200, b"abc"), Reply(503, b"{}", headers={"Retry-After": "1"})]:
         for keep_alive in (True, False):
             assert _head(reply, keep_alive) == _full_head(reply, keep_alive)
+
+
+SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n"
+# Requests whose framing two parsers could read two ways: each must get one 400-class answer and a
+# closed connection, never an answer to the request hidden behind it.
+SMUGGLING = {
+    "content-length and transfer-encoding": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n"
+                                            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "transfer-encoding then content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: "
+                                             b"chunked\r\nContent-Length: 40\r\n\r\n0\r\n\r\n",
+    "duplicate content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n"
+                                b"Content-Length: 40\r\n\r\n",
+    "signed content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: +0\r\n\r\n",
+    "bare LF ending a header": b"POST /v1/search HTTP/1.1\r\nHost: a\nContent-Length: 40\r\n\r\n",
+    "bare LF everywhere": b"POST /v1/search HTTP/1.1\nHost: a\nContent-Length: 0\n\n",
+    "obs-fold": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nX-A: b\r\n Content-Length: 40\r\n\r\n",
+    "space before colon": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length : 40\r\n\r\n",
+    "chunk size 0x": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0x0\r\n\r\n",
+    "chunk size +": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n+0\r\n\r\n",
+    "chunk size -": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nx\r\n0\r\n\r\n",
+    "chunk size _": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n\r\n",
+    "chunk size space": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n 0\r\n\r\n",
+    "chunk data without CRLF": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               b"1\r\nxYY0\r\n\r\n",
+    "transfer-encoding list": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+                              b"0\r\n\r\n",
+    "transfer-encoding twice": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
+                               b"Transfer-Encoding: identity\r\n\r\n0\r\n\r\n",
+    "NUL in a header": b"POST /v1/search HTTP/1.1\r\nHost: a\x00\r\nContent-Length: 0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("form", list(SMUGGLING))
+def test_ambiguous_framing_is_one_400_and_a_closed_connection_never_a_second_answer(form: str) -> None:
+    async def run():
+        front, port = await _front()
+        answer = await _raw(port, SMUGGLING[form] + SMUGGLED)
+        front.close()
+        return answer
+
+    answer = asyncio.run(run())
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    assert answer.split(b" ")[1] in (b"400", b"501") and b"Connection: close" in answer
+    assert b"smuggled" not in answer
+
+
+def test_head_is_get_without_a_body_and_expect_continue_is_answered() -> None:
+    async def run():
+        front, port = await _front()
+        head = await _raw(port, b"HEAD /v1/index HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nExpect: 100-continue\r\n"
+                     b"Connection: close\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # before the body is sent
+        writer.write(b"abc")
+        final = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+        front.close()
+        return head, interim, final
+
+    head, interim, final = asyncio.run(run())
+    status, _, body = head.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 ") and body == b""
+    assert b"Content-Length: " in status and b"Content-Length: 0" not in status  # GET's length
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert final.startswith(b"HTTP/1.1 200 ") and b'"bytes":3' in final
+
+
+def test_many_tiny_chunks_cost_one_pass_and_a_trickled_body_does_not_stall_others() -> None:
+    """300 KB of 1-byte chunks arrive while other clients are answered; then the chunked body is
+    read whole (llhttp reads each byte once: the old hand parser re-read from the start)."""
+    async def run():
+        front = FrontDoor(_echo, 1024 * 1024, 30.0)
+        _, port = await front.listen("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n")
+        others = []
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for part in range(10):
+                writer.write(b"1\r\nx\r\n" * 30_000)
+                await writer.drain()
+                others.append((await client.get(f"/other/{part}")).status_code)
+        writer.write(b"0\r\n\r\n")
+        answer = await asyncio.wait_for(reader.readuntil(b"}"), 60)
+        writer.close()
+        front.close()
+        return others, answer
+
+    others, answer = asyncio.run(run())
+    assert others == [200] * 10  # each answered while the upload was still unfinished
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"bytes":300000' in answer
+
+
+def test_connections_beyond_the_cap_are_closed_and_idle_ones_held_until_the_cap() -> None:
+    async def run():
+        front = FrontDoor(_echo, 1024, 5.0, max_connections=2)
+        _, port = await front.listen("127.0.0.1", 0)
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            third = await asyncio.wait_for(reader.read(-1), 5)
+        except ConnectionResetError:
+            third = b""
+        for _, w in held:
+            w.close()
+        front.close()
+        return third
+
+    assert asyncio.run(run()) == b""
