@@ -20,8 +20,11 @@ from core.errors import ShardserveError
 FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 METRICS = ("l2", "ip", "cosine")
 ANN_BENCHMARKS_DISTANCE = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
-HELD_OUT_SEED = 20260101
-HELD_OUT_QUERIES = 1000  # query rows held out of a base-only file (parquet, .npy, ...)
+QUERY_SEED = 20260101
+# Eval's queries of a base-only source (the user's parquet or .npy files): this many of its own rows,
+# picked with QUERY_SEED. They stay in the index (every row a user gives is indexed); each query's
+# own row is left out of its ground truth and of its answer (core.groundtruth.without_self).
+SELF_QUERIES = 1000
 BASE_ONLY_METRIC = "l2"  # parquet and .npy carry no metric: the data's natural one (its fingerprint says so)
 VECTOR_FILE_SUFFIXES = (".npy", ".fvecs", ".bvecs", ".parquet", ".hdf5", ".h5")
 
@@ -41,6 +44,8 @@ class Dataset:
     neighbors: np.ndarray | None = field(default=None, compare=False)
     ids: np.ndarray | None = field(default=None, compare=False)  # the user's int64 id per base row
     metadata: Any = field(default=None, compare=False)  # pyarrow Table, one row per base row
+    # base-only sources: the base row each query is (its self-match is not a neighbour); else None
+    query_rows: np.ndarray | None = field(default=None, compare=False)
 
     @property
     def dim(self) -> int:
@@ -63,6 +68,10 @@ class Dataset:
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """Base row of each id an index returned (-1 for -1 and for ids this dataset lacks)."""
         return rows_of(ids, self.ids, len(self.base))
+
+    def self_ids(self) -> np.ndarray | None:
+        """The id each query has in the index (base-only sources), else None."""
+        return None if self.query_rows is None else self.index_ids()[self.query_rows]
 
 
 def rows_of(ids: np.ndarray, known_ids: np.ndarray | None, base_rows: int) -> np.ndarray:
@@ -114,7 +123,7 @@ def load_dataset(spec: str, limit: int | None = None, num_queries: int | None = 
 
 def _sliced(dataset: Dataset, limit: int | None, num_queries: int | None) -> Dataset:
     base, queries, neighbors = dataset.base, dataset.queries, dataset.neighbors
-    ids, metadata = dataset.ids, dataset.metadata
+    ids, metadata, own = dataset.ids, dataset.metadata, dataset.query_rows
     if limit is not None:
         if limit < 1:
             raise ShardserveError(f"--limit must be >= 1, got {limit}")
@@ -122,11 +131,16 @@ def _sliced(dataset: Dataset, limit: int | None, num_queries: int | None) -> Dat
             base, neighbors = base[:limit], None
             ids = None if ids is None else ids[:limit]
             metadata = None if metadata is None else metadata.slice(0, limit)
+            if own is not None:  # the queries are rows of the base: pick them among the rows kept
+                own = self_query_rows(limit)
+                queries = base[own]
     if num_queries is not None and num_queries < len(queries):
         queries = queries[:num_queries]
         neighbors = None if neighbors is None else neighbors[:num_queries]
+        own = None if own is None else own[:num_queries]
     return Dataset(dataset.name, np.ascontiguousarray(base), np.ascontiguousarray(queries),
-                   dataset.metric, neighbors, None if ids is None else np.ascontiguousarray(ids), metadata)
+                   dataset.metric, neighbors, None if ids is None else np.ascontiguousarray(ids), metadata,
+                   own)
 
 
 def _validated(dataset: Dataset) -> Dataset:
@@ -239,16 +253,24 @@ def _load_glove50() -> Dataset:
 
 
 def hold_out(vectors: np.ndarray, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split a query set off a base-only file with a fixed seed, so every run uses the same one."""
-    base_rows, query_rows = hold_out_rows(len(vectors), num_queries)
+    """Split a query set off a named benchmark that ships none (glove-50), with a fixed seed: those
+    rows are not part of the benchmark's base. A user's own rows are never held out (below)."""
+    order = np.random.default_rng(QUERY_SEED).permutation(len(vectors))
+    base_rows, query_rows = np.sort(order[num_queries:]), np.sort(order[:num_queries])
     return as_float32(vectors[base_rows]), as_float32(vectors[query_rows])
 
 
-def hold_out_rows(rows: int, num_queries: int) -> tuple[np.ndarray, np.ndarray]:
-    """(base rows, query rows) of `hold_out`, sorted."""
-    num_queries = max(1, min(num_queries, rows // 10))
-    order = np.random.default_rng(HELD_OUT_SEED).permutation(rows)
-    return np.sort(order[num_queries:]), np.sort(order[:num_queries])
+def self_query_rows(rows: int, num_queries: int = SELF_QUERIES) -> np.ndarray:
+    """The rows of a base-only source that eval uses as queries (sorted, seeded): up to
+    `num_queries` of its `rows`, all of them still indexed."""
+    return np.sort(np.random.default_rng(QUERY_SEED).permutation(rows)[:min(num_queries, rows)])
+
+
+def base_only(name: str, vectors: np.ndarray, **columns) -> Dataset:
+    """A user's vectors, every row in the base; the queries are SELF_QUERIES of those rows."""
+    own = self_query_rows(len(vectors))
+    base = as_float32(vectors)
+    return Dataset(name, base, base[own], BASE_ONLY_METRIC, query_rows=own, **columns)
 
 
 # --- files -----------------------------------------------------------------------------------------
@@ -262,8 +284,7 @@ def _load_file(path: Path) -> Dataset:
     if suffix in (".fvecs", ".bvecs"):
         return _load_vecs(path)
     if suffix == ".npy":
-        base, queries = hold_out(as_float32(open_npy(path)), HELD_OUT_QUERIES)
-        return Dataset(path.stem, base, queries, BASE_ONLY_METRIC)
+        return base_only(path.stem, open_npy(path))
     raise ShardserveError(f"{path}: unsupported file type {suffix!r}")
 
 
@@ -314,9 +335,7 @@ def _load_npy_dir(spec: str) -> Dataset:
     rows chunk by chunk: index_build.streaming.NpySource)."""
     matrices = [open_npy(path) for path in npy_files(spec)]
     check_same_dim(spec, matrices)
-    vectors = np.concatenate([as_float32(m) for m in matrices])
-    base, queries = hold_out(vectors, HELD_OUT_QUERIES)
-    return Dataset(dataset_name(spec), base, queries, BASE_ONLY_METRIC)
+    return base_only(dataset_name(spec), np.concatenate([as_float32(m) for m in matrices]))
 
 
 def read_ann_benchmarks_hdf5(path: Path) -> Dataset:
@@ -372,8 +391,7 @@ def _load_vecs(path: Path) -> Dataset:
         queries = as_float32(read_vecs(query_path))
         neighbors = read_vecs(truth_path).astype(np.int64) if truth_path.exists() else None
         return Dataset(stem, base, queries, "l2", neighbors)
-    base, queries = hold_out(base, 1000)
-    return Dataset(stem, base, queries, "l2")
+    return base_only(stem, base)
 
 
 def is_parquet_spec(spec: str) -> bool:
@@ -455,22 +473,20 @@ def dataset_name(spec: str) -> str:
 
 def _load_parquet(spec: str, vector_column: str | None, id_column: str | None,
                   metadata_columns: list[str]) -> Dataset:
-    """Vectors (ids, metadata) of every file, in file order; a seeded held-out query set, as for any
-    base-only file. Read in memory: the build holds the matrix in the object store once."""
+    """Vectors (ids, metadata) of every file, in file order, every row in the base; queries are some
+    of those rows, as for any base-only file. Read in memory: the build holds the matrix in the
+    object store once."""
     parts = [read_parquet_file(path, vector_column, id_column, metadata_columns)
              for path in parquet_files(spec)]
     check_same_dim(spec, [matrix for matrix, _, _ in parts])
     matrix = np.concatenate([m for m, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-    base_rows, query_rows = hold_out_rows(len(matrix), HELD_OUT_QUERIES)
-    ids = None if id_column is None else np.concatenate([i for _, i, _ in parts])[base_rows]
+    ids = None if id_column is None else np.concatenate([i for _, i, _ in parts])
     metadata = None
     if metadata_columns:
         import pyarrow as pa
 
-        metadata = pa.concat_tables([t for _, _, t in parts]).take(pa.array(base_rows))
-    name = dataset_name(spec)
-    return Dataset(name, as_float32(matrix[base_rows]), as_float32(matrix[query_rows]), BASE_ONLY_METRIC,
-                   ids=ids, metadata=metadata)
+        metadata = pa.concat_tables([t for _, _, t in parts]).combine_chunks()
+    return base_only(dataset_name(spec), matrix, ids=ids, metadata=metadata)
 
 
 def read_parquet_file(path: Path | str, vector_column: str | None = None, id_column: str | None = None,

@@ -33,8 +33,11 @@ class ExactTopK:
     `merge_topk` across chunks), so no copy of the whole base is ever made: the base may be a file
     streamed from disk (serving.evaluate) or a matrix already in memory (`exact_search`)."""
 
-    def __init__(self, queries: np.ndarray, k: int, metric: str):
+    def __init__(self, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None = None):
+        """`exclude`: per query, a base row that is not its neighbour (the query's own row, when the
+        queries are rows of the base); None: none."""
         self.queries, self.k, self.metric = prepare_vectors(queries, metric), k, metric
+        self.exclude = exclude
         self.higher_is_better = metric != "l2"
         worst = -np.inf if self.higher_is_better else np.inf
         self.distances = np.full((len(queries), k), worst, np.float32)
@@ -44,17 +47,24 @@ class ExactTopK:
         """Base rows first_row .. first_row + len(chunk) - 1 (already float32, not yet prepared)."""
         index = faiss.IndexFlat(chunk.shape[1], FAISS_METRIC[self.metric])
         index.add(prepare_vectors(chunk, self.metric))
-        found_distances, found = index.search(self.queries, min(self.k, len(chunk)))
+        extra = 0 if self.exclude is None else 1  # the excluded row may be among the top k
+        found_distances, found = index.search(self.queries, min(self.k + extra, len(chunk)))
         found = np.where(found >= 0, found + first_row, -1)
+        if self.exclude is not None:
+            own = found == self.exclude[:, None]
+            found[own] = -1
+            found_distances[own] = -np.inf if self.higher_is_better else np.inf
         self.distances, self.rows = merge_topk([self.distances, found_distances], [self.rows, found],
                                                self.k, self.higher_is_better)
 
 
 def exact_search(base: np.ndarray, queries: np.ndarray, k: int, metric: str,
-                 chunk_rows: int = TRUTH_CHUNK_ROWS) -> tuple[np.ndarray, np.ndarray]:
-    """Brute-force top-k of an in-memory base, scanned TRUTH_CHUNK_ROWS rows at a time."""
-    k = min(k, len(base))
-    exact = ExactTopK(queries, k, metric)
+                 chunk_rows: int = TRUTH_CHUNK_ROWS, exclude: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Brute-force top-k of an in-memory base, scanned TRUTH_CHUNK_ROWS rows at a time (`exclude`:
+    as ExactTopK's)."""
+    k = min(k, len(base) - (exclude is not None))
+    exact = ExactTopK(queries, k, metric, exclude)
     for first in range(0, len(base), chunk_rows):
         exact.add(first, base[first:first + chunk_rows])
     return exact.distances, exact.rows
@@ -74,20 +84,32 @@ def ground_truth(dataset: Dataset, k: int = GROUND_TRUTH_K) -> np.ndarray:
     """Ids of the exact top-`k` of every query; cached under the dataset's content fingerprint."""
     if dataset.neighbors is not None:  # shipped with the data (ann-benchmarks, *_groundtruth.ivecs)
         return dataset.neighbors
-    path = cache_dir() / f"{_safe(dataset.name)}-{dataset.fingerprint()}-k{k}.npy"
-    cached = load_cached(path, (len(dataset.queries), min(k, len(dataset.base))))
+    own = dataset.query_rows
+    kind = "" if own is None else "-self"  # queries are base rows, their own left out
+    path = cache_dir() / f"{_safe(dataset.name)}-{dataset.fingerprint()}{kind}-k{k}.npy"
+    cached = load_cached(path, (len(dataset.queries), min(k, len(dataset.base) - (own is not None))))
     if cached is not None:
         return cached
     log.info("computing exact top-%d for %d queries of %s", k, len(dataset.queries), dataset.name)
-    _, ids = exact_search(dataset.base, dataset.queries, k, dataset.metric)
+    _, ids = exact_search(dataset.base, dataset.queries, k, dataset.metric, exclude=own)
     save_cached(path, ids)
     return ids
 
 
 def streamed_truth_path(name: str, fingerprint: str, metric: str, depth: int) -> Path:
-    """Where the streamed eval keeps the exact top-`depth` distances of a file dataset's held-out
-    queries: `fingerprint` is the files' (scan's), graded under `metric` (the index's)."""
-    return cache_dir() / f"{_safe(name)}-{fingerprint}-{metric}-k{depth}-distances.npy"
+    """Where the streamed eval keeps the exact top-`depth` distances of a file dataset's queries
+    (its own rows, each left out of its own truth): `fingerprint` is the files' (scan's), graded
+    under `metric` (the index's)."""
+    return cache_dir() / f"{_safe(name)}-{fingerprint}-self-{metric}-k{depth}-distances.npy"
+
+
+def without_self(found: np.ndarray, self_ids: np.ndarray | None, k: int) -> np.ndarray:
+    """The first `k` ids of each answer other than the query's own id (`self_ids`, one per query;
+    None: the answers as they are). Search k + 1 to keep k: the own row is usually the first hit."""
+    if self_ids is None:
+        return found[:, :k]
+    order = np.argsort(found == self_ids[:, None], axis=1, kind="stable")  # own id last, others kept in order
+    return np.take_along_axis(found, order, axis=1)[:, :k]
 
 
 def load_cached(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:

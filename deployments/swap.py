@@ -22,7 +22,7 @@ import numpy as np
 from core.background import run_on_loop
 from core.datasets import Dataset, load_dataset
 from core.errors import ShardserveError
-from core.groundtruth import graded_as, ground_truth, recall_at_k
+from core.groundtruth import graded_as, ground_truth, recall_at_k, without_self
 from core.indexes import supported_params
 from core.manifest import Manifest, pinned_location, read_manifest
 from core.ray_private import delete_app_nowait, run_app
@@ -39,7 +39,7 @@ class GateFailed(ShardserveError):
 
 def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
                 ) -> tuple[np.ndarray, Dataset, np.ndarray]:
-    """Held-out queries and exact ground truth of the data the index was built from (checked by
+    """Eval's queries and exact ground truth of the data the index was built from (checked by
     fingerprint, so a gate can never grade an index against the wrong data)."""
     dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=manifest.num_vectors,
                            **manifest.dataset.columns())
@@ -49,7 +49,8 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
             f"{manifest.num_vectors} vectors): pass it with --dataset")
     dataset = graded_as(dataset, manifest.metric)  # after the fingerprint check: that is the data's
     truth = ground_truth(dataset)[:queries]
-    held_out = dataclasses.replace(dataset, queries=dataset.queries[:queries])
+    own = None if dataset.query_rows is None else dataset.query_rows[:queries]
+    held_out = dataclasses.replace(dataset, queries=dataset.queries[:queries], query_rows=own)
     return held_out.queries, held_out, truth
 
 
@@ -90,10 +91,13 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
     supported = supported_params(manifest.index_factory, manifest.dim, manifest.metric)
     params = {name: value for name, value in args.gate_params.items() if name in supported}
     handle = serve.get_deployment_handle(INDEX_INGRESS, app)
+    own = held_out.self_ids()  # base-only data: queries are indexed rows, their own hit is dropped
     found = []
     for start in range(0, len(queries), 100):
-        found.append(await handle.search.remote(queries[start:start + 100], args.gate_k, params))
-    return recall_at_k(np.concatenate(found), held_out, args.gate_k, truth)
+        found.append(await handle.search.remote(queries[start:start + 100], args.gate_k + (own is not None),
+                                                params))
+    found_ids = without_self(np.concatenate(found), own, args.gate_k)
+    return recall_at_k(found_ids, held_out, args.gate_k, truth)
 
 
 async def _running(app: str) -> bool:

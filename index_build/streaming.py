@@ -33,18 +33,17 @@ import numpy as np
 
 from core.datasets import (
     BASE_ONLY_METRIC,
-    HELD_OUT_QUERIES,
     as_float32,
     check_ids,
     check_same_dim,
     dataset_name,
-    hold_out_rows,
     is_npy_dir_spec,
     npy_files,
     open_npy,
     parquet_arrays,
     parquet_columns,
     parquet_files,
+    self_query_rows,
 )
 from core.errors import ShardserveError
 from core.indexes import make_empty_index, prepare_vectors
@@ -160,15 +159,15 @@ def open_source(spec: str, vector_column: str | None = None, id_column: str | No
 @dataclass(frozen=True)
 class Piece:
     """One read of the source, with every row placed: the one numbering rule of every stage (and of
-    the in-memory path): held-out query rows out, base position = file row minus the query rows
-    before it, rows past `base_rows` (--limit) out."""
+    the in-memory path): base position = file row, rows past `base_rows` (--limit) out; eval's
+    query rows (core.datasets.self_query_rows) are base rows too, only marked."""
 
     matrix: np.ndarray
     ids: np.ndarray | None  # the user's ids of these rows (parquet id column), else None
     table: object  # their metadata columns (pyarrow), else None
     first_row: int  # file row of matrix[0]
-    position: np.ndarray  # base position of each row (meaningless for query rows)
-    is_query: np.ndarray
+    position: np.ndarray  # base position of each row
+    is_query: np.ndarray  # also one of eval's queries
     base: np.ndarray  # rows that are base rows within base_rows
 
 
@@ -182,13 +181,11 @@ def in_sorted(values: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def pieces(source: Source, base_rows: int) -> Iterator[Piece]:
-    _, held_out = hold_out_rows(source.rows, HELD_OUT_QUERIES)
+    queries = self_query_rows(base_rows)
     start = 0
     for matrix, ids, table in source.read():
         rows = np.arange(start, start + len(matrix))
-        is_query = in_sorted(held_out, rows)
-        position = rows - np.searchsorted(held_out, rows)
-        yield Piece(matrix, ids, table, start, position, is_query, ~is_query & (position < base_rows))
+        yield Piece(matrix, ids, table, start, rows, in_sorted(queries, rows), rows < base_rows)
         start += len(matrix)
 
 
@@ -208,7 +205,8 @@ class Scan:
     fingerprint: str  # == core.datasets.Dataset.fingerprint() of the same files
     train: np.ndarray  # the training sample, prepared for the metric
     ids: np.ndarray  # the id of every base row: the user's, else row numbers
-    queries: np.ndarray  # the held-out query rows (HELD_OUT_QUERIES at most): eval searches them
+    queries: np.ndarray  # eval's query vectors: SELF_QUERIES of the base rows, still indexed
+    query_rows: np.ndarray  # the base row of each query (left out of its own ground truth)
 
 
 def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int | None) -> Scan:
@@ -217,8 +215,8 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
     `train_rows`: sorted base positions to keep for training (None: all of them, for small data).
     """
     total = source.rows
-    kept, held_out = hold_out_rows(total, HELD_OUT_QUERIES)
-    base_rows = len(kept) if limit is None else min(limit, len(kept))
+    base_rows = total if limit is None else min(limit, total)
+    query_rows = self_query_rows(base_rows)
     digest = hashlib.sha256()
     # The sample is filled in place: one copy of it in memory, however many row groups feed it.
     train: np.ndarray | None = None
@@ -228,19 +226,18 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
         if dim is None:
             dim = matrix.shape[1]
             # the data's fingerprint, as core.datasets.Dataset.fingerprint() has it (not the build's metric)
-            digest.update(f"{BASE_ONLY_METRIC}:{(base_rows, dim)}:{(len(held_out), dim)}".encode())
+            digest.update(f"{BASE_ONLY_METRIC}:{(base_rows, dim)}:{(len(query_rows), dim)}".encode())
             train = np.empty((base_rows if train_rows is None else len(train_rows), dim), np.float32)
         elif matrix.shape[1] != dim:
             raise ShardserveError(f"{source.name}: files hold vectors of different dimensions "
                                   f"{sorted({dim, matrix.shape[1]})}")
-        bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1))
+        bad = np.flatnonzero(~np.isfinite(matrix).all(axis=1) & base)
         if bad.size:
-            part = "queries" if piece.is_query[bad[0]] else "base"
-            raise ShardserveError(f"dataset {source.name}: {part} rows contain NaN/Inf (first at file row "
+            raise ShardserveError(f"dataset {source.name}: base rows contain NaN/Inf (first at file row "
                                   f"{piece.first_row + int(bad[0])})")
         if base.any():
             digest.update(memoryview(np.ascontiguousarray(matrix[base])).cast("B"))
-        queries.append(matrix[piece.is_query])
+        queries.append(matrix[piece.is_query & base])
         if piece.ids is not None:
             ids.append(piece.ids[base])
         wanted = base if train_rows is None else base & in_sorted(train_rows, piece.position)
@@ -259,7 +256,7 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
         import faiss
 
         faiss.normalize_L2(train)
-    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, queries)
+    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, queries, query_rows)
 
 
 def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, partition: Partition,
@@ -312,8 +309,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
     source = open_source(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
         raise ShardserveError(f"--limit must be >= 1, got {limit}")
-    kept, _ = hold_out_rows(source.rows, HELD_OUT_QUERIES)
-    base_rows = len(kept) if limit is None else min(limit, len(kept))
+    base_rows = source.rows if limit is None else min(limit, source.rows)
     dim = next(source.read())[0].shape[1]
     factory, auto = factory_for(base_rows, dim)
     params = BuildParams(factory, params.shards, params.metric, params.train_size, params.seed)

@@ -24,6 +24,7 @@ from core.groundtruth import (
     recall_from_distances,
     save_cached,
     streamed_truth_path,
+    without_self,
 )
 from core.indexes import add_to_copy, prepare_vectors, train_empty_index
 from core.manifest import Manifest, read_manifest
@@ -88,7 +89,10 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
     _check_compatible(manifest, dataset.dim, len(dataset.base), dataset.name)
     truth = ground_truth(dataset)
-    ids, mode, elapsed = _search(searchers, assigner, manifest, dataset.queries, k, params, url, batch_size)
+    own = dataset.self_ids()  # base-only data: the queries are indexed rows, their own hit is dropped
+    ids, mode, elapsed = _search(searchers, assigner, manifest, dataset.queries, k + (own is not None),
+                                 params, url, batch_size)
+    ids = without_self(ids, own, k)
     result = asdict(EvalResult(
         recall=round(recall_at_k(ids, dataset, k, truth), 5), k=k, queries=len(dataset.queries),
         qps=round(len(dataset.queries) / elapsed, 1), mode=mode, params=params,
@@ -124,14 +128,18 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
     source = open_source(spec, **manifest.dataset.columns())
     scanned = scan(source, manifest.metric, np.empty(0, np.int64), limit)
     _check_compatible(manifest, scanned.dim, scanned.base_rows, source.name)
-    ids, mode, elapsed = _search(searchers, assigner, manifest, scanned.queries, k, params, url, batch_size)
-    found_rows = rows_of(ids[:, :k], scanned.ids if source.id_column else None, scanned.base_rows)
+    own = scanned.ids[scanned.query_rows]  # the queries are indexed rows: their own hit is dropped
+    ids, mode, elapsed = _search(searchers, assigner, manifest, scanned.queries, k + 1, params, url,
+                                 batch_size)
+    ids = without_self(ids, own, k)
+    found_rows = rows_of(ids, scanned.ids if source.id_column else None, scanned.base_rows)
     # The exact top-k is cached by the files' fingerprint (as in-memory truth is): the second pass
     # then only takes the returned rows' exact distances as the base goes by.
-    depth = min(max(k, GROUND_TRUTH_K), scanned.base_rows)
+    depth = min(max(k, GROUND_TRUTH_K), scanned.base_rows - 1)
     path = streamed_truth_path(source.name, scanned.fingerprint, manifest.metric, depth)
     truth = load_cached(path, (len(scanned.queries), depth))
-    exact = None if truth is not None else ExactTopK(scanned.queries, depth, manifest.metric)
+    exact = None if truth is not None else ExactTopK(scanned.queries, depth, manifest.metric,
+                                                     exclude=scanned.query_rows)
     found = FoundDistances(scanned.queries, found_rows, manifest.metric)
     for first, chunk in base_chunks(source, scanned.base_rows):
         if exact is not None:
@@ -140,7 +148,7 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
     if exact is not None:
         truth = exact.distances
         save_cached(path, truth)
-    true_kth = truth[:, min(k, scanned.base_rows) - 1]
+    true_kth = truth[:, min(k, depth) - 1]
     recall = recall_from_distances(found.distances, found_rows >= 0, true_kth, manifest.metric)
     return asdict(EvalResult(
         recall=round(recall, 5), k=k, queries=len(scanned.queries),
@@ -169,7 +177,9 @@ def _evaluate_unsharded(manifest: Manifest, dataset: Dataset, k: int, params: di
     index = add_to_copy(empty, vectors, dataset.index_ids())
     searcher = ShardSearcher(index, manifest.metric, "unsharded", "unsharded")
     start = time.perf_counter()
-    _, ids, _ = searcher.search(dataset.queries, k, params)
+    own = dataset.self_ids()
+    _, ids, _ = searcher.search(dataset.queries, k + (own is not None), params)
     elapsed = time.perf_counter() - start
+    ids = without_self(ids, own, k)
     return {"recall": round(recall_at_k(ids, dataset, k, truth), 5),
             "qps": round(len(dataset.queries) / elapsed, 1)}

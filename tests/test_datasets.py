@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.datasets import hold_out, load_dataset, read_idx, read_vecs
+from core.datasets import load_dataset, read_idx, read_vecs, self_query_rows
 from core.errors import ShardserveError
 
 
@@ -58,7 +58,7 @@ def test_bvecs_reader(tmp_path: Path) -> None:
     np.testing.assert_array_equal(read_vecs(tmp_path / "b.bvecs"), matrix)
 
 
-def test_npy_and_parquet_hold_out_queries_deterministically(tmp_path: Path) -> None:
+def test_npy_and_parquet_index_every_row_and_query_with_their_own_rows(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -66,11 +66,15 @@ def test_npy_and_parquet_hold_out_queries_deterministically(tmp_path: Path) -> N
     np.save(tmp_path / "v.npy", matrix)
     pq.write_table(pa.table({"id": np.arange(500), "embedding": list(matrix)}), tmp_path / "v.parquet")
     from_npy, from_parquet = load_dataset(str(tmp_path / "v.npy")), load_dataset(str(tmp_path / "v.parquet"))
-    expected_base, expected_queries = hold_out(matrix, 1000)
+    own = self_query_rows(500)
     for dataset in (from_npy, from_parquet):
-        np.testing.assert_array_equal(dataset.base, expected_base)
-        np.testing.assert_array_equal(dataset.queries, expected_queries)
-    assert len(from_npy.queries) == 50
+        np.testing.assert_array_equal(dataset.base, matrix)  # every row a user gives is indexed
+        np.testing.assert_array_equal(dataset.query_rows, own)
+        np.testing.assert_array_equal(dataset.queries, matrix[own])
+    assert len(from_npy.queries) == 500 and len(set(own.tolist())) == 500
+    limited = load_dataset(str(tmp_path / "v.npy"), limit=100, num_queries=30)
+    assert len(limited.base) == 100 and limited.query_rows.max() < 100 and len(limited.queries) == 30
+    np.testing.assert_array_equal(limited.queries, matrix[limited.query_rows])
 
 
 def test_synthetic_is_seeded() -> None:

@@ -208,6 +208,7 @@ def test_cached_heads_equal_the_full_heads() -> None:
             assert _head(reply, keep_alive) == _full_head(reply, keep_alive)
 
 
+_CHUNKED = b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n"
 # Requests whose framing two parsers could read two ways: each must get one 400-class answer and a
 # closed connection, never an answer to the request hidden behind it.
@@ -223,15 +224,15 @@ SMUGGLING = {
     "bare LF everywhere": b"POST /v1/search HTTP/1.1\nHost: a\nContent-Length: 0\n\n",
     "obs-fold": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nX-A: b\r\n Content-Length: 40\r\n\r\n",
     "space before colon": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length : 40\r\n\r\n",
-    "chunk size 0x": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0x0\r\n\r\n",
-    "chunk size +": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n+0\r\n\r\n",
-    "chunk size -": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\nx\r\n0\r\n\r\n",
-    "chunk size _": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n\r\n",
-    "chunk size space": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n 0\r\n\r\n",
+    "chunk size 0x": _CHUNKED + b"0x0\r\n\r\n",
+    "chunk size +": _CHUNKED + b"+0\r\n\r\n",
+    "chunk size -": _CHUNKED + b"-1\r\nx\r\n0\r\n\r\n",
+    "chunk size _": _CHUNKED + b"1_0\r\n\r\n",
+    "chunk size space": _CHUNKED + b" 0\r\n\r\n",
     "chunk data without CRLF": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
                                b"1\r\nxYY0\r\n\r\n",
-    "transfer-encoding list": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
-                              b"0\r\n\r\n",
+    "transfer-encoding list": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, "
+                              b"chunked\r\n\r\n0\r\n\r\n",
     "transfer-encoding twice": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
                                b"Transfer-Encoding: identity\r\n\r\n0\r\n\r\n",
     "NUL in a header": b"POST /v1/search HTTP/1.1\r\nHost: a\x00\r\nContent-Length: 0\r\n\r\n",

@@ -45,10 +45,11 @@ def write_parquet(directory: Path, ids: np.ndarray | None = None, id_type: pa.Da
     return directory
 
 
-def test_ids_follow_their_rows_through_the_held_out_split(tmp_path: Path) -> None:
+def test_ids_follow_their_rows_and_every_row_is_in_the_base(tmp_path: Path) -> None:
     data = load_dataset(str(write_parquet(tmp_path / "emb")), vector_column="emb", id_column="doc_id")
-    assert len(data.base) + len(data.queries) == ROWS
-    np.testing.assert_array_equal(data.ids, _source_id(data.base[:, 0]))
+    assert len(data.base) == ROWS  # eval's queries are some of those rows, not rows taken out
+    np.testing.assert_array_equal(data.ids, _source_id(np.arange(ROWS)))
+    np.testing.assert_array_equal(data.queries, data.base[data.query_rows])
     rows = np.array([[5, 0, -1], [len(data.base) - 1, 2, 3]])
     np.testing.assert_array_equal(data.rows_of(np.where(rows >= 0, data.ids[rows], -1)), rows)
     assert data.rows_of(np.array([12345]))[0] == -1  # an id the dataset does not have
@@ -176,3 +177,28 @@ def test_include_returns_each_hits_metadata_over_http(ray_cluster, tmp_path: Pat
         assert answer["metadata"] == [{"caption": f"caption {r}"} for r in _source_row(answer["ids"])]
     assert plain["ids"] == single["ids"] and "metadata" not in plain
     assert bad.status_code == 422 and bad.json()["field"] == "include"
+
+
+def test_every_row_of_a_60k_parquet_is_indexed_and_finds_itself(tmp_path: Path) -> None:
+    """60,000 rows in, 60,000 vectors served: each row's own vector finds its own id (IVF with
+    nprobe 1 probes the list the row was added to, its nearest centroid)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from core.searcher import load_assigner
+    from serving.evaluate import sharded_search
+
+    rows, rng = 60_000, np.random.default_rng(60)
+    vectors = rng.normal(size=(rows, 16)).astype(np.float32)
+    ids = rng.permutation(10 * rows)[:rows].astype(np.int64) + 7  # the user's own, in no order
+    (tmp_path / "emb").mkdir()
+    for number, part in enumerate(np.array_split(np.arange(rows), 3)):
+        pq.write_table(pa.table({"emb": pa.array(list(vectors[part]), type=pa.list_(pa.float32())),
+                                 "doc_id": ids[part]}), tmp_path / "emb" / f"part-{number}.parquet")
+    manifest = build_index(str(tmp_path / "emb"), 3, "IVF256,Flat", str(tmp_path / "idx"), backend="local",
+                           vector_column="emb", id_column="doc_id")
+    assert manifest.num_vectors == rows and sum(s.num_vectors for s in manifest.shards) == rows
+    _, searchers = load_all_shards(str(tmp_path / "idx"))
+    assigner = load_assigner(str(tmp_path / "idx"))
+    found = sharded_search(searchers, vectors, 1, {"nprobe": 1}, "l2", assigner)[1]
+    np.testing.assert_array_equal(found[:, 0], ids)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.datasets import HELD_OUT_QUERIES, hold_out_rows, load_dataset
+from core.datasets import load_dataset
 from core.errors import ShardserveError
 from core.manifest import MANIFEST, read_manifest
 from core.metadata import MetadataTable
@@ -84,8 +84,7 @@ def faiss_ids(index) -> np.ndarray:
 
 def test_duplicate_ids_and_a_missing_column_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     ids = _source_id(np.arange(ROWS))
-    base_rows, _ = hold_out_rows(ROWS, HELD_OUT_QUERIES)
-    ids[base_rows[-1]] = ids[base_rows[0]]  # two base rows, in the first and the last file
+    ids[ROWS - 1] = ids[0]  # two rows, in the first and the last file
     source = _with_row_groups(write_parquet(tmp_path / "dup", ids))
     with pytest.raises(ShardserveError, match="1 duplicate ids, e.g. id"):
         build_index(str(source), 2, "IVF16,Flat", str(tmp_path / "out"), backend="local",
@@ -184,7 +183,7 @@ def test_npy_directory_streams_into_the_in_memory_build_byte_for_byte(
     data = load_dataset(str(npy_dir))
     in_memory = build_from_dataset(data, BuildParams(factory, 3, "l2"), Location.parse(str(tmp_path / "mem")),
                                    backend="local")
-    assert len(data.base) + len(data.queries) == 1500 + 1234 + 1800
+    assert len(data.base) == 1500 + 1234 + 1800  # every row indexed; queries are some of them
     assert streamed.dataset.fingerprint == data.fingerprint()
     assert [s.sha256 for s in streamed.shards] == [s.sha256 for s in in_memory.shards]
     assert [s.sha256 for s in as_glob.shards] == [s.sha256 for s in streamed.shards]
