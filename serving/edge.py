@@ -35,7 +35,7 @@ OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 # router forms at 32 clients with room to spare, Q is ~50 ms of this project's measured capacity on
 # 2 cores (loadtests/records/admission.json holds the run that checks them).
 DEFAULT_IN_FLIGHT = 64
-DEFAULT_QUEUE = 96
+DEFAULT_QUEUE = 64
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 

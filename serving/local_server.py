@@ -30,8 +30,6 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         admission: the edge's in-flight and queue bounds (serving.edge.Admission; default: its defaults).
         api_key: when set, the edge answers 401 to any request but /v1/health without it.
     """
-    from ray import serve
-
     from core.ray_session import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
@@ -76,7 +74,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         if front is not None:
             front.stop()
         if started:
-            serve.shutdown()  # our own Ray: every app on it is ours
+            # Our own Ray: every app on it is ours, and ending Ray ends them. serve.shutdown() first
+            # waited 30 s for the controller to drain what Ctrl-C is meant to stop.
             shutdown_ray()
         else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
             undeploy(APP_NAME)

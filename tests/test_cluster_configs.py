@@ -22,3 +22,16 @@ def test_cluster_config_is_valid_and_private(name: str) -> None:
         text = " ".join(config[commands])
         assert all(f"{key}={value}" in text for key, value in SERVING_NODE_ENV.items()), commands
     assert "0.0.0.0" not in (CONFIGS / name).read_text()
+
+
+def test_cloud_edge_listens_on_the_private_address_and_only_the_vpc_may_reach_it() -> None:
+    import ipaddress
+
+    config = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    start = " ".join(config["head_start_ray_commands"])
+    assert "--listen \"$(hostname -I | awk '{print $1}'):8000\"" in start  # not loopback: clients reach it
+    assert "SHARDSERVE_API_KEY" in start  # the optional key reaches the edge's config
+    rules = config["provider"]["security_group"]["IpPermissions"]
+    assert [(rule["FromPort"], rule["ToPort"]) for rule in rules] == [(8000, 8000)]  # nothing else opened
+    for rule in rules:
+        assert all(ipaddress.ip_network(r["CidrIp"]).is_private for r in rule["IpRanges"])
