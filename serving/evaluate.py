@@ -108,8 +108,6 @@ def _search(searchers: list[ShardSearcher], assigner: CoarseAssigner | None, man
     """(found ids, mode, seconds): over HTTP with `url`, else in-process as the router does."""
     start = time.perf_counter()
     if url:
-        from serving.http_client import search_over_http
-
         ids, mode = search_over_http(url, queries, k, params, batch_size), f"http {url}"
     else:
         ids, mode = sharded_search(searchers, queries, k, params, manifest.metric, assigner)[1], "in-process"
@@ -154,6 +152,23 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
         recall=round(recall, 5), k=k, queries=len(scanned.queries),
         qps=round(len(scanned.queries) / elapsed, 1), mode=f"{mode}, ground truth streamed",
         params=params, shards=len(manifest.shards), index_version=manifest.index_version))
+
+
+def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_size: int = 100
+                     ) -> np.ndarray:
+    """Ids of the top-k of every query through the HTTP API (core.client), `batch_size` a request;
+    any answer but 200 is an error naming the server's message."""
+    from core.client import ApiError, Client
+
+    ids = np.full((len(queries), k), -1, dtype=np.int64)
+    try:
+        with Client(url, timeout_s=60.0) as client:
+            for start in range(0, len(queries), batch_size):
+                for row, hits in enumerate(client.search_batch(queries[start:start + batch_size], k, params)):
+                    ids[start + row, :len(hits.ids)] = hits.ids
+    except ApiError as exc:
+        raise ShardserveError(f"{url}: {exc}") from None
+    return ids
 
 
 def _check_compatible(manifest: Manifest, dim: int, base_rows: int, name: str) -> None:

@@ -104,33 +104,46 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     assert args.max_batch_size * args.batching()[0] >= knee
 
 
-def test_readme_results_are_rendered_from_the_records() -> None:
-    """Every figure in the generated README tables comes from a committed record."""
-    from loadtests.readme_tables import README, blocks, render
+def test_readme_and_docs_results_are_rendered_from_the_records() -> None:
+    """Every figure in the generated tables of README.md and docs/ comes from a committed record."""
+    from loadtests.readme_tables import blocks, render_all
 
-    readme = README.read_text()
-    assert render(readme, blocks()) == readme, "run: python -m loadtests.readme_tables"
+    stale = [path.name for path, (current, wanted) in render_all(blocks()).items() if current != wanted]
+    assert stale == [], "run: python -m loadtests.readme_tables"
 
 
-def test_shedding_verdict_needs_every_part_of_the_goal() -> None:
-    """Only 200/503, every 503 with Retry-After, 503 p99 under 10 ms, 200 p99 within 3x the c=4 p99."""
+def test_admission_verdict_needs_every_part_of_the_goal() -> None:
+    """Closed loops all answered (>= 99 % at 128), overload only 200/503, every 503 with Retry-After
+    and under 10 ms at p99, 200 p99 within max(3x the c=32 p99, 50 ms), goodput >= 0.8x c=32."""
     from loadtests.shedding import verdict
 
-    def hit(code: int, ms: float, retry_after: bool = True) -> str:
-        line = json.loads(_hit(code, ms, 1.0 if code == 200 else None, "2026-11-22T04:00:00.000000000Z"))
-        line["headers"] = {"Retry-After": ["1"]} if code == 503 and retry_after else {}
-        return json.dumps(line)
+    def hits(*kinds: tuple[int, int, float], retry_after: bool = True) -> list[str]:
+        """(count, code, latency ms) groups, sent 10 ms apart: 100 requests span ~1 s."""
+        out = []
+        for count, code, ms in kinds:
+            for _ in range(count):
+                at = f"2026-11-22T04:00:{len(out) // 100:02d}.{len(out) % 100:02d}0000000Z"
+                line = json.loads(_hit(code, ms, 1.0 if code == 200 else None, at))
+                line["headers"] = {"Retry-After": ["1"]} if code == 503 and retry_after else {}
+                out.append(json.dumps(line))
+        return out
 
-    c4 = summarize([hit(200, 20.0)] * 50, "concurrency", 4, 1.0)
-    good = summarize([hit(200, 50.0)] * 90 + [hit(503, 3.0)] * 10, "rate", 100, 1.0)
-    assert verdict(c4, good)["met"] and verdict(c4, good)["shed_with_retry_after"] == 10
-    slow_admitted = summarize([hit(200, 70.0)] * 90 + [hit(503, 3.0)] * 10, "rate", 100, 1.0)
-    slow_shed = summarize([hit(200, 50.0)] * 90 + [hit(503, 12.0)] * 10, "rate", 100, 1.0)
-    no_retry = summarize([hit(200, 50.0)] * 90 + [hit(503, 3.0, retry_after=False)] * 10, "rate", 100, 1.0)
-    lost = summarize([hit(200, 50.0)] * 90 + [hit(0, 10000.0)] * 10, "rate", 100, 1.0)
-    for level in (slow_admitted, slow_shed, no_retry, lost):
-        assert not verdict(c4, level)["met"]
-    assert verdict(c4, lost)["other_outcomes"] == {"0": 10}
+    def level(*kinds: tuple[int, int, float], retry_after: bool = True) -> dict:
+        return summarize(hits(*kinds, retry_after=retry_after), "rate", 200, 1.0)
+
+    closed = {c: summarize(hits((100, 200, 20.0)), "concurrency", c, 1.0) for c in (8, 32, 128)}
+    good = level((90, 200, 55.0), (10, 503, 3.0))
+    assert verdict(closed, good)["met"]
+    slow_admitted = level((90, 200, 70.0), (10, 503, 3.0))
+    slow_shed = level((90, 200, 50.0), (10, 503, 12.0))
+    no_retry = level((90, 200, 50.0), (10, 503, 3.0), retry_after=False)
+    lost = level((90, 200, 50.0), (10, 0, 100.0))
+    starved = level((60, 200, 50.0), (40, 503, 3.0))  # 60 200s a second < 0.8 x the 100 of c=32
+    for bad in (slow_admitted, slow_shed, no_retry, lost, starved):
+        assert not verdict(closed, bad)["met"]
+    refused = {**closed, 8: summarize(hits((99, 200, 20.0), (1, 503, 1.0)), "concurrency", 8, 1.0)}
+    assert not verdict(refused, good)["met"]  # a closed-loop client refused once is a miss
+    assert verdict(closed, lost)["checks"]["only_200_or_503"] is False
 
 
 def test_shell_scripts_get_the_same_vegeta_flags() -> None:

