@@ -78,7 +78,7 @@ bench: install data vegeta $(INDEX)/manifest.json
 
 # Process-hygiene knobs A/B, each on a fresh local Ray: loadtests/records/hygiene.json.
 bench-hygiene: install data vegeta $(INDEX)/manifest.json
-	$(BIN)/python -m loadtests.hygiene --index $(INDEX)
+	$(BIN)/python -m lab.hygiene --index $(INDEX)
 
 # GloVe-50 (the [glove] extra) as parquet, streamed into 4 shards as cosine, served and graded over
 # HTTP: loadtests/records/bench-glove.json. Not in make test.

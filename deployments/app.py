@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from core.manifest import pinned_location
 from deployments.config import AppArgs
 from deployments.control import IndexControl
 from deployments.index_version import build_index_app  # noqa: F401  (re-exported for configs)
 from deployments.router import Router
+from shardserve.index.manifest import pinned_location
 
 # No access-log line per request on the query path (router, shards): it showed in the profile of
 # both; errors and warnings are still logged, and request metrics still flow.

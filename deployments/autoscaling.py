@@ -21,7 +21,7 @@ import math
 import time
 
 logger = logging.getLogger("ray.serve")
-KNEE_EVENTS_KEY = "knee-passed/{app}/{deployment}"  # GCS key-value (core.ray_private.kv_get)
+KNEE_EVENTS_KEY = "knee-passed/{app}/{deployment}"  # GCS key-value (shardserve.runtime.ray_private.kv_get)
 KNEE_EVENTS_KEPT = 50
 
 
@@ -119,7 +119,7 @@ def knee_policy(ctx) -> tuple[int, dict]:
 def _keep_event(app: str, deployment: str, event: dict) -> None:
     """Best effort: a policy must decide even when the key-value store is not reachable."""
     try:
-        from core.ray_private import kv_get, kv_put
+        from shardserve.runtime.ray_private import kv_get, kv_put
 
         key = KNEE_EVENTS_KEY.format(app=app, deployment=deployment)
         events = json.loads(kv_get(key) or b"[]")[-(KNEE_EVENTS_KEPT - 1):]
@@ -131,6 +131,6 @@ def _keep_event(app: str, deployment: str, event: dict) -> None:
 def knee_events(app: str, deployment: str) -> list[dict]:
     """When `deployment` of `app` passed its knee (latest last): wall-clock `t`, the depth seen, the
     knee depth, replicas then and the policy's target. Needs a Ray connection."""
-    from core.ray_private import kv_get
+    from shardserve.runtime.ray_private import kv_get
 
     return json.loads(kv_get(KNEE_EVENTS_KEY.format(app=app, deployment=deployment)) or b"[]")

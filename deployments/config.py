@@ -9,7 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from core.ray_session import SERVING_NODE_ENV
+from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
 # ranges over 0-2, so `shardserve tune` puts its knee depth at 1 (loadtests/records/hot-path-batches.json).
@@ -41,7 +41,7 @@ class AppArgs(BaseModel):
     warm_workers: int = Field(
         4, ge=0, description="idle Ray workers each node with a shard replica keeps started, with the "
                              "serving code imported, so a new replica there (scale-up, restart) "
-                             "starts in about a second (core.warm_pool; 4 covers a burst that scales "
+                             "starts in about a second (runtime.warm_pool; 4 covers a burst that scales "
                              "4 shards on one node at once; each ~115 MB, ~1 % of a core idle); 0: none")
     router_replicas: int = Field(1, ge=1)
     router_num_cpus: float = Field(0.25, gt=0)
@@ -60,7 +60,7 @@ class AppArgs(BaseModel):
                                "immediate 503 + Retry-After instead of joining a growing queue")
     front_port: int | None = Field(
         None, ge=0, le=65535,
-        description="each router replica also answers HTTP itself on this port (core.http_front: "
+        description="each router replica also answers HTTP itself on this port (transport.http_front: "
                     "SO_REUSEPORT, shared by the replicas on a node), off Serve's per-request HTTP "
                     "path; `shardserve serve` points its edge here. None = Serve's HTTP only")
     front_host: str = Field("127.0.0.1", description="address the front door binds (keep it private)")
@@ -97,7 +97,7 @@ class AppArgs(BaseModel):
     retry_after_s: int = Field(1, ge=1, description="Retry-After on 503")
     shard_transport: Literal["link", "serve"] = Field(
         "link", description="router -> shard hop: `link` = a TCP link per shard replica "
-                            "(core.shard_link; a Serve call when no link is up), `serve` = "
+                            "(shardserve.transport.shard_link; a Serve call when no link is up), `serve` = "
                             "Serve handle calls only")
     hedge_after_ms: float = Field(
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "

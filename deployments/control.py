@@ -7,9 +7,9 @@ import logging
 import orjson
 from ray import serve
 
-from core.index_pointer import ActiveIndex, IndexPointer
-from core.ray_private import kv_delete, kv_get, kv_put
 from deployments.config import index_app_name
+from shardserve.query.index_pointer import ActiveIndex, IndexPointer
+from shardserve.runtime.ray_private import kv_delete, kv_get, kv_put
 
 logger = logging.getLogger("ray.serve")
 

@@ -13,19 +13,20 @@ import faiss
 import numpy as np
 from ray.serve.handle import DeploymentHandle
 
-from core.api import ParsedQuery, real_ids
-from core.fanout import Prepare, QueryResult, ShardCall, hedged, plain_query, search_batch
-from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
-from core.manifest import Manifest, read_manifest
-from core.metadata import combine
-from core.ray_private import deployment_handle_unchecked
-from core.searcher import CoarseAssigner
-from core.shard_link import ShardLinks
-from core.shard_wire import ShardQuery, decode_answer
-from core.storage import Location
 from deployments.config import INDEX_INGRESS
 from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
+from shardserve.index.assigner import CoarseAssigner
+from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
+from shardserve.index.manifest import Manifest, read_manifest
+from shardserve.index.metadata import combine
+from shardserve.index.storage import Location
+from shardserve.query.api import ParsedQuery, real_ids
+from shardserve.query.fanout import Prepare, ShardCall, hedged, plain_query, search_batch
+from shardserve.query.merge import QueryResult
+from shardserve.runtime.ray_private import deployment_handle_unchecked
+from shardserve.transport.shard_link import ShardLinks
+from shardserve.transport.shard_wire import ShardQuery, decode_answer
 
 logger = logging.getLogger("ray.serve")
 # Batches up to this many rows are assigned on the event loop: a hand-off to the quantizer thread
@@ -112,7 +113,7 @@ class IndexSet:
                        timeout_s: float) -> list[list[dict]] | None:
         """The `include` columns of every hit the response carries, per query (None: no `include`).
         Fetched after the merge, for the final top-k only: every shard is asked for the ids (each
-        holds its own rows' metadata, core.metadata), through Serve: a side path, not the search hop."""
+        holds its own rows' metadata, index.metadata), through Serve: a side path, not the search hop."""
         if not query.include:
             return None
         per_query = real_ids(result)

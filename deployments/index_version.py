@@ -4,7 +4,7 @@ Versions live in their own applications so that a new one can be deployed beside
 checked, switched to, and the old one deleted as a whole (`shardserve swap`). The ingress is not on
 the query path (routers call the shard deployments directly); it answers readiness and the swap's
 recall gate, with the same fan-out and merge code as the router, and it keeps the directory of
-shard links (where each shard replica listens; core.shard_link).
+shard links (where each shard replica listens; shardserve.transport.shard_link).
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
-from core.api import ParsedQuery
-from core.fanout import plain_query, search_batch
-from core.indexes import prepare_vectors
-from core.manifest import pinned_location, read_manifest
-from core.searcher import CoarseAssigner
-from core.shard_link import EndpointDirectory, new_secret
-from core.shard_wire import ShardQuery
-from core.storage import Location
 from deployments.autoscaling import with_link_policy
 from deployments.config import AppArgs
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
+from shardserve.index.assigner import CoarseAssigner
+from shardserve.index.indexes import prepare_vectors
+from shardserve.index.manifest import pinned_location, read_manifest
+from shardserve.index.storage import Location
+from shardserve.query.api import ParsedQuery
+from shardserve.query.fanout import plain_query, search_batch
+from shardserve.transport.shard_link import EndpointDirectory, new_secret
+from shardserve.transport.shard_wire import ShardQuery
 
 
 # Not on the query path: nothing to drain, so do not hold a swap up for the default 20 s.

@@ -1,7 +1,7 @@
 """Router ingress, Serve glue only: routes, admission, batching, the index pointer and link follow.
 
-Parsing, coverage and rendering live in core.api; the fan-out, hedging and per-version grouping in
-core.fanout; one index version's handles and links in deployments.index_set.
+Parsing, coverage and rendering live in shardserve.query.api; the fan-out, hedging and per-version grouping in
+shardserve.query.fanout; one index version's handles and links in deployments.index_set.
 """
 
 import asyncio
@@ -17,7 +17,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core.api import (
+from deployments.config import AppArgs, index_app_name
+from deployments.index_set import IndexSet, follow_links
+from deployments.metrics import RouterMetrics
+from shardserve.query.api import (
     ApiError,
     Limits,
     ParsedQuery,
@@ -27,15 +30,13 @@ from core.api import (
     receive_body,
     render_search,
 )
-from core.batcher import AdaptiveBatcher
-from core.fanout import QueryResult, search_grouped
-from core.http_front import FrontDoor, Reply
-from core.http_front import Request as HttpRequest
-from core.openapi import docs_reply
-from core.procfs import lower_priority
-from deployments.config import AppArgs, index_app_name
-from deployments.index_set import IndexSet, follow_links
-from deployments.metrics import RouterMetrics
+from shardserve.query.batcher import AdaptiveBatcher
+from shardserve.query.fanout import search_grouped
+from shardserve.query.merge import QueryResult
+from shardserve.query.openapi import docs_reply
+from shardserve.runtime.procfs import lower_priority
+from shardserve.transport.http_front import FrontDoor, Reply
+from shardserve.transport.http_front import Request as HttpRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -103,7 +104,7 @@ class Router:
         return Response(reply.body, reply.status, reply.headers, reply.content_type)
 
     async def respond(self, request: HttpRequest, root: str = "") -> Reply:
-        """Every route, for both doors: Serve's HTTP path and this replica's own (core.http_front)."""
+        """Every route, for both doors: Serve's HTTP path and this replica's own (transport.http_front)."""
         method, route = request.method, request.path.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
             return await self.search(request)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from core.errors import ShardserveError
+from shardserve.errors import ShardserveError
 
 APP_NAME = "shardserve"
 
@@ -16,12 +16,12 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     `shard_class` replaces the shard deployment's class (see build_index_app)."""
     from ray import serve
 
-    from core.manifest import pinned_location
-    from core.ray_private import run_app
     from deployments.app import build_app
     from deployments.config import AppArgs, index_app_name
     from deployments.control import forget_pointer
     from deployments.index_version import index_app
+    from shardserve.index.manifest import pinned_location
+    from shardserve.runtime.ray_private import run_app
 
     # Both apps bind to the version published now: a rebuild in place never reaches them.
     args = AppArgs(index=pinned_location(_absolute(index)), **overrides).model_dump()
@@ -40,9 +40,9 @@ def undeploy(app_name: str = APP_NAME) -> None:
     """Delete the router app and every index-version app it has served."""
     from ray import serve
 
-    from core.ray_private import delete_app_nowait
     from deployments.config import index_app_name
     from deployments.control import forget_pointer
+    from shardserve.runtime.ray_private import delete_app_nowait
 
     names = [name for name in serve.status().applications
              if name == app_name or name.startswith(index_app_name(app_name))]

@@ -13,16 +13,16 @@ import faiss
 import ray
 from ray import serve
 
-from core.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
-from core.manifest import read_version
-from core.metadata import MetadataTable
-from core.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
-from core.searcher import ShardSearcher
-from core.shard_link import InFlight, LinkLimits, serve_link
-from core.shard_wire import ShardQuery, encode_answer
-from core.storage import Location
-from core.warm_pool import WarmPool
 from deployments.config import INDEX_INGRESS
+from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
+from shardserve.index.manifest import read_version
+from shardserve.index.metadata import MetadataTable
+from shardserve.index.storage import Location
+from shardserve.query.searcher import ShardSearcher
+from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
+from shardserve.runtime.warm_pool import WarmPool
+from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link
+from shardserve.transport.shard_wire import ShardQuery, encode_answer
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
@@ -32,7 +32,7 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
 class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
-    (core.shard_link) or a Serve handle call, both through `search`."""
+    (shardserve.transport.shard_link) or a Serve handle call, both through `search`."""
 
     async def __init__(self, index: str, shard: int, *, faiss_threads: int = 1,
                        link_secret: str | None = None,
@@ -41,7 +41,7 @@ class ShardDeployment:
                        max_frame: int = 16 * 1024 * 1024):
         """`link_secret` (hex, the index version's): listen on a shard link that callers must prove
         it to; None: Serve handle calls only. `max_rows`, `max_k`, `max_frame`: what one batch may
-        hold (core.shard_wire.QueryBounds, core.shard_link.LinkLimits)."""
+        hold (shardserve.transport.shard_wire.QueryBounds, shardserve.transport.shard_link.LinkLimits)."""
         constructing = time.monotonic()
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
@@ -74,7 +74,7 @@ class ShardDeployment:
                 context.app_name, context.replica_id.unique_id, host,
                 self.link_server.sockets[0].getsockname()[1]))
         lower_priority(nice)  # last: the start-up itself ran at the node's priority
-        # The node's pool of idle workers that the next replica placed here takes (core.warm_pool).
+        # The node's pool of idle workers that the next replica placed here takes (runtime.warm_pool).
         self.warm_pool = WarmPool(warm_workers).start()
         self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),
                         "constructor_s": round(time.monotonic() - constructing, 3),
@@ -83,7 +83,7 @@ class ShardDeployment:
         keep_startup(self.startup)
 
     async def search(self, query: bytes) -> bytes:
-        """A router batch (core.shard_wire bytes) → its top-k answer bytes.
+        """A router batch (shardserve.transport.shard_wire bytes) → its top-k answer bytes.
 
         Small batches are searched right on the event loop (`answer_now`): a hand-off to the search
         thread and back cost more CPU than scanning a few lists. Larger ones go to the search thread
@@ -156,7 +156,7 @@ def _link_host() -> str:
     return ray.util.get_node_ip_address()
 
 
-STARTUP_KEY = "replica-start/{app}/{deployment}/{replica}"  # GCS key-value (core.ray_private)
+STARTUP_KEY = "replica-start/{app}/{deployment}/{replica}"  # GCS key-value (shardserve.runtime.ray_private)
 
 
 def keep_startup(startup: dict) -> None:
@@ -164,7 +164,7 @@ def keep_startup(startup: dict) -> None:
     load test or an operator reads it back (`replica_startups`): how fast autoscaling can react is
     bounded by it. Best effort."""
     try:
-        from core.ray_private import kv_put
+        from shardserve.runtime.ray_private import kv_put
 
         context = serve.get_replica_context()
         kv_put(STARTUP_KEY.format(app=context.app_name, deployment=context.deployment,
@@ -176,7 +176,7 @@ def keep_startup(startup: dict) -> None:
 def replica_startups(app: str) -> dict[str, list[dict]]:
     """Per shard deployment of the index app `app`, the start-up of every replica it ever started
     (oldest first). Needs a Ray connection."""
-    from core.ray_private import kv_get, kv_list
+    from shardserve.runtime.ray_private import kv_get, kv_list
 
     found: dict[str, list[dict]] = {}
     for key in kv_list(f"replica-start/{app}/"):

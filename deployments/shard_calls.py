@@ -1,8 +1,8 @@
 """How the router (and the swap gate) call a shard deployment: raw bytes through Serve's handle.
 
-Requests and answers are `bytes` (core.shard_wire), so Serve's serializer only frames them:
+Requests and answers are `bytes` (shardserve.transport.shard_wire), so Serve's serializer only frames them:
 plain `pickle` of a bytes object is a memcpy, where the default cloudpickle walks numpy objects.
-Measured side by side in loadtests/hop.py (record loadtests/records/hop.json).
+Measured side by side in lab/hop.py (record loadtests/records/hop.json).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 from ray.serve.handle import DeploymentHandle
 
-from core.shard_wire import ShardQuery, decode_answer
+from shardserve.transport.shard_wire import ShardQuery, decode_answer
 
 HOP_SERIALIZATION = "pickle"
 

@@ -19,15 +19,15 @@ import time
 
 import numpy as np
 
-from core.background import run_on_loop
-from core.datasets import Dataset, load_dataset
-from core.errors import ShardserveError
-from core.groundtruth import graded_as, ground_truth, recall_at_k, without_self
-from core.indexes import supported_params
-from core.manifest import Manifest, pinned_location, read_manifest
-from core.ray_private import delete_app_nowait, run_app
-from core.storage import Location
 from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
+from shardserve.data.datasets import Dataset, load_dataset
+from shardserve.data.groundtruth import graded_as, ground_truth, recall_at_k, without_self
+from shardserve.errors import ShardserveError
+from shardserve.index.indexes import supported_params
+from shardserve.index.manifest import Manifest, pinned_location, read_manifest
+from shardserve.index.storage import Location
+from shardserve.runtime.background import run_on_loop
+from shardserve.runtime.ray_private import delete_app_nowait, run_app
 
 logger = logging.getLogger(__name__)
 CONTROL = "IndexControl"

@@ -18,9 +18,9 @@ import json
 import math
 from pathlib import Path
 
-from core.errors import ShardserveError
 from deployments.autoscaling import autoscaling_config
 from deployments.config import AUTOSCALED_BATCHES, AppArgs, serve_config_yaml
+from shardserve.errors import ShardserveError
 
 
 def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:

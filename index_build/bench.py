@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.datasets import load_dataset
-from core.storage import Location
 from index_build.job import BuildParams, build_from_dataset
+from shardserve.data.datasets import load_dataset
+from shardserve.index.storage import Location
 
 RECORDS = Path(__file__).resolve().parent.parent / "loadtests" / "records"
 

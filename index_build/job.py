@@ -1,7 +1,7 @@
 """`shardserve build`: train once, add per shard in parallel (Ray Data), publish shards + manifest.
 
 In memory (every dataset but parquet): load → sample (seeded) → train the empty index ONCE → deal
-rows to shards (whole IVF lists per shard, else i mod S: core.partition) → one Ray Data task per
+rows to shards (whole IVF lists per shard, else i mod S: shardserve.index.partition) → one Ray Data task per
 shard adds its rows from the matrix in the object store and writes its shard file → the manifest
 is written last, atomically (index_build.publish). Parquet is
 streamed instead (index_build.streaming), with the same rows, rules and bytes.
@@ -15,21 +15,21 @@ from typing import Literal
 import faiss
 import numpy as np
 
-from core.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
-from core.datasets import BASE_ONLY_METRIC, Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset
-from core.errors import ShardserveError
-from core.indexes import add_to_copy, make_empty_index, prepare_vectors
-from core.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
-from core.metadata import write_metadata
-from core.partition import BY_LISTS, Partition, assigner_of
-from core.storage import Location
-from core.timing import timed
 from index_build.publish import (
     BuildParams,
     publish_build,
     training_sample,
     write_shard,
 )
+from shardserve.data.datasets import BASE_ONLY_METRIC, Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset
+from shardserve.errors import ShardserveError
+from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
+from shardserve.index.indexes import add_to_copy, make_empty_index, prepare_vectors
+from shardserve.index.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
+from shardserve.index.metadata import write_metadata
+from shardserve.index.partition import BY_LISTS, Partition, assigner_of
+from shardserve.index.storage import Location
+from shardserve.runtime.timing import timed
 
 log = logging.getLogger(__name__)
 Backend = Literal["ray", "local"]
@@ -41,7 +41,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
                 id_column: str | None = None, metadata_columns: list[str] | None = None,
                 memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Manifest:
     """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest.
-    `factory="auto"` picks one from the data's size and `memory_budget` (core.auto_index)."""
+    `factory="auto"` picks one from the data's size and `memory_budget` (shardserve.index.auto_index)."""
     if shards < 1:
         raise ShardserveError(f"--shards must be >= 1, got {shards}")
     location = Location.parse(out)
@@ -72,7 +72,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     if len(dataset.base) < shards:
         raise ShardserveError(f"{shards} shards need at least {shards} vectors, got {len(dataset.base)}")
     if backend == "ray":
-        from core.ray_session import ensure_ray
+        from shardserve.runtime.ray_session import ensure_ray
 
         ensure_ray(serving_node=False)
     return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto)

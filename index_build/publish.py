@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from core.errors import ShardserveError
-from core.indexes import index_to_bytes, make_empty_index, train_empty_index
-from core.manifest import (
+from shardserve.errors import ShardserveError
+from shardserve.index.indexes import index_to_bytes, make_empty_index, train_empty_index
+from shardserve.index.manifest import (
     VERSIONS_DIR,
     BuildInfo,
     DatasetInfo,
@@ -29,9 +29,9 @@ from core.manifest import (
     published,
     write_manifest,
 )
-from core.partition import Partition
-from core.storage import Location, sha256_hex
-from core.timing import timed
+from shardserve.index.partition import Partition
+from shardserve.index.storage import Location, sha256_hex
+from shardserve.runtime.timing import timed
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class BuildParams:
 
     factory: any FAISS index_factory string (Flat, IVF1024,Flat, IVF256,PQ16x4fs, HNSW32, ...).
     shards: number of shards S; plain IVF indexes deal whole lists to shards, others row i to
-        shard i mod S (core.partition).
+        shard i mod S (shardserve.index.partition).
     metric: l2, ip or cosine (cosine L2-normalises base and queries).
     train_size: rows sampled (seeded) to train the quantizer; 0 = min(n, 256 x nlist or 100K).
     seed: sampling and k-means seed.

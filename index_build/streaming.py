@@ -8,13 +8,13 @@ Stages:
    ids (8 bytes a row: the duplicate check needs them all; the vectors are never kept);
 2. train the empty index ONCE on that bounded sample;
 3. Ray Data over shard specs: each task streams the row groups again and adds only its own rows
-   (the rows of the IVF lists it owns, else base row i mod S: core.partition, as in the in-memory
+   (the rows of the IVF lists it owns, else base row i mod S: shardserve.index.partition, as in the in-memory
    build), then writes its shard file and its metadata file. Memory per task: one row group plus
    the shard it builds. Dealing by list costs each task a coarse assignment of every row (S
    assignments of the data in all, where the adds alone do one).
 
 Row numbers, the held-out queries, the training rows and the row -> shard rule are those of the
-in-memory path (core.datasets, index_build.job), so both builds of the same files write
+in-memory path (shardserve.data.datasets, index_build.job), so both builds of the same files write
 byte-identical shards and the same index version (tested). The cost of this simple design: every
 shard task reads the whole dataset (S reads; from the page cache after the first). Adding per
 (row group, shard) partial indexes and merging them per shard (`merge_from`) would spread the adds
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.datasets import (
+from shardserve.data.datasets import (
     BASE_ONLY_METRIC,
     as_float32,
     check_ids,
@@ -45,12 +45,12 @@ from core.datasets import (
     parquet_files,
     self_query_rows,
 )
-from core.errors import ShardserveError
-from core.indexes import make_empty_index, prepare_vectors
-from core.manifest import Manifest
-from core.metadata import write_metadata
-from core.partition import BY_LISTS, Partition, assigner_of
-from core.storage import Location
+from shardserve.errors import ShardserveError
+from shardserve.index.indexes import make_empty_index, prepare_vectors
+from shardserve.index.manifest import Manifest
+from shardserve.index.metadata import write_metadata
+from shardserve.index.partition import BY_LISTS, Partition, assigner_of
+from shardserve.index.storage import Location
 
 TRAIN_MAX_BYTES = 256 * 2**20  # the training sample's cap, whatever the factory asks for
 
@@ -160,7 +160,7 @@ def open_source(spec: str, vector_column: str | None = None, id_column: str | No
 class Piece:
     """One read of the source, with every row placed: the one numbering rule of every stage (and of
     the in-memory path): base position = file row, rows past `base_rows` (--limit) out; eval's
-    query rows (core.datasets.self_query_rows) are base rows too, only marked."""
+    query rows (shardserve.data.datasets.self_query_rows) are base rows too, only marked."""
 
     matrix: np.ndarray
     ids: np.ndarray | None  # the user's ids of these rows (parquet id column), else None
@@ -202,7 +202,7 @@ class Scan:
 
     base_rows: int
     dim: int
-    fingerprint: str  # == core.datasets.Dataset.fingerprint() of the same files
+    fingerprint: str  # == shardserve.data.datasets.Dataset.fingerprint() of the same files
     train: np.ndarray  # the training sample, prepared for the metric
     ids: np.ndarray  # the id of every base row: the user's, else row numbers
     queries: np.ndarray  # eval's query vectors: SELF_QUERIES of the base rows, still indexed
@@ -225,7 +225,7 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
         matrix, base = piece.matrix, piece.base
         if dim is None:
             dim = matrix.shape[1]
-            # the data's fingerprint, as core.datasets.Dataset.fingerprint() has it (not the build's metric)
+            # the data's fingerprint, as data.datasets.Dataset.fingerprint() has it (not the build's metric)
             digest.update(f"{BASE_ONLY_METRIC}:{(base_rows, dim)}:{(len(query_rows), dim)}".encode())
             train = np.empty((base_rows if train_rows is None else len(train_rows), dim), np.float32)
         elif matrix.shape[1] != dim:
@@ -261,13 +261,13 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
 
 def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, partition: Partition,
                         base_rows: int, location: Location) -> tuple[str, str | None]:
-    """Stream every row group, add this shard's rows (core.partition), write the shard file and its
+    """Stream every row group, add this shard's rows (index.partition), write the shard file and its
     metadata; return their manifest entries as JSON."""
     import faiss
     import pyarrow as pa
 
-    from core.indexes import index_from_bytes, index_to_bytes
     from index_build.publish import shard_file_name, write_file
+    from shardserve.index.indexes import index_from_bytes, index_to_bytes
 
     faiss.omp_set_num_threads(1)  # one CPU per task, as in the in-memory Ray build
     index = index_from_bytes(empty)
@@ -303,8 +303,8 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
                     factory_for: Callable[[int, int], tuple[str, str | None]]) -> Manifest:
     """Build `spec` (parquet or .npy files) without holding its base set anywhere. `factory_for(rows, dim)`
     resolves `--index auto` once the size is known; `params.factory` is used otherwise."""
-    from core.manifest import DatasetInfo
     from index_build.publish import BuildParams, publish_build, training_rows
+    from shardserve.index.manifest import DatasetInfo
 
     source = open_source(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
@@ -324,8 +324,8 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
                        id_column=id_column, metadata_columns=list(source.metadata_columns))
 
     def add(empty: bytes, partition: Partition, at: Location, timings: dict):
-        from core.manifest import ShardEntry
-        from core.timing import timed
+        from shardserve.index.manifest import ShardEntry
+        from shardserve.runtime.timing import timed
 
         with timed(f"stream+add+write {params.shards} shards ({backend})", timings):
             if backend == "ray":
@@ -339,7 +339,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
         return entries, metadata
 
     if backend == "ray":  # every check passed: only now start (or join) Ray
-        from core.ray_session import ensure_ray
+        from shardserve.runtime.ray_session import ensure_ray
 
         ensure_ray(serving_node=False)
     extra = {"backend": backend, "streaming": {"row_groups": len(source.row_groups),

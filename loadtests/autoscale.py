@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from core.datasets import load_dataset
-from core.procfs import lower_priority
 from loadtests.during import ReplicaWatcher
 from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
+from shardserve.data.datasets import load_dataset
+from shardserve.runtime.procfs import lower_priority
 
 HARNESS_NICE = 19  # the load generator and this watcher: no more CPU priority than a serving replica
 
@@ -82,7 +82,7 @@ def knee_reactions(samples: list[dict], crossings: dict[str, list[dict]], since:
     back from before a replica came still counts against the reaction; the resolution is the
     watcher's sampling period. With `started` (replica_startups), also whether the first replica
     ready after the crossing ran in a warm worker — a process already there before the crossing
-    (core.warm_pool) — and how long its constructor took."""
+    (shardserve.runtime.warm_pool) — and how long its constructor took."""
     rows = [s for s in samples if "replicas" in s]
     result = {}
     for name in sorted({n for s in rows for n in s["replicas"]}):
@@ -178,10 +178,10 @@ def run_own(args: argparse.Namespace) -> None:
     """Own local Ray: deploy `args.index` with autoscaling shards, ramp, stop what we started."""
     from urllib.parse import urlparse
 
-    from core.ray_session import ensure_ray, shutdown_ray
     from deployments.autoscaling import autoscaling_config
     from deployments.config import AppArgs
     from deployments.run import deploy
+    from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
                                   args.downscale_delay, args.metrics_interval, args.look_back,
@@ -206,9 +206,9 @@ def run_own(args: argparse.Namespace) -> None:
 
 
 def pooled_on_this_node() -> list[int]:
-    """Idle (or starting) Ray workers of the local raylet: the warm pool (core.warm_pool)."""
-    from core.procfs import pids_matching
-    from core.warm_pool import pooled_pids
+    """Idle (or starting) Ray workers of the local raylet: the warm pool (shardserve.runtime.warm_pool)."""
+    from shardserve.runtime.procfs import pids_matching
+    from shardserve.runtime.warm_pool import pooled_pids
 
     return [pid for raylet in pids_matching(b"src/ray/raylet/raylet") for pid in pooled_pids(raylet)]
 
@@ -216,8 +216,8 @@ def pooled_on_this_node() -> list[int]:
 def wait_until_pooled(target: int, timeout_s: float) -> list[int]:
     """Wait (at most `timeout_s`) until the local warm pool holds `target` workers that finished
     starting (titled idle, not still importing), then 2 s for the last one's tail; their pids."""
-    from core.procfs import cmdline
-    from core.warm_pool import IDLE_TITLE
+    from shardserve.runtime.procfs import cmdline
+    from shardserve.runtime.warm_pool import IDLE_TITLE
 
     def idle() -> list[int]:
         return [pid for pid in pooled_on_this_node() if cmdline(pid).startswith(IDLE_TITLE)]
@@ -233,7 +233,7 @@ def wait_for_pool(target: int, timeout_s: float = 120.0, measure_s: float = 10.0
     """After a deploy, the pool fills one worker at a time from spare CPU, as it would long before
     any burst in production: the ramp starts once it is full (or after `timeout_s`). Then what the
     idle pool costs, per worker, over `measure_s`: its own memory and CPU (from /proc)."""
-    from core.procfs import cpu_seconds, memory_mb
+    from shardserve.runtime.procfs import cpu_seconds, memory_mb
 
     pids = wait_until_pooled(target, timeout_s)
     before = {pid: cpu_seconds(pid) for pid in pids}

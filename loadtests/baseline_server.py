@@ -16,9 +16,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from core.api import ApiError, is_npy, parse_npy_request, parse_search_request
-from core.indexes import prepare_vectors, supported_params
-from core.searcher import ShardSearcher, load_all_shards
+from shardserve.index.indexes import prepare_vectors, supported_params
+from shardserve.query.api import ApiError, is_npy, parse_npy_request, parse_search_request
+from shardserve.query.searcher import ShardSearcher, load_all_shards
 
 INDEX_ENV = "SHARDSERVE_BASELINE_INDEX"
 

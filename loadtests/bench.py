@@ -3,7 +3,7 @@
 (a) in-process FAISS on the merged (unsharded-equivalent) index: one query at a time and batched;
 (b) plain uvicorn + FastAPI + FAISS, one worker per core (loadtests/baseline_server.py);
 (c) a Ray Serve no-op deployment on the same cluster: the framework's floor;
-(d) shardserve with 4 shards and 1 shard through the router's own HTTP door (core.http_front),
+(d) shardserve with 4 shards and 1 shard through the router's own HTTP door (shardserve.transport.http_front),
     single-vector and 256-vector batch requests; the same 4-shard app through Serve's HTTP ingress
     and through the shedding edge (`shardserve serve`'s default: one more HAProxy hop), and 4 shards
     with the router -> shard hop as Serve handle calls instead of shard links.
@@ -29,13 +29,13 @@ import faiss
 import numpy as np
 import orjson
 
-from core.datasets import load_dataset
-from core.indexes import prepare_vectors
-from core.procfs import CpuMeter
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import new_record, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack
+from shardserve.data.datasets import load_dataset
+from shardserve.index.indexes import prepare_vectors
+from shardserve.runtime.procfs import CpuMeter
 
 SERVE_PORT = 18000
 FRONT_PORT = 18002
@@ -64,7 +64,7 @@ def in_process(index: str, queries: np.ndarray, k: int, params: dict) -> dict:
 def parse_cost(queries: np.ndarray) -> dict:
     """Why the router parses with orjson + numpy instead of pydantic, and what a .npy body saves:
     measured per body of one query, and of a 256-query batch (JSON vs .npy)."""
-    from core.api import SearchRequest, npy_body, parse_npy_request, parse_search_request
+    from shardserve.query.api import SearchRequest, npy_body, parse_npy_request, parse_search_request
 
     body = orjson.dumps({"vector": queries[0], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     batch = orjson.dumps({"vectors": queries[:256], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -162,11 +162,11 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     HTTP ingress and through the edge, on the same deployment."""
     from ray import serve
 
-    from core.ray_session import ensure_ray, shutdown_ray
     from deployments.config import AppArgs
     from deployments.noop import NoopDeployment
     from deployments.run import deploy
     from serving.edge import EdgeProcess
+    from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     front = f"http://127.0.0.1:{FRONT_PORT}"
     systems = [("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
@@ -273,7 +273,7 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            # the same, with .npy request bodies (both servers parse them; in-process parses nothing)
            "batch256_npy_vs_inprocess_batched": (">=", 0.8),
            "qps_c32_npy_vs_uvicorn_npy": (">=", 1.0), "cpu_per_request_c32_npy_vs_uvicorn_npy": ("<=", 1.0),
-           # shard links (core.shard_link) against Serve handle calls for the same hop
+           # shard links (shardserve.transport.shard_link) against Serve handle calls for the same hop
            "qps_c32_links_vs_serve_calls": (">=", 1.0),
            "cpu_per_request_c32_links_vs_serve_calls": ("<=", 1.0),
            "c1_p50_serve_calls_minus_links_ms": (">=", 0.0),
@@ -294,13 +294,13 @@ def main() -> None:
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     cli.add_argument("--name", default="bench")
     args = cli.parse_args()
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before ray.serve is imported anywhere in this process
 
-    from core.manifest import read_manifest
-    from core.storage import Location
     from index_build.job import build_index
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
 
     manifest = read_manifest(Location.parse(args.index))
     queries = load_dataset(args.dataset).queries

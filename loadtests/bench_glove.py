@@ -70,7 +70,7 @@ def check_include(url: str, data_dir: Path, queries: int = 100) -> dict:
     """Every hit's `word` is the one the parquet source has for that `word_id`."""
     import httpx
 
-    from core.datasets import load_dataset
+    from shardserve.data.datasets import load_dataset
 
     data = load_dataset(str(data_dir), vector_column="emb", id_column="word_id", metadata_columns=["word"],
                         num_queries=queries)
@@ -87,10 +87,10 @@ def check_include(url: str, data_dir: Path, queries: int = 100) -> dict:
 
 
 def load_levels(url: str, data_dir: Path, nprobe: int, duration_s: float, work: Path) -> list[dict]:
-    from core.datasets import load_dataset
-    from core.procfs import CpuMeter
     from loadtests.targets import make_targets, write_targets
     from loadtests.vegeta_run import attack
+    from shardserve.data.datasets import load_dataset
+    from shardserve.runtime.procfs import CpuMeter
 
     queries = load_dataset(str(data_dir), vector_column="emb", num_queries=1000).queries
     targets = write_targets(work / "glove.jsonl", make_targets(queries, url, 10, {"nprobe": nprobe}))
@@ -137,13 +137,13 @@ def run(args: argparse.Namespace, work: Path) -> None:
                        "streaming": manifest["build"]["params"].get("streaming") is not None}
     print(f"build: {record['build']}", flush=True)
 
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()
     from ray import serve
 
-    from core.ray_session import ensure_ray, shutdown_ray
     from deployments.run import deploy
+    from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     started_ray = ensure_ray(serving_node=True)
     try:

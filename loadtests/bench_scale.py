@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core import procfs
 from loadtests.local_cluster import LocalCluster
 from loadtests.record import header, save, work_dir
+from shardserve.runtime import procfs
 
 CAPTION = "caption {}"
 
@@ -44,7 +44,7 @@ def source_id(rows: np.ndarray) -> np.ndarray:
 def embedding_like(rows: int, dim: int, seed: int, intrinsic: int = 12, clusters: int = 256) -> np.ndarray:
     """Vectors with the structure real embeddings have: a low intrinsic dimension (a clustered
     `intrinsic`-dim Gaussian mixture, linearly embedded in `dim`) plus a little isotropic noise.
-    Why not core.datasets.synthetic_vectors at this size: its points are isotropic noise around 64
+    Why not shardserve.data.datasets.synthetic_vectors at this size: its points are isotropic noise around 64
     centres, so inside a cluster every point is almost equally far from every other one and the
     exact top-10 is decided by noise no compressed code can see."""
     basis = np.random.default_rng(1).normal(0, 1, (intrinsic, dim)).astype(np.float32)
@@ -106,10 +106,10 @@ def single_process_build(data_dir: Path, factory: str) -> dict:
     vectors/s/core. The data is read into memory first, untimed."""
     import faiss
 
-    from core.datasets import load_dataset
-    from core.indexes import add_to_copy, train_empty_index
     from index_build.publish import BuildParams, training_rows
     from index_build.streaming import TRAIN_MAX_BYTES
+    from shardserve.data.datasets import load_dataset
+    from shardserve.index.indexes import add_to_copy, train_empty_index
 
     data = load_dataset(str(data_dir), vector_column="emb", id_column="doc_id")
     cores = len(os.sched_getaffinity(0))
@@ -131,7 +131,7 @@ def check_include(url: str, data_dir: Path, queries: int = 50) -> dict:
     """Every hit's `caption` is the one the parquet source has for its id."""
     import httpx
 
-    from core.datasets import load_dataset
+    from shardserve.data.datasets import load_dataset
 
     data = load_dataset(str(data_dir), vector_column="emb", id_column="doc_id", num_queries=queries)
     hits = wrong = 0
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             "goal_mb": {"driver": 1024, "any_ray_process": 1536}}
         print(f"build: {record['build']}", flush=True)
 
-        from core.ray_session import apply_serving_node_env
+        from shardserve.runtime.ray_session import apply_serving_node_env
 
         apply_serving_node_env()
         os.environ.update({**cluster.driver_env(), "RAY_ADDRESS": cluster.address})

@@ -25,7 +25,7 @@ run_level() {  # run_level MODE VALUE → $WORK/level-MODE-VALUE.json (+ vegeta 
     --duration "$DURATION" --mode "$mode" --value "$value")
   "$VEGETA" attack "${flags[@]}" > "$bin"
   "$VEGETA" plot -title "$NAME $mode=$value" "$bin" > "$OUT/$NAME-$mode-$value.html"
-  "$VEGETA" encode --to json "$bin" | "$PY" -m loadtests.level --mode "$mode" --value "$value" \
+  "$VEGETA" encode --to json "$bin" | "$PY" -m loadtests.report --mode "$mode" --value "$value" \
     --duration "$DURATION" --queries-per-request "$(( BATCH > 0 ? BATCH : 1 ))" > "$WORK/level-$mode-$value.json"
   rm -f "$bin"
 }

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from core import procfs
-from core.ray_session import SERVING_NODE_ENV
+from shardserve.runtime import procfs
+from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
 

@@ -20,11 +20,11 @@ import httpx
 import numpy as np
 import orjson
 
-from core.background import run_on_loop
-from core.datasets import load_dataset
 from loadtests.during import BackgroundLoad, ReplicaWatcher, tally
 from loadtests.local_cluster import LocalCluster
 from loadtests.record import RECORDS, header, index_info, save
+from shardserve.data.datasets import load_dataset
+from shardserve.runtime.background import run_on_loop
 
 HTTP_PORT = 18500
 WORKERS = [{"shard_host": 4, "node_w1": 1}, {"shard_host": 4, "node_w2": 1}]
@@ -46,8 +46,8 @@ def shard_placement(app: str) -> dict[str, str]:
 
 
 def answers_equal_single_node(url: str, index: str, queries: np.ndarray, params: dict) -> bool:
-    from core.searcher import load_all_shards
     from serving.evaluate import sharded_search
+    from shardserve.query.searcher import load_all_shards
 
     manifest, searchers = load_all_shards(index)
     _, expected = sharded_search(searchers, queries, 10, params, manifest.metric)

@@ -13,8 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from core.procfs import SELF_CLASS
 from loadtests.record import RECORDS
+from shardserve.runtime.procfs import SELF_CLASS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -142,7 +142,7 @@ def admission_table(record: dict) -> str:
 def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
     """Per shard: when its queue passed the knee, how long until a new replica was RUNNING, and
     how that replica started (the replica the burst added: the first one ready after the crossing):
-    in a warm worker of the pool (core.warm_pool) or a process spawned for it."""
+    in a warm worker of the pool (shardserve.runtime.warm_pool) or a process spawned for it."""
     phases = record["phases"]
     burst = next((p for p in phases if p["multiple_of_knee"] > 1), phases[0])
     pool = record.get("warm_pool") or {}
@@ -276,7 +276,7 @@ def _index_label(record: dict, revision: str) -> str:
 
 
 def ab_table(record: dict, subject: str = "revision", label=_revision_label) -> str:
-    """An interleaved A/B (loadtests.ab_revisions): medians, and ratios to the first; each row
+    """An interleaved A/B (lab.ab_revisions): medians, and ratios to the first; each row
     named by `label(record, revision)` (the revision, or the index it served)."""
     levels = list(next(iter(record["summary"].values())))
     rows = [f"| {subject} ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(

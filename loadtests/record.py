@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loadtests.knee import find_knee
+from loadtests.report import find_knee
 
 RECORDS = Path(__file__).resolve().parent / "records"
 
@@ -162,7 +162,7 @@ def main() -> None:
     cli.add_argument("--url", required=True)
     cli.add_argument("--out", default=str(RECORDS))
     cli.add_argument("--vegeta-version", default="unknown")
-    cli.add_argument("levels", nargs="+", help="level JSON files written by loadtests.level")
+    cli.add_argument("levels", nargs="+", help="level JSON files written by loadtests.report")
     args = cli.parse_args()
     levels = [json.loads(Path(p).read_text()) for p in args.levels]
     record = new_record(args.name, levels, index_info(args.url),

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import psutil
 
-from core.datasets import load_dataset
-from core.manifest import read_manifest
-from core.storage import Location
 from loadtests.record import RECORDS, header, save
 from loadtests.targets import make_targets, write_targets
 from loadtests.vegeta_run import attack
+from shardserve.data.datasets import load_dataset
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
 
 PORT = 18480
 GOAL = {"closed_loop_success": {"8": 1.0, "32": 1.0, "128": 0.99}, "shed_p99_ms": 10.0,

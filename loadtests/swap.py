@@ -11,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.datasets import load_dataset
 from loadtests.during import BackgroundLoad, tally
 from loadtests.record import RECORDS, header, index_info, save
+from shardserve.data.datasets import load_dataset
 
 
 def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: float = 20.0,
@@ -40,7 +40,7 @@ def swap_under_load(url: str, new_index: str, rate: float = 100.0, duration_s: f
 
 
 def main() -> None:
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()
     cli = argparse.ArgumentParser(description=__doc__)

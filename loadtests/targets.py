@@ -13,8 +13,8 @@ from urllib.parse import urlencode
 import numpy as np
 import orjson
 
-from core.api import NPY_CONTENT_TYPE, npy_body
-from core.datasets import load_dataset
+from shardserve.data.datasets import load_dataset
+from shardserve.query.api import NPY_CONTENT_TYPE, npy_body
 
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,

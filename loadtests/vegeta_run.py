@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
-from core.procfs import SELF_CLASS, CpuMeter
 from loadtests.report import summarize
+from shardserve.runtime.procfs import SELF_CLASS, CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
 VEGETA = Path(os.environ.get("VEGETA", ROOT / ".bin" / "vegeta"))

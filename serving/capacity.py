@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.errors import ShardserveError
+from shardserve.errors import ShardserveError
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def faiss_ms_per_query(index_dir: str, params: dict, batch: int = 32) -> float:
     held-out queries of the dataset the index was built from (its manifest names it)."""
     import time
 
-    from core.datasets import load_dataset
-    from core.searcher import load_all_shards
+    from shardserve.data.datasets import load_dataset
+    from shardserve.query.searcher import load_all_shards
 
     manifest, searchers = load_all_shards(index_dir)
     matrix = load_dataset(manifest.dataset.name, num_queries=batch, **manifest.dataset.columns()).queries

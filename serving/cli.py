@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from core.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
-from core.errors import ShardserveError
+from shardserve.errors import ShardserveError
+from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -41,7 +41,7 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
     from serving.local_server import serve_blocking
@@ -53,12 +53,12 @@ def _serve(args: argparse.Namespace) -> None:
 
 def _deploy(args: argparse.Namespace) -> None:
     """Deploy onto a running cluster and return (Serve keeps the apps after this driver exits)."""
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()
-    from core.manifest import read_manifest
-    from core.storage import Location
     from deployments.run import deploy
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
 
     overrides = _app_args(args.arg)
     read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
@@ -120,7 +120,7 @@ def _app_args(pairs: list[str]) -> dict:
 
 
 def _swap(args: argparse.Namespace) -> None:
-    from core.ray_session import apply_serving_node_env
+    from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before ray.serve is imported (it reads these flags at import)
 
@@ -129,8 +129,8 @@ def _swap(args: argparse.Namespace) -> None:
     if not args.rollback and not args.index_dir:
         raise ShardserveError("swap needs NEW_INDEX_DIR (or --rollback)")
     if args.index_dir:
-        from core.manifest import read_manifest
-        from core.storage import Location
+        from shardserve.index.manifest import read_manifest
+        from shardserve.index.storage import Location
 
         read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
     _connect(args.address)

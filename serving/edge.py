@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import ShardserveError
+from shardserve.errors import ShardserveError
 
 OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 

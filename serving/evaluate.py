@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from core.datasets import Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset, rows_of
-from core.errors import ShardserveError
-from core.groundtruth import (
+from index_build.publish import BuildParams, training_sample
+from shardserve.data.datasets import Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset, rows_of
+from shardserve.data.groundtruth import (
     GROUND_TRUTH_K,
     ExactTopK,
     FoundDistances,
@@ -26,13 +26,14 @@ from core.groundtruth import (
     streamed_truth_path,
     without_self,
 )
-from core.indexes import add_to_copy, prepare_vectors, train_empty_index
-from core.manifest import Manifest, read_manifest
-from core.merge import merge_topk
-from core.searcher import CoarseAssigner, ShardSearcher, load_all_shards, load_assigner
-from core.shard_wire import ShardQuery
-from core.storage import Location
-from index_build.publish import BuildParams, training_sample
+from shardserve.errors import ShardserveError
+from shardserve.index.assigner import CoarseAssigner, load_assigner
+from shardserve.index.indexes import add_to_copy, prepare_vectors, train_empty_index
+from shardserve.index.manifest import Manifest, read_manifest
+from shardserve.index.storage import Location
+from shardserve.query.merge import merge_topk
+from shardserve.query.searcher import ShardSearcher, load_all_shards
+from shardserve.transport.shard_wire import ShardQuery
 
 
 @dataclass
@@ -156,9 +157,9 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
 
 def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_size: int = 100
                      ) -> np.ndarray:
-    """Ids of the top-k of every query through the HTTP API (core.client), `batch_size` a request;
+    """Ids of the top-k of every query through the HTTP API (shardserve.client), `batch_size` a request;
     any answer but 200 is an error naming the server's message."""
-    from core.client import ApiError, Client
+    from shardserve.client import ApiError, Client
 
     ids = np.full((len(queries), k), -1, dtype=np.int64)
     try:

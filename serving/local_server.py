@@ -5,7 +5,7 @@ Why the edge: past capacity the router's event loop is the saturated resource, s
 Python waits behind the queue it protects. The edge (serving/edge.py) admits by standing queue: a
 client that waits for its answers is queued, never refused; a request that finds the edge's queue
 full gets 503 + Retry-After at once, in C. The edge sends requests to the router replicas' own HTTP
-door (core.http_front), not through Serve's HTTP ingress: that path cost more server CPU per request
+door (transport.http_front), not through Serve's HTTP ingress: that path cost more server CPU per request
 than the whole monolith baseline spends.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import signal
 import time
 
-from core.manifest import read_manifest
-from core.ports import free_port
-from core.storage import Location
 from deployments.run import APP_NAME, deploy, undeploy
 from serving.edge import Admission, EdgeProcess, haproxy_binary
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.runtime.ports import free_port
 
 
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
@@ -30,7 +30,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         admission: the edge's in-flight and queue bounds (serving.edge.Admission; default: its defaults).
         api_key: when set, the edge answers 401 to any request but /v1/health without it.
     """
-    from core.ray_session import ensure_ray, shutdown_ray
+    from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
     started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.ports import free_port
-from core.ray_session import SERVING_NODE_ENV, shutdown_ray
+from shardserve.runtime.ports import free_port
+from shardserve.runtime.ray_session import SERVING_NODE_ENV, shutdown_ray
 
 REPO = Path(__file__).resolve().parent.parent
 # Before any test imports ray.serve: Serve reads these flags at import time (driver and cluster
@@ -43,7 +43,7 @@ def ray_cluster():
     os.environ.pop("RAY_ADDRESS", None)
     # HAProxy's stats/metrics ports default to fixed 8404/9101: this cluster takes free ones, so a
     # cluster another test (or a user) runs on this machine never races it for them; outside the
-    # ephemeral range, so no other process is handed them before HAProxy binds them (core.ports).
+    # ephemeral range, so no other process is handed them before HAProxy binds them (runtime.ports).
     for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
         os.environ[name] = str(free_port())
     # 4 logical CPUs on 2 cores: tests run extra small apps beside the main one (slow shard, late
@@ -70,8 +70,8 @@ def angular_hdf5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ann-benchmarks layout file (train/test/neighbors, distance=angular) written by the test."""
     import h5py
 
-    from core.datasets import synthetic_vectors
-    from core.groundtruth import exact_search
+    from shardserve.data.datasets import synthetic_vectors
+    from shardserve.data.groundtruth import exact_search
 
     train = synthetic_vectors(6000, 32, seed=11)
     test = synthetic_vectors(200, 32, seed=12)

@@ -6,7 +6,7 @@ import numpy as np
 import orjson
 import pytest
 
-from core.api import (
+from shardserve.query.api import (
     ApiError,
     check_work,
     coverage_error,
@@ -15,7 +15,7 @@ from core.api import (
     parse_search_request,
     render_search,
 )
-from core.fanout import QueryResult
+from shardserve.query.merge import QueryResult
 
 
 def _parse(payload: object, dim: int = 4):
@@ -91,7 +91,7 @@ def test_work_per_request_is_bounded() -> None:
 def test_read_body_stops_at_the_limit_without_reading_the_rest() -> None:
     import asyncio
 
-    from core.api import read_body
+    from shardserve.query.api import read_body
 
     consumed = 0
 
@@ -208,7 +208,7 @@ def test_content_type_picks_the_parser() -> None:
 
 
 def test_the_openapi_document_describes_npy_bodies() -> None:
-    from core.openapi import openapi_document
+    from shardserve.query.openapi import openapi_document
 
     search = openapi_document()["paths"]["/v1/search"]["post"]
     assert {"application/json", "application/x-npy"} <= set(search["requestBody"]["content"])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from core.auto_index import choose_factory, nlist_for, parse_bytes, pq_m_for
-from core.errors import ShardserveError
-from core.indexes import make_empty_index
+from shardserve.errors import ShardserveError
+from shardserve.index.auto_index import choose_factory, nlist_for, parse_bytes, pq_m_for
+from shardserve.index.indexes import make_empty_index
 from tests.conftest import run_cli
 
 GiB = 2**30

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from core.batcher import AdaptiveBatcher
+from shardserve.query.batcher import AdaptiveBatcher
 
 
 def test_low_load_runs_alone_and_a_burst_forms_big_batches() -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from core.datasets import load_dataset
-from core.errors import ShardserveError
-from core.manifest import pinned_location, read_manifest, read_version
-from core.searcher import load_all_shards
-from core.storage import Location
 from index_build.job import BuildParams, build_from_dataset, build_index
 from serving.evaluate import evaluate
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ShardserveError
+from shardserve.index.manifest import pinned_location, read_manifest, read_version
+from shardserve.index.storage import Location
+from shardserve.query.searcher import load_all_shards
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

@@ -63,8 +63,8 @@ def test_model_against_the_committed_layouts_record() -> None:
 def test_plan_from_the_committed_record_reaches_the_target(tmp_path) -> None:
     """`shardserve plan`'s logic, without the CLI: every option offered reaches the target at 80% of
     its knee, cheapest first; a file that is not a layouts record is one clear error."""
-    from core.errors import ShardserveError
     from serving.capacity import plan_from_record
+    from shardserve.errors import ShardserveError
     from tests.conftest import REPO
 
     result = plan_from_record(str(REPO / "loadtests" / "records" / "layouts.json"), target_qps=5000,

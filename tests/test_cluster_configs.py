@@ -14,7 +14,7 @@ def test_cluster_config_is_valid_and_private(name: str) -> None:
 
     config = yaml.safe_load((CONFIGS / name).read_text())
     validate_config(prepare_config(config))  # raises on a schema violation
-    from core.ray_session import SERVING_NODE_ENV
+    from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
     start = " ".join(config["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in start

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.datasets import load_dataset, read_idx, read_vecs, self_query_rows
-from core.errors import ShardserveError
+from shardserve.data.datasets import load_dataset, read_idx, read_vecs, self_query_rows
+from shardserve.errors import ShardserveError
 
 
 def _write_vecs(path: Path, matrix: np.ndarray) -> None:

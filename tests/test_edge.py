@@ -13,10 +13,10 @@ import httpx
 import orjson
 import pytest
 
-from core.datasets import load_dataset
-from core.errors import ShardserveError
 from index_build.job import build_index
 from serving.edge import Admission, EdgeProcess, edge_config, write_edge
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ShardserveError
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.haproxy
@@ -138,12 +138,12 @@ def test_edge_that_cannot_listen_fails_in_one_line_and_leaves_nothing(tmp_path: 
 
 
 def test_smuggling_forms_through_the_edge_never_get_a_second_answer_and_a_trickle_stalls_no_one() -> None:
-    """The edge (real HAProxy) in front of the router's door (core.http_front, in-process): edge and
+    """The edge (real HAProxy) in front of the router's door (transport.http_front, in-process): edge and
     door never disagree on where a request ends. Each form the edge refuses reaches the door not at
     all; each it accepts (HAProxy reads a bare LF as a line end, as RFC 9112 allows) reaches the door
     as exactly the requests the edge answered, re-framed. A client trickling a chunked body does not
     hold up other clients (HAProxy buffers it, the door sees it whole or not at all)."""
-    from core.http_front import FrontDoor, Reply, Request
+    from shardserve.transport.http_front import FrontDoor, Reply, Request
     from tests.test_http_front import SMUGGLED, SMUGGLING
 
     seen: list[str] = []

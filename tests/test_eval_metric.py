@@ -69,8 +69,8 @@ def test_streamed_eval_equals_the_in_memory_eval(varied_norms: str, tmp_path, mo
 def test_exact_search_in_chunks_equals_one_flat_scan() -> None:
     import faiss
 
-    from core.groundtruth import exact_search
-    from core.indexes import FAISS_METRIC, prepare_vectors
+    from shardserve.data.groundtruth import exact_search
+    from shardserve.index.indexes import FAISS_METRIC, prepare_vectors
 
     rng = np.random.default_rng(5)
     base, queries = rng.normal(size=(3000, 8)).astype(np.float32), rng.normal(size=(50, 8)).astype(np.float32)

@@ -7,13 +7,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from core.api import ParsedQuery
-from core.datasets import load_dataset
-from core.fanout import hedged, search_batch, search_grouped
-from core.indexes import add_to_copy, train_empty_index
-from core.searcher import ShardSearcher
-from core.shard_wire import ShardQuery
 from serving.evaluate import sharded_search
+from shardserve.data.datasets import load_dataset
+from shardserve.index.indexes import add_to_copy, train_empty_index
+from shardserve.query.api import ParsedQuery
+from shardserve.query.fanout import hedged, search_batch, search_grouped
+from shardserve.query.searcher import ShardSearcher
+from shardserve.transport.shard_wire import ShardQuery
 
 
 def _shards(num: int = 3):

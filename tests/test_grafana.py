@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from core.datasets import load_dataset
 from index_build.job import build_index
+from shardserve.data.datasets import load_dataset
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """The router's front door in-process (plain asyncio, no Ray): real HTTP clients and raw sockets
-against core.http_front, for keep-alive, pipelining, bad heads and bounded bodies."""
+against shardserve.transport.http_front, for keep-alive, pipelining, bad heads and bounded bodies."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from core.http_front import FrontDoor, Reply, Request
+from shardserve.transport.http_front import FrontDoor, Reply, Request
 
 
 async def _echo(request: Request) -> Reply:
@@ -200,7 +200,7 @@ def test_a_client_still_uploading_after_a_refusal_reads_the_answer_not_a_reset()
 
 
 def test_cached_heads_equal_the_full_heads() -> None:
-    from core.http_front import _full_head, _head
+    from shardserve.transport.http_front import _full_head, _head
 
     for reply in [Reply(200, b"abc"), Reply(404, b"x" * 100), Reply(200, b"", "text/html"),
                   Reply(200, b"abc"), Reply(503, b"{}", headers={"Retry-After": "1"})]:

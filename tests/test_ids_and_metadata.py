@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.datasets import load_dataset
-from core.errors import ShardserveError
-from core.searcher import load_all_shards
 from index_build.job import build_index
 from serving.evaluate import evaluate
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ShardserveError
+from shardserve.query.searcher import load_all_shards
 from tests.conftest import run_cli
 
 ROWS, DIM, FILES = 6000, 16, 3
@@ -112,9 +112,9 @@ def _source_row(ids: np.ndarray) -> np.ndarray:
 
 
 def test_metadata_is_stored_per_shard_and_found_by_id(tmp_path: Path) -> None:
-    from core.manifest import read_manifest
-    from core.metadata import MetadataTable, combine
-    from core.storage import Location
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.metadata import MetadataTable, combine
+    from shardserve.index.storage import Location
 
     source = write_parquet(tmp_path / "emb")
     manifest = build_index(str(source), 3, "IVF32,Flat", str(tmp_path / "idx"), backend="local",
@@ -185,8 +185,8 @@ def test_every_row_of_a_60k_parquet_is_indexed_and_finds_itself(tmp_path: Path) 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from core.searcher import load_assigner
     from serving.evaluate import sharded_search
+    from shardserve.index.assigner import load_assigner
 
     rows, rng = 60_000, np.random.default_rng(60)
     vectors = rng.normal(size=(rows, 16)).astype(np.float32)

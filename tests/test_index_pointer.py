@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.index_pointer import ActiveIndex, IndexPointer
+from shardserve.query.index_pointer import ActiveIndex, IndexPointer
 
 
 def _pointer() -> IndexPointer:

@@ -1,4 +1,4 @@
-"""The packages form one-way layers, in the order data flows: core -> index_build -> deployments ->
+"""The packages form one-way layers, in the order data flows: shardserve -> index_build -> deployments ->
 serving -> loadtests. A module may import its own layer or a lower one, never a higher one.
 
 Read from the source with `ast` (nothing is imported), so the test also sees imports inside functions.
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["core", "index_build", "deployments", "serving", "loadtests"]
+LAYERS = ["shardserve", "index_build", "deployments", "serving", "loadtests", "lab"]
 PRIVATE_RAY = re.compile(r"ray\._private|serve\._private|serve\._run\b|_blocking=|_check_exists")
-PRIVATE_RAY_MODULE = "core/ray_private.py"  # the one module that may use Ray's private APIs
+PRIVATE_RAY_MODULE = "shardserve/runtime/ray_private.py"  # the one module that may use Ray's private APIs
 
 
 def _modules() -> list[Path]:
@@ -46,7 +46,7 @@ def test_no_module_imports_a_higher_layer() -> None:
 
 def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
     """The test above would pass vacuously if the parser missed imports: show it sees one."""
-    module = ROOT / "core" / "_probe_layers.py"
+    module = ROOT / "shardserve" / "_probe_layers.py"
     module.write_text("def f():\n    from serving.cli import main\n    return main\n")
     try:
         assert _upward_imports(module) == ["serving.cli"]
@@ -61,15 +61,18 @@ def test_private_ray_apis_stay_in_one_module() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("path", [p for p in _modules() if p.parts[-2] == "core"], ids=lambda p: p.name)
-def test_core_does_not_import_ray_serve(path: Path) -> None:
+SHARED = [p for p in _modules() if p.relative_to(ROOT).parts[0] == "shardserve"]
+
+
+@pytest.mark.parametrize("path", SHARED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_shared_layer_does_not_import_ray_serve(path: Path) -> None:
     if str(path.relative_to(ROOT)) == PRIVATE_RAY_MODULE:
         return
     assert not [n for n in _imported_packages(path) if n.startswith("ray.serve")]
 
 
 def test_router_is_serve_glue_only() -> None:
-    """Parsing, rendering, fan-out and hedging live in core; the ingress class keeps routing,
+    """Parsing, rendering, fan-out and hedging live in shardserve.query; the ingress class keeps routing,
     admission and the pointer follow, and stays short."""
     tree = ast.parse((ROOT / "deployments" / "router.py").read_text())
     [router] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Router"]

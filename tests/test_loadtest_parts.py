@@ -7,10 +7,9 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from core.api import parse_npy_request, parse_search_request
-from loadtests.knee import find_knee
-from loadtests.report import summarize
+from loadtests.report import find_knee, summarize
 from loadtests.targets import make_targets
+from shardserve.query.api import parse_npy_request, parse_search_request
 
 SAMPLE = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "sample"
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from core.merge import merge_topk
+from shardserve.query.merge import merge_topk
 
 
 @pytest.mark.parametrize("higher_is_better", [False, True])

@@ -1,4 +1,4 @@
-"""How a build deals vectors to shards (core.partition): whole IVF lists per shard, balanced by size,
+"""How a build deals vectors to shards (index.partition): whole IVF lists per shard, balanced by size,
 deterministic; rows mod S for every other index; and what the manifest records."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import faiss
 import numpy as np
 import pytest
 
-from core.datasets import load_dataset
-from core.indexes import prepare_vectors, train_empty_index
-from core.partition import BY_LISTS, BY_ROWS, Partition, assigner_of, balanced_owners
-from core.searcher import load_all_shards
 from index_build.job import build_index, rows_per_shard
+from shardserve.data.datasets import load_dataset
+from shardserve.index.indexes import prepare_vectors, train_empty_index
+from shardserve.index.partition import BY_LISTS, BY_ROWS, Partition, assigner_of, balanced_owners
+from shardserve.query.searcher import load_all_shards
 
 
 def test_balanced_owners_puts_the_largest_lists_first_on_the_lightest_shard() -> None:

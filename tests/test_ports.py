@@ -1,10 +1,10 @@
-"""core.ports: ports a server binds later are never ones the kernel hands out by itself."""
+"""shardserve.runtime.ports: ports a server binds later are never ones the kernel hands out by itself."""
 
 from __future__ import annotations
 
 import socket
 
-from core.ports import _ephemeral_range, free_port
+from shardserve.runtime.ports import _ephemeral_range, free_port
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:

@@ -11,9 +11,11 @@ import faiss
 import numpy as np
 import pytest
 
-from core.api import hits
-from core.datasets import load_dataset
-from core.indexes import (
+from index_build.job import rows_per_shard
+from serving.evaluate import sharded_search
+from shardserve.data.datasets import load_dataset
+from shardserve.index.assigner import CoarseAssigner
+from shardserve.index.indexes import (
     BLAS_MIN_ROWS,
     add_to_copy,
     flat_search_with_blas_from,
@@ -21,12 +23,11 @@ from core.indexes import (
     prepare_vectors,
     train_empty_index,
 )
-from core.list_scan import search_by_lists
-from core.partition import BY_LISTS, BY_ROWS, Partition
-from core.searcher import CoarseAssigner, ShardSearcher
-from core.shard_wire import QueryBounds, ShardQuery, decode_answer, encode_answer
-from index_build.job import rows_per_shard
-from serving.evaluate import sharded_search
+from shardserve.index.partition import BY_LISTS, BY_ROWS, Partition
+from shardserve.query.api import hits
+from shardserve.query.list_scan import search_by_lists
+from shardserve.query.searcher import ShardSearcher
+from shardserve.transport.shard_wire import QueryBounds, ShardQuery, decode_answer, encode_answer
 
 
 def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4, by: str = BY_LISTS):
@@ -65,7 +66,7 @@ def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> N
 
 
 def test_row_order_of_a_large_batch_changes_no_answer() -> None:
-    """Large batches are scanned list by list (IVF-Flat, core.list_scan) or in list order (other IVF
+    """Large batches are scanned list by list (IVF-Flat, query.list_scan) or in list order (other IVF
     codes, LIST_ORDER_ROWS) and answered in the caller's order, as FAISS's scan of them in arrival
     order and one query at a time answers."""
     data = load_dataset("synthetic:8000x32")
@@ -220,7 +221,7 @@ def test_padding_never_leaves_the_server() -> None:
 
 def test_supported_params_in_a_fresh_interpreter() -> None:
     """Was a segfault: the IDMap wrapper was freed while its inner index was still in use."""
-    code = ("from core.indexes import supported_params\n"
+    code = ("from shardserve.index.indexes import supported_params\n"
             "for f in ['HNSW32', 'Flat', 'PQ16', 'IVF64,Flat', 'IVF64,PQ16x4fs,RFlat']:\n"
             "    print(f, sorted(supported_params(f, 784, 'l2')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -242,7 +243,7 @@ def test_refine_searches_with_per_request_nprobe() -> None:
 
 @pytest.mark.data
 def test_router_batches_on_blas_answer_as_single_queries_do() -> None:
-    """The router's quantizer takes BLAS from BLAS_MIN_ROWS rows (core.indexes); the lists it picks,
+    """The router's quantizer takes BLAS from BLAS_MIN_ROWS rows (index.indexes); the lists it picks,
     hence the answers, are those of FAISS's per-query kernels (one query at a time, as a plain
     server searches)."""
     data = load_dataset("fashion-mnist", limit=12000, num_queries=280)

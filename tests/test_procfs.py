@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from core.procfs import (
+from loadtests.vegeta_run import machine_share
+from shardserve.runtime.procfs import (
     SELF_CLASS,
     CpuMeter,
     age_seconds,
@@ -19,7 +20,6 @@ from core.procfs import (
     pids_with_environment,
     sched_times,
 )
-from loadtests.vegeta_run import machine_share
 
 
 def test_lower_priority_reaches_every_thread_and_never_raises_it() -> None:
@@ -30,7 +30,7 @@ def test_lower_priority_reaches_every_thread_and_never_raises_it() -> None:
     target = base + 2
     script = textwrap.dedent(f"""
         import contextlib, os, threading
-        from core.procfs import lower_priority
+        from shardserve.runtime.procfs import lower_priority
         gate = threading.Event()
         before = threading.Thread(target=gate.wait, daemon=True); before.start()
         try:

@@ -20,8 +20,8 @@ import orjson
 import pytest
 import yaml
 
-from core import procfs
-from core.datasets import load_dataset
+from shardserve.data.datasets import load_dataset
+from shardserve.runtime import procfs
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.cluster

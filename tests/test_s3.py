@@ -47,9 +47,9 @@ def _upload(fs: pafs.FileSystem, local: Path, prefix: str) -> None:
 
 def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tmp_path: Path,
                                                                       monkeypatch) -> None:
-    import core.searcher
-    from core.datasets import parquet_files
-    from core.searcher import load_all_shards
+    import shardserve.query.searcher
+    from shardserve.data.datasets import parquet_files
+    from shardserve.query.searcher import load_all_shards
 
     local_emb = write_parquet(tmp_path / "emb")
     _upload(bucket, local_emb, "emb")
@@ -64,7 +64,7 @@ def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tm
     listed = bucket.get_file_info(pafs.FileSelector(f"{BUCKET}/indexes/emb", recursive=True))
     assert any(info.path.endswith("manifest.json") for info in listed)
 
-    monkeypatch.setattr(core.searcher, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(shardserve.query.searcher, "CACHE_DIR", str(tmp_path / "cache"))
     manifest, from_bucket = load_all_shards(f"s3://{BUCKET}/indexes/emb")
     _, from_disk = load_all_shards(str(tmp_path / "local"))
     assert manifest.index_version == local.index_version
@@ -93,8 +93,8 @@ def test_ray_workers_read_and_write_the_bucket(bucket, ray_cluster, tmp_path: Pa
 def test_filesystem_options_in_the_uri_survive_the_version_directory(bucket, tmp_path: Path) -> None:
     """`s3://bucket/idx?endpoint_override=…`: the pinned version's URI (what replicas are deployed
     with) keeps the query after its path, and reads the same manifest."""
-    from core.manifest import pinned_location, read_manifest
-    from core.storage import Location
+    from shardserve.index.manifest import pinned_location, read_manifest
+    from shardserve.index.storage import Location
 
     port = S3_PORT
     uri = f"s3://{BUCKET}/indexes/query?endpoint_override=127.0.0.1:{port}&scheme=http"
@@ -106,8 +106,8 @@ def test_filesystem_options_in_the_uri_survive_the_version_directory(bucket, tmp
 
 
 def test_a_missing_bucket_prefix_is_one_clear_error(bucket) -> None:
-    from core.datasets import parquet_files
-    from core.errors import ShardserveError
+    from shardserve.data.datasets import parquet_files
+    from shardserve.errors import ShardserveError
 
     with pytest.raises(ShardserveError, match="not found|no parquet files"):
         parquet_files(f"s3://{BUCKET}/nowhere/")

@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (perf script lines are long, kept verbatim)
-"""The per-CPU replay of scheduler events (loadtests.sched_trace), on hand-written perf lines."""
+"""The per-CPU replay of scheduler events (lab.sched_trace), on hand-written perf lines."""
 
-from loadtests.sched_trace import parse_perf_script, replay
+from lab.sched_trace import parse_perf_script, replay
 
 LINES = """\
   python  10 [000]  1.000000:       sched:sched_switch: prev_comm=swapper/0 prev_pid=0 prev_prio=120 prev_state=R ==> next_comm=router next_pid=10 next_prio=139

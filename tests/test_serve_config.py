@@ -13,12 +13,12 @@ import orjson
 import pytest
 import yaml
 
-from core.datasets import load_dataset
-from core.procfs import interrupt
-from core.searcher import load_all_shards
 from deployments.config import AppArgs
 from index_build.job import build_index
 from serving.evaluate import sharded_search
+from shardserve.data.datasets import load_dataset
+from shardserve.query.searcher import load_all_shards
+from shardserve.runtime.procfs import interrupt
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

@@ -12,18 +12,18 @@ import numpy as np
 import orjson
 import pytest
 
-from core.api import npy_body
-from core.datasets import load_dataset
-from core.searcher import load_all_shards
 from index_build.job import build_index
 from serving.evaluate import evaluate
+from shardserve.data.datasets import load_dataset
+from shardserve.query.api import npy_body
+from shardserve.query.searcher import load_all_shards
 from tests.conftest import run_cli
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
 URL = f"http://127.0.0.1:{PORT}"
-FRONT_PORT = 18322  # the router replica's own HTTP door (core.http_front), beside Serve's
+FRONT_PORT = 18322  # the router replica's own HTTP door (shardserve.transport.http_front), beside Serve's
 DOORS = {"serve": PORT, "front": FRONT_PORT}
 LIMIT = "20000"
 
@@ -92,7 +92,7 @@ def test_single_and_batch_agree_with_in_process(door: str, fm_index: Path, queri
 
 
 def test_npy_bodies_answer_as_json_does(door: str, queries: np.ndarray) -> None:
-    """The binary request format (core.api.parse_npy_request) over both doors: the same answers as
+    """The binary request format (shardserve.query.api.parse_npy_request) over both doors: the same answers as
     JSON, its options in the query string, its errors 4xx naming the field."""
     batch = queries[:16].astype(np.float32)
     want = _post({"vectors": batch, "k": 5, "params": {"nprobe": 8}}, door).json()
@@ -131,7 +131,7 @@ def test_oversized_body_is_413(door: str) -> None:
 
 
 def _router_rss_bytes() -> int:
-    from core.procfs import pids_matching
+    from shardserve.runtime.procfs import pids_matching
 
     [pid] = pids_matching(b"ray::ServeReplica:shardserve:Router")
     with open(f"/proc/{pid}/status") as status:

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from core.fanout import search_batch
-from core.shard_link import (
+from shardserve.query.fanout import search_batch
+from shardserve.transport.shard_link import (
     ERROR_WORD,
     MAC_BYTES,
     NONCE_BYTES,
@@ -22,7 +22,7 @@ from core.shard_link import (
     link_mac,
     serve_link,
 )
-from core.shard_wire import ShardQuery, decode_answer, encode_answer
+from shardserve.transport.shard_wire import ShardQuery, decode_answer, encode_answer
 from tests.test_fanout import _shards
 
 SECRET = bytes(range(32))
@@ -34,7 +34,7 @@ def _port(server: asyncio.Server) -> int:
 
 def test_answers_match_in_process_search_through_links() -> None:
     data, searchers = _shards(3)
-    from core.api import ParsedQuery
+    from shardserve.query.api import ParsedQuery
 
     async def run():
         servers = []
@@ -127,7 +127,7 @@ def test_answer_now_answers_in_the_receive_callback_and_defers_what_it_declines(
 
 
 def test_frames_split_and_joined_arbitrarily_are_cut_right() -> None:
-    from core.shard_link import _frame, _FrameBuffer
+    from shardserve.transport.shard_link import _frame, _FrameBuffer
 
     stream = b"".join(_frame(i, i % 2, bytes([i]) * i) for i in range(1, 40))
     for step in (1, 7, 64, len(stream)):
@@ -168,7 +168,7 @@ def test_a_broken_link_fails_its_calls_fast_and_is_dropped() -> None:
 
 
 def test_directory_forgets_replicas_that_stop_announcing(monkeypatch) -> None:
-    import core.shard_link as shard_link
+    import shardserve.transport.shard_link as shard_link
 
     clock = [100.0]
     monkeypatch.setattr(shard_link.time, "monotonic", lambda: clock[0])
@@ -209,7 +209,7 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
 
 
 def test_a_stranger_without_the_secret_gets_no_answer_and_others_are_served() -> None:
-    from core.shard_link import _frame
+    from shardserve.transport.shard_link import _frame
 
     calls: list[bytes] = []
 
@@ -250,7 +250,7 @@ def test_a_stranger_without_the_secret_gets_no_answer_and_others_are_served() ->
 
 
 def test_link_bounds_frames_time_and_connections() -> None:
-    from core.shard_link import _frame
+    from shardserve.transport.shard_link import _frame
 
     async def run():
         async def handler(blob: bytes) -> bytes:

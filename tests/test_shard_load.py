@@ -10,13 +10,13 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-import core.searcher as searcher_module
-from core.datasets import load_dataset
-from core.errors import ShardserveError
-from core.manifest import read_manifest
-from core.searcher import ShardSearcher
-from core.storage import Location
+import shardserve.query.searcher as searcher_module
 from index_build.job import build_index
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ShardserveError
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.query.searcher import ShardSearcher
 
 DATASET = "synthetic:6000x32"
 

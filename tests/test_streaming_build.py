@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.datasets import load_dataset
-from core.errors import ShardserveError
-from core.manifest import MANIFEST, read_manifest
-from core.metadata import MetadataTable
-from core.storage import Location
 from index_build.job import BuildParams, build_from_dataset, build_index
 from index_build.streaming import ParquetSource, scan
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ShardserveError
+from shardserve.index.manifest import MANIFEST, read_manifest
+from shardserve.index.metadata import MetadataTable
+from shardserve.index.storage import Location
 from tests.test_ids_and_metadata import FILES, ROWS, _source_id, write_parquet
 
 
@@ -56,7 +56,7 @@ def test_streaming_build_writes_the_in_memory_build_byte_for_byte(
 
 
 def test_ids_and_metadata_round_trip_through_the_shards(parquet_dir: Path, tmp_path: Path) -> None:
-    from core.searcher import load_all_shards
+    from shardserve.query.searcher import load_all_shards
 
     out = tmp_path / "idx"
     build_index(str(parquet_dir), 2, "IVF16,Flat", str(out), backend="local", vector_column="emb",
@@ -210,7 +210,7 @@ def test_a_dataset_uri_builds_what_the_local_path_builds(parquet_dir: Path, tmp_
                                                          form: str) -> None:
     """The URI path (pyarrow's FileSystem.from_uri, listing, each file read by URI) on file://,
     the filesystem this machine has; s3:// and gs:// go through the same calls."""
-    from core.datasets import dataset_name, parquet_files
+    from shardserve.data.datasets import dataset_name, parquet_files
 
     uri = parquet_dir.as_uri() + ("/*.parquet" if form == "glob" else "/")
     assert parquet_files(uri) == [p.as_uri() for p in sorted(parquet_dir.glob("*.parquet"))]
@@ -226,7 +226,7 @@ def test_a_dataset_uri_builds_what_the_local_path_builds(parquet_dir: Path, tmp_
 
 
 def test_a_dataset_uri_that_matches_nothing_is_one_clear_error(tmp_path: Path) -> None:
-    from core.datasets import parquet_files
+    from shardserve.data.datasets import parquet_files
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ShardserveError, match="no parquet files match"):

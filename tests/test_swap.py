@@ -9,10 +9,10 @@ import httpx
 import orjson
 import pytest
 
-from core.datasets import load_dataset
-from core.manifest import read_manifest
-from core.storage import Location
 from index_build.job import build_index
+from shardserve.data.datasets import load_dataset
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
 
 pytestmark = pytest.mark.slow
 PORT = 18321

@@ -1,4 +1,4 @@
-"""The warm worker pool (core.warm_pool): its refill rule, its /proc census, and on real Ray that a
+"""The warm worker pool (runtime.warm_pool): its refill rule, its /proc census, and on real Ray that a
 prestarted worker is what the next actor runs in (the reason a scaled-up shard replica starts in
 about a second: loadtests/records/autoscale.json)."""
 
@@ -11,8 +11,15 @@ import time
 
 import pytest
 
-from core.procfs import age_seconds, cmdline
-from core.warm_pool import IDLE_TITLE, STARTING, idle_jiffies, pooled_pids, pooled_workers, workers_to_start
+from shardserve.runtime.procfs import age_seconds, cmdline
+from shardserve.runtime.warm_pool import (
+    IDLE_TITLE,
+    STARTING,
+    idle_jiffies,
+    pooled_pids,
+    pooled_workers,
+    workers_to_start,
+)
 
 
 def test_refill_waits_for_its_time_and_spare_cpu_and_adds_one_at_a_time() -> None:
@@ -67,7 +74,7 @@ def test_next_actor_runs_in_a_prestarted_worker() -> None:
             pool size (the raylet reaps other idle workers above its soft limit meanwhile), and
             asked again if the raylet declined (it starts no more than its startup concurrency at
             once: best effort, which is why the keeper re-checks every second)."""
-            from core.ray_private import prestart_workers
+            from shardserve.runtime.ray_private import prestart_workers
 
             raylet = os.getppid()  # a Ray worker's parent is its raylet
             before = set(pooled_pids(raylet))

@@ -1,0 +1,182 @@
+"""Interleaved A/B of code revisions on the hot path → loadtests/records/<name>.json.
+
+python -m lab.ab_revisions --index DIR [--rounds 2] [--duration 8] [--name hot-path-ab] REV REV ...
+
+A REV may carry app-arg overrides as JSON after a `+`: `HEAD+{"max_concurrent_batches":2}` (the
+same code with other settings); an `"index"` override serves another index (the same code on two
+builds of the same data).
+
+Why: a hot-path change is worth a few percent, and on this shared 2-core machine two `make bench`
+runs of the same code differ by more than that. Here every revision runs in every round (order
+alternating), each on its own fresh local Ray, and the record keeps every round and the medians.
+
+Each revision is checked out in a temporary git worktree and measured in a child process with that
+worktree first on PYTHONPATH, so the driver and every Ray worker (they inherit the environment
+`ray.init` starts them with) import that revision's code. A run: 4 s warm-up, then 20 s idle (the
+warm pool fills; the idle CPU per process class is recorded), then closed-loop vegeta at the
+router's front door: single vectors at c=1 and c=32, 256-vector batches at c=2, each level's CPU per
+request read from /proc over the attack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE_PORT, FRONT_PORT = 18000, 18001
+IDLE_S = 20.0
+LEVELS = (("c1", 1, 0), ("c32", 32, 0), ("batch256", 2, 256))  # (label, concurrency, vectors/request)
+
+
+def measure(index: str, duration_s: float, overrides: dict) -> dict:
+    """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
+    from shardserve.runtime.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
+
+    apply_serving_node_env()
+    from ray import serve
+
+    from deployments.run import deploy
+    from loadtests.targets import make_targets, write_targets
+    from loadtests.vegeta_run import attack
+    from shardserve.data.datasets import load_dataset
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
+    from shardserve.runtime.procfs import CpuMeter
+
+    index = overrides.pop("index", index)
+    queries, params = load_dataset("fashion-mnist").queries, {"nprobe": 16}
+    front = f"http://127.0.0.1:{FRONT_PORT}"
+    if not ensure_ray(serving_node=True):
+        raise SystemExit("error: needs its own Ray, and one is already running here")
+    served = read_manifest(Location.parse(index))
+    dealt = served.build.params.get("partition", {"kind": "rows"})  # builds before index.partition: rows
+    result: dict = {"levels": {}, "index": {"version": served.index_version, "partition": dealt}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
+            deploy(index, port=SERVE_PORT, app_name="ab", front_port=FRONT_PORT, **overrides)
+            warm = write_targets(work / "warm.jsonl", make_targets(queries, front, 10, params, 0, count=200))
+            attack(warm, "concurrency", 8, 4.0, work, "warm-up")
+            meter = CpuMeter()
+            meter.start()
+            time.sleep(IDLE_S)
+            result["idle_percent_of_a_core"] = {
+                cls: round(100 * cpu / IDLE_S, 2) for cls, cpu in sorted(meter.stop().items())}
+            for label, concurrency, batch in LEVELS:
+                targets = write_targets(work / f"{label}.jsonl", make_targets(
+                    queries, front, 10, params, batch, count=20 if batch else 1000))
+                level = attack(targets, "concurrency", concurrency, duration_s, work, label,
+                               queries_per_request=batch or 1, meter=CpuMeter())
+                result["levels"][label] = {key: level.get(key) for key in (
+                    "qps", "queries_per_s", "p50_ms", "p99_ms", "compute_p50_ms", "status_codes",
+                    "cpu_ms_per_request", "machine_cpu", "batch_mean", "batches_per_s")}
+        finally:
+            serve.shutdown()
+            shutdown_ray()
+    return result
+
+
+def run_revision(spec: str, index: str, duration_s: float) -> dict:
+    """`measure` in a child process importing the revision's code from a temporary worktree."""
+    revision, _, overrides = spec.partition("+")
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision],
+                       check=True, capture_output=True)
+        try:
+            env = {**os.environ, "PYTHONPATH": str(tree), "VEGETA": str(ROOT / ".bin" / "vegeta")}
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure",
+                                  "--index", index, "--duration", str(duration_s),
+                                  "--overrides", overrides or "{}"],
+                                 cwd=tree, env=env, capture_output=True, text=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if out.returncode or line is None:
+                raise SystemExit(f"error: run of {revision} failed:\n{out.stderr[-3000:]}")
+            return json.loads(line[len("RESULT "):])
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                           check=False, capture_output=True)
+
+
+def summarise(runs: dict[str, list[dict]], first: str) -> dict:
+    """Median QPS and CPU per request per level and revision, and each revision's ratio to `first`."""
+    summary: dict = {}
+    for revision, results in runs.items():
+        summary[revision] = {}
+        for label, _, _ in LEVELS:
+            qps = [r["levels"][label]["queries_per_s"] for r in results]
+            cpu = [r["levels"][label]["cpu_ms_per_request"]["total (servers)"] for r in results]
+            summary[revision][label] = {"queries_per_s": round(statistics.median(qps), 1),
+                                        "cpu_ms_per_request": round(statistics.median(cpu), 3)}
+    for revision in runs:
+        for label, _, _ in LEVELS:
+            mine, base = summary[revision][label], summary[first][label]
+            mine["qps_vs_first"] = round(mine["queries_per_s"] / base["queries_per_s"], 3)
+            mine["cpu_vs_first"] = round(mine["cpu_ms_per_request"] / base["cpu_ms_per_request"], 3)
+    return summary
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("revisions", nargs="*")
+    cli.add_argument("--index", required=True)
+    cli.add_argument("--rounds", type=int, default=2)
+    cli.add_argument("--duration", type=float, default=8.0)
+    cli.add_argument("--name", default="hot-path-ab")
+    cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    cli.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
+    args = cli.parse_args()
+    index = str(Path(args.index).resolve())
+    if args.measure:
+        print("RESULT " + json.dumps(measure(index, args.duration, json.loads(args.overrides))), flush=True)
+        return
+    if len(args.revisions) < 2:
+        raise SystemExit("error: give at least two revisions to compare")
+    def short(spec: str) -> str:
+        revision, plus, overrides = spec.partition("+")
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", revision], check=True,
+                              capture_output=True, text=True).stdout.strip() + plus + overrides
+
+    resolved = {spec: short(spec) for spec in args.revisions}
+    runs: dict[str, list[dict]] = {resolved[r]: [] for r in args.revisions}
+    for round_number in range(args.rounds):
+        order = list(runs) if round_number % 2 == 0 else list(runs)[::-1]
+        for revision in order:
+            result = run_revision(revision, index, args.duration)  # resolved: a short hash (+ overrides)
+            result["round"] = round_number
+            runs[revision].append(result)
+            print(f"round {round_number} {revision}: " + ", ".join(
+                f"{label} {lv['queries_per_s']} q/s {lv['cpu_ms_per_request']['total (servers)']} ms CPU/req"
+                for label, lv in result["levels"].items()), flush=True)
+    from loadtests.record import header, save
+
+    subjects = {resolved[r]: subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%s",
+                                             r.partition("+")[0]],
+                                            check=True, capture_output=True, text=True).stdout.strip()[:160]
+                for r in args.revisions}
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
+
+    manifest = read_manifest(Location.parse(index))
+    record = header(args.name, index={"uri": index, "version": manifest.index_version,
+                                      "factory": manifest.index_factory, "shards": len(manifest.shards),
+                                      "replicas": 1, "params": {"nprobe": 16}})
+    record.update(revisions=subjects, rounds=args.rounds, duration_s=args.duration, runs=runs,
+                  summary=summarise(runs, resolved[args.revisions[0]]),
+                  not_covered=["one index (Fashion-MNIST IVF1024,Flat, 4 shards, 1 replica each)",
+                               "closed loop only", "this 2-core machine only"])
+    print(json.dumps(record["summary"], indent=1))
+    print(f"record: {save(record, plot_levels=False)}")
+
+
+if __name__ == "__main__":
+    main()

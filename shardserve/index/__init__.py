@@ -1,0 +1,1 @@
+"""The index format: storage, manifest, FAISS indexes, partitioning, metadata."""

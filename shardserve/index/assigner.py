@@ -1,0 +1,51 @@
+"""The shared IVF coarse quantizer: which lists a query probes, computed once per batch for every
+shard (the router runs it; the build deals whole lists to shards with it)."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from shardserve.index.indexes import index_from_bytes, unwrap_id_map
+from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
+from shardserve.index.storage import Location
+from shardserve.transport.shard_wire import ShardQuery
+
+
+class CoarseAssigner:
+    """The shared IVF coarse quantizer, run ONCE per batch by the router instead of once per shard.
+
+    Every shard was trained from the same empty index, so the lists it assigns are the lists each
+    shard would pick itself: answers stay identical to the unsharded index. Only for plain IVF
+    indexes (no pre-transform, no refine); others keep the per-shard search.
+    """
+
+    def __init__(self, ivf: faiss.IndexIVF, owner: faiss.Index):
+        self._owner = owner  # keeps the C++ objects `ivf` and its quantizer point into alive
+        self.ivf = ivf
+        self.quantizer = faiss.downcast_index(ivf.quantizer)
+        self.default_nprobe = int(ivf.nprobe)
+
+    @classmethod
+    def from_trained(cls, trained: faiss.Index) -> CoarseAssigner | None:
+        inner = unwrap_id_map(trained)
+        return cls(inner, trained) if isinstance(inner, faiss.IndexIVF) else None
+
+    @classmethod
+    def load(cls, location: Location, manifest: Manifest) -> CoarseAssigner | None:
+        """From the manifest's trained empty index; None for non-IVF indexes or older builds."""
+        if manifest.trained is None:
+            return None
+        return cls.from_trained(index_from_bytes(read_shard_checked(location, manifest.trained)))
+
+    def query(self, matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
+        """The batch with its lists assigned (matrix prepared: float32, normalised for cosine)."""
+        nprobe = int(params.get("nprobe", self.default_nprobe))
+        nprobe = min(nprobe, int(self.ivf.nlist))
+        coarse, assign = self.quantizer.search(matrix, nprobe)
+        return ShardQuery(matrix, k, params, assign, coarse)
+
+
+def load_assigner(uri: str) -> CoarseAssigner | None:
+    location = Location.parse(uri)
+    return CoarseAssigner.load(location, read_manifest(location))

@@ -1,0 +1,153 @@
+"""FAISS index construction: factory validation, the one shared training step, per-shard adds.
+
+Why one trained empty index for every shard: with shared IVF centroids (and PQ codebooks), searching
+nprobe lists in every shard and merging returns exactly what the unsharded index returns.
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from shardserve.errors import ShardserveError
+
+FAISS_METRIC = {"l2": faiss.METRIC_L2, "ip": faiss.METRIC_INNER_PRODUCT,
+                "cosine": faiss.METRIC_INNER_PRODUCT}
+
+
+def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
+    """float32, C-contiguous, and L2-normalised for cosine (so inner product = cosine similarity)."""
+    prepared = np.array(vectors, dtype=np.float32, order="C", copy=True)
+    if metric == "cosine":
+        faiss.normalize_L2(prepared)
+    return prepared
+
+
+# From this many query rows, FAISS's flat distance computations (the router's coarse quantizer, a
+# flat shard) run as one BLAS matrix product. FAISS switches by rows x dim against a process-wide
+# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch at
+# c=32 is 16-25 rows, and BLAS costs less per query from ~5 rows here (2.3-2.8x less at 12-16 rows; the lists
+# picked are the same): `python -m lab.blas_rows` records both paths (blas-rows.json).
+BLAS_MIN_ROWS = 6
+
+
+def flat_search_with_blas_from(rows: int, dim: int) -> None:
+    """FAISS computes flat distances with BLAS for batches of at least `rows` rows of `dim`
+    dimensions, with its own per-query kernels below that (better for a single query).
+
+    Process-wide, so only a serving process sets it (router, shard replica: deployments/), once,
+    at load, never library code: the two paths round distances differently, and a (cosine) build in
+    a process that changed it half-way came out different from the same build before the change."""
+    faiss.cvar.distance_compute_blas_threshold = min(max(rows * dim - 1, 0), 2**31 - 1)  # a C int
+
+
+# A refine step re-ranks this many times k candidates of the compressed index with exact (or 8-bit)
+# distances. 4-bit fast-scan codes of 128-d data order the near neighbours poorly: at 4x, the true
+# top-10 was often not among the candidates at all (make bench-scale's data, checked in process);
+# re-ranking 16k of them costs little next to the list scan. Stored in each index file.
+REFINE_K_FACTOR = 16.0
+
+
+def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
+    """Build the untrained index; ids are stored explicitly so shards return global row ids."""
+    if metric not in FAISS_METRIC:
+        raise ShardserveError(f"unknown metric {metric!r}: use l2, ip or cosine")
+    try:
+        index = faiss.index_factory(dim, factory, FAISS_METRIC[metric])
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "rejected by FAISS"
+        raise ShardserveError(f"unknown index factory {factory!r} for dim {dim}: {reason}") from None
+    if not isinstance(faiss.downcast_index(index), faiss.IndexIVF):
+        # Flat / HNSW / PQ / refined IVF keep sequential ids only: an IDMap makes add_with_ids possible.
+        index = faiss.IndexIDMap2(index)
+    refine = unwrap_id_map(index)
+    if isinstance(refine, faiss.IndexRefine):
+        refine.k_factor = REFINE_K_FACTOR  # stored in the index file; the factory's RFlat means 1
+    return index
+
+
+def train_empty_index(factory: str, metric: str, train_vectors: np.ndarray, seed: int) -> bytes:
+    """Train once on a sample and return the serialized, still-empty index every shard copies."""
+    index = make_empty_index(factory, train_vectors.shape[1], metric)
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        if len(train_vectors) < ivf.nlist:
+            raise ShardserveError(
+                f"{factory!r} needs at least {ivf.nlist} training vectors, the dataset has "
+                f"{len(train_vectors)}: use fewer lists or more data"
+            )
+        ivf.cp.seed = seed
+    if not index.is_trained:
+        index.train(train_vectors)
+    assert index.ntotal == 0, "the shared trained index must be empty"
+    return faiss.serialize_index(index).tobytes()
+
+
+def add_to_copy(empty_index: bytes, vectors: np.ndarray, ids: np.ndarray) -> faiss.Index:
+    """Deserialize a copy of the trained empty index and add `vectors` under their global `ids`."""
+    index = faiss.deserialize_index(np.frombuffer(empty_index, dtype=np.uint8))
+    assert index.ntotal == 0 and index.is_trained
+    if len(vectors):
+        index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+    return index
+
+
+def index_to_bytes(index: faiss.Index) -> bytes:
+    return faiss.serialize_index(index).tobytes()
+
+
+def index_from_bytes(data: bytes) -> faiss.Index:
+    return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+
+
+def unwrap_id_map(index: faiss.Index) -> faiss.Index:
+    """The index inside an IndexIDMap(2) wrapper, downcast; `index` itself otherwise.
+
+    The returned proxy does not own its C++ object: the caller must keep `index` referenced while
+    it uses the result (dropping the wrapper first frees the inner index: a segfault under HNSW/Flat).
+    """
+    if isinstance(index, faiss.IndexIDMap):
+        return faiss.downcast_index(index.index)
+    return faiss.downcast_index(index)
+
+
+def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.SearchParameters | None:
+    """Per-request parameters as a FAISS SearchParameters object (never mutate a shared index).
+
+    Supported keys: `nprobe` (IVF), `efSearch` (HNSW). A key the index cannot use is an error.
+    """
+    if not params:
+        return None
+    unknown = set(params) - {"nprobe", "efSearch"}
+    if unknown:
+        raise ShardserveError(f"unknown search param(s) {sorted(unknown)}: use nprobe or efSearch")
+    inner = unwrap_id_map(index)
+    refine = inner if isinstance(inner, faiss.IndexRefine) else None
+    base = faiss.downcast_index(refine.base_index) if refine is not None else inner
+    if "nprobe" in params:
+        if faiss.try_extract_index_ivf(base) is None:
+            raise ShardserveError("param nprobe needs an IVF index")
+        chosen: faiss.SearchParameters = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
+    elif isinstance(base, faiss.IndexHNSW):
+        chosen = faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))
+    else:
+        raise ShardserveError("param efSearch needs an HNSW index")
+    if refine is None:
+        return chosen
+    # IndexRefine takes its own parameter type, carrying the base index's; keep the stored k_factor.
+    wrapped = faiss.IndexRefineSearchParameters(k_factor=refine.k_factor, base_index_params=chosen)
+    wrapped.referenced_objects = [chosen]  # SWIG holds a raw pointer to `chosen`
+    return wrapped
+
+
+def supported_params(factory: str, dim: int, metric: str) -> frozenset[str]:
+    """Which per-request params an index built from `factory` understands."""
+    index = make_empty_index(factory, dim, metric)  # keep the owner alive while `inner` is used
+    inner = unwrap_id_map(index)
+    if isinstance(inner, faiss.IndexRefine):
+        inner = faiss.downcast_index(inner.base_index)
+    if faiss.try_extract_index_ivf(inner) is not None:
+        return frozenset({"nprobe"})
+    if isinstance(inner, faiss.IndexHNSW):
+        return frozenset({"efSearch"})
+    return frozenset()

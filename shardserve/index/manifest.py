@@ -1,0 +1,179 @@
+"""`manifest.json`: the single file that publishes an index. Written last; read and checked first."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from shardserve.errors import ShardserveError
+from shardserve.index.storage import Location, sha256_hex
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardEntry(_Strict):
+    name: str
+    path: str
+    num_vectors: int
+    sha256: str
+    bytes: int
+
+
+class DatasetInfo(_Strict):
+    name: str
+    fingerprint: str
+    # parquet data: where the vectors and the user's ids came from (eval and the swap gate read the
+    # same columns). No id column: the index stores row numbers.
+    vector_column: str | None = None
+    id_column: str | None = None
+    metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
+
+    def columns(self) -> dict[str, str | None]:
+        """`load_dataset` keywords that read the data the way this index's build did."""
+        return {"vector_column": self.vector_column, "id_column": self.id_column}
+
+
+class BuildInfo(_Strict):
+    params: dict
+    seconds: float
+    ray_version: str
+    faiss_version: str
+
+
+class Manifest(_Strict):
+    format_version: int = FORMAT_VERSION
+    index_version: str
+    dim: int
+    metric: str
+    index_factory: str
+    num_vectors: int
+    shards: list[ShardEntry]
+    # The trained, still-empty index every shard was copied from: the router runs its IVF coarse
+    # quantizer once per batch for all shards. None in indexes built before it was written.
+    trained: ShardEntry | None = None
+    # Per shard, its rows' metadata columns (shardserve.index.metadata), when the build was given some.
+    metadata: list[ShardEntry] | None = None
+    dataset: DatasetInfo
+    build: BuildInfo
+    created_at: str
+
+    @staticmethod
+    def content_version(shards: list[ShardEntry], factory: str, metric: str,
+                        metadata: list[ShardEntry] | None = None) -> str:
+        """Index version = hash of what the index answers with: shard contents + how they are read
+        (+ the metadata it returns)."""
+        digest = hashlib.sha256(f"{factory}|{metric}".encode())
+        for shard in [*shards, *(metadata or [])]:
+            digest.update(shard.sha256.encode())
+        return digest.hexdigest()[:16]
+
+
+VERSIONS_DIR = "versions"  # versions/<build id>/: one published index version, never changed again
+
+
+def published(manifest: Manifest, version_dir: str) -> Manifest:
+    """The index directory's manifest for a version whose files (and own manifest, with paths
+    relative to it) live in `version_dir`."""
+    def moved(entry: ShardEntry) -> ShardEntry:
+        return entry.model_copy(update={"path": f"{version_dir}/{entry.path}"})
+
+    return manifest.model_copy(update={
+        "shards": [moved(s) for s in manifest.shards],
+        "trained": moved(manifest.trained) if manifest.trained else None,
+        "metadata": [moved(m) for m in manifest.metadata] if manifest.metadata else None})
+
+
+def pinned_location(index: str) -> str:
+    """The immutable directory of the version `index` publishes now: deployments bind to it, so a
+    rebuild of `index` (`build --force`) never changes what a running or restarted replica reads.
+    An index built before version directories existed is its own (mutable) location."""
+    location = Location.parse(index)
+    manifest = read_manifest(location)
+    folders = {posixpath.dirname(s.path) for s in manifest.shards}
+    if len(folders) != 1 or not (folder := folders.pop()).startswith(f"{VERSIONS_DIR}/"):
+        return index
+    pinned = location.child(folder)
+    if read_manifest(pinned).index_version != manifest.index_version:
+        raise ShardserveError(f"{pinned.uri}: holds another version than {location.uri}/{MANIFEST} names")
+    return pinned.uri
+
+
+def read_version(location: Location, index_version: str | None) -> Manifest:
+    """The manifest at `location`, refused if it is not the version a replica was deployed for
+    (an index rebuilt in place under a running deployment)."""
+    manifest = read_manifest(location)
+    if index_version is not None and manifest.index_version != index_version:
+        raise ShardserveError(f"{location.uri} now holds index version {manifest.index_version}, not "
+                              f"{index_version} this deployment serves: refusing to mix two indexes "
+                              "(rebuilt in place? build into a new directory, then `shardserve swap`)")
+    return manifest
+
+
+def write_manifest(location: Location, manifest: Manifest) -> None:
+    location.write_atomically(MANIFEST, manifest.model_dump_json(indent=2).encode())
+
+
+def read_manifest(location: Location) -> Manifest:
+    if not location.exists(MANIFEST):
+        raise ShardserveError(f"{location.uri}: no {MANIFEST} (not an index, or its build did not finish)")
+    try:
+        manifest = Manifest.model_validate(json.loads(location.read_bytes(MANIFEST)))
+    except (ValueError, ValidationError) as exc:
+        first = str(exc).splitlines()[0]
+        raise ShardserveError(f"{location.uri}/{MANIFEST}: invalid manifest ({first})") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise ShardserveError(f"{location.uri}: manifest format {manifest.format_version} is not supported")
+    for shard in [*manifest.shards, *([manifest.trained] if manifest.trained else [])]:
+        location.path(shard.path)  # confine every shard path to the index directory
+    return manifest
+
+
+def read_shard_checked(location: Location, shard: ShardEntry) -> bytes:
+    """The shard file's bytes, after proving they are the bytes the manifest published."""
+    data = location.read_bytes(shard.path)
+    _refuse_unless(shard, location, sha256_hex(data), len(data))
+    return data
+
+
+def shard_file_checked(location: Location, shard: ShardEntry, cache_dir: str) -> str:
+    """A local path holding the shard file's published bytes, checked against the manifest's
+    sha256 without reading the file into memory: the file itself when the index is on this
+    machine, else a copy downloaded into `cache_dir` (per version, shared by every replica on the
+    node, written under a temporary name and renamed, so a half-download is never used). What a
+    replica memory-maps: its pages then live in the page cache, once per node."""
+    import os
+    import tempfile
+
+    local = location.local_path(shard.path)
+    if local is None:
+        local = os.path.join(cache_dir, shard.sha256[:16], os.path.basename(shard.path))
+        if not os.path.exists(local):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=os.path.dirname(local), delete=False) as part:
+                digest, size = location.hash_and_copy(shard.path, part)
+            _refuse_unless(shard, location, digest, size, lambda: os.unlink(part.name))
+            os.replace(part.name, local)
+            return local
+        location = Location.parse(os.path.dirname(local))
+        shard = shard.model_copy(update={"path": os.path.basename(local)})
+    digest, size = location.hash_and_copy(shard.path)
+    _refuse_unless(shard, location, digest, size)
+    return local
+
+
+def _refuse_unless(shard: ShardEntry, location: Location, digest: str, size: int, cleanup=None) -> None:
+    if size != shard.bytes or digest != shard.sha256:
+        if cleanup is not None:
+            cleanup()
+        raise ShardserveError(
+            f"shard {shard.name} ({location.uri}/{shard.path}): sha256 mismatch with the manifest "
+            "(file corrupted or replaced); rebuild the index"
+        )

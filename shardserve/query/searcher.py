@@ -1,0 +1,140 @@
+"""Search one shard, and assign queries to IVF lists once for all shards: the plain objects a Serve
+replica (shard or router) wraps, and in-process eval uses the same way."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import faiss
+import numpy as np
+
+from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
+from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
+from shardserve.index.storage import Location
+from shardserve.query.list_scan import nonempty_lists, search_by_lists
+from shardserve.transport.shard_wire import QueryBounds, ShardQuery
+
+# Shards on remote storage (s3://, ...) are downloaded here once per node, then memory-mapped.
+CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
+                           os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
+
+
+# From this many rows an IVF-Flat shard scans a batch list by list (shardserve.query.list_scan): each list is
+# read once for all its queries. Other IVF codes are scanned query by query, as FAISS does, with the
+# rows in order of their lowest-numbered list, so queries that share lists run back to back while
+# those lists are still in cache. Both pay at 256 rows, neither at 32: `python -m
+# lab.scan_cost` records each order (scan-cost.json).
+LIST_SCAN_ROWS = 64
+LIST_ORDER_ROWS = 64
+
+
+class ShardSearcher:
+    """One shard's FAISS index, loaded after its sha256 check, searched with per-request params."""
+
+    def __init__(self, index: faiss.Index, metric: str, name: str, index_version: str):
+        self.index = index
+        self.metric = metric
+        self.name = name
+        self.index_version = index_version
+        inner = faiss.downcast_index(index)
+        self.ivf: faiss.IndexIVF | None = inner if isinstance(inner, faiss.IndexIVF) else None
+        self._ivf_params: dict[int, faiss.SearchParametersIVF] = {}
+        self.list_order_rows = LIST_ORDER_ROWS
+        # IVF-Flat only: its scans are bound by reading the lists (other codes are small, and their
+        # per-list tables would be built once per pair instead of once per query).
+        self.nonempty = nonempty_lists(self.ivf) if type(self.ivf) is faiss.IndexIVFFlat else None
+        self.list_scan_rows = LIST_SCAN_ROWS
+
+    @classmethod
+    def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
+        """`mmap=True`: FAISS maps the file instead of reading it (`IO_FLAG_MMAP`): IVF lists stay
+        in the page cache, shared by every replica of the shard on the node, so a replica starts
+        without copying them and holds them once. Other index types are read into memory as
+        before (FAISS ignores the flag for them); fast-scan IVF lists are copied too."""
+        entry = manifest.shards[shard]
+        if mmap:
+            path = shard_file_checked(location, entry, CACHE_DIR)
+            index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        else:
+            index = index_from_bytes(read_shard_checked(location, entry))
+        return cls(index, manifest.metric, entry.name, manifest.index_version)
+
+    @property
+    def mmapped(self) -> bool:
+        """Are the IVF lists served from the mapped file (not copied into this process)?"""
+        return self.ivf is not None and isinstance(
+            faiss.downcast_InvertedLists(self.ivf.invlists), faiss.OnDiskInvertedLists)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    def query_bounds(self, *, max_rows: int, max_k: int, params: frozenset[str]) -> QueryBounds:
+        """What this shard accepts off the wire (transport.shard_wire checks a batch against it)."""
+        ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
+        return QueryBounds(dim=self.dim, nlist=0 if ivf is None else int(ivf.nlist), max_rows=max_rows,
+                           max_k=max_k, params=params)
+
+    def search(self, queries: np.ndarray, k: int, params: dict | None = None,
+               prepared: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+        """Top-k of a query matrix → (distances, ids, search milliseconds).
+
+        `prepared=True` means the caller already normalised (cosine) and made the matrix float32.
+        """
+        matrix = queries if prepared else prepare_vectors(queries, self.metric)
+        faiss_params = search_params(self.index, params)
+        start = time.perf_counter()
+        distances, ids = self.index.search(matrix, k, params=faiss_params)
+        return distances, ids, (time.perf_counter() - start) * 1000.0
+
+    def answer(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+        """A router batch: scan only the lists the router assigned when it did (IVF), else search."""
+        if query.assign is None:
+            return self.search(query.matrix, query.k, query.params, prepared=True)
+        if self.ivf is None:
+            raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
+        n = len(query.assign)
+        matrix = np.ascontiguousarray(query.matrix, np.float32)
+        assign = np.ascontiguousarray(query.assign, np.int64)
+        coarse = np.ascontiguousarray(query.coarse, np.float32)
+        start = time.perf_counter()
+        if self.nonempty is not None and n >= self.list_scan_rows:
+            distances, ids, again = search_by_lists(self.ivf, self.nonempty, matrix, assign, coarse, query.k,
+                                                    self.metric != "l2", self._params(1))
+            if len(again):  # a tie at the k-th distance: FAISS's own scan decides, as unsharded
+                distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
+                                                          query.k)
+        elif n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
+            order = np.argsort(assign.min(axis=1), kind="stable")
+            distances, ids = np.empty((n, query.k), np.float32), np.empty((n, query.k), np.int64)
+            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], query.k)
+        else:
+            distances, ids = self._scan(matrix, assign, coarse, query.k)
+        return distances, ids, (time.perf_counter() - start) * 1000.0
+
+    def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
+        params = self._ivf_params.get(nprobe)
+        if params is None:  # one per nprobe, kept: a SWIG object per call cost ~1.5% of a shard's CPU
+            params = self._ivf_params[nprobe] = faiss.SearchParametersIVF(nprobe=nprobe)
+        return params
+
+    def _scan(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
+              k: int) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS's query-by-query scan of the assigned lists; arrays C-contiguous float32 / int64 /
+        float32 (the C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must
+        come from the request, never from mutating the shared index)."""
+        n, nprobe = assign.shape
+        distances = np.empty((n, k), np.float32)
+        ids = np.empty((n, k), np.int64)
+        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),
+                                      faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
+                                      faiss.swig_ptr(ids), False, self._params(nprobe))
+        return distances, ids
+
+
+def load_all_shards(uri: str, mmap: bool = True) -> tuple[Manifest, list[ShardSearcher]]:
+    """`mmap=False` when the indexes will be cloned or merged (FAISS cannot clone mapped lists)."""
+    location = Location.parse(uri)
+    manifest = read_manifest(location)
+    return manifest, [ShardSearcher.load(location, manifest, s, mmap) for s in range(len(manifest.shards))]

@@ -1,0 +1,1 @@
+"""Processes and Ray sessions: starting and stopping Ray, ports, /proc, warm workers."""

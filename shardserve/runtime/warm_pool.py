@@ -1,0 +1,141 @@
+"""A warm pool of idle Ray workers on each serving node, so a new shard replica starts in ~1 s.
+
+A scale-up's new replica is otherwise a new Ray worker process: spawn, `import ray`, Ray Serve (with
+pandas), FAISS and this package, then the index — about 2 s of CPU, which on a node whose cores the
+burst already saturates took 4–6 s of wall time (loadtests/records/autoscale.json, before this).
+Ray's raylet can start idle workers ahead of need and keep them alive (`shardserve.runtime.ray_private.
+prestart_workers`), and with `RAY_preload_python_modules` in the environment Ray starts with
+(`runtime.ray_session.SERVING_NODE_ENV`) those workers have already imported the serving code. An actor
+placed on the node — a Serve replica with no runtime_env of its own — takes an idle worker when
+there is one, so what is left of its start is Serve's replica set-up and the index (mapped).
+
+One keeper per node: every shard replica runs `WarmPool`, and the one holding an flock on a file
+named by the node's raylet pid tops the pool up (the others retry the lock; the kernel frees it
+when its holder dies). Idle workers are the raylet's children titled "ray::IDLE"; workers still
+starting count too, so a top-up is not repeated while the last one is under way.
+
+Filling the pool costs CPU (a preloaded worker imports ~1 s of CPU at Ray's worker priority, above
+the serving replicas'), so the keeper fills from spare cycles only: one worker at a time, once the
+pool has been short for `refill_after_s`, and only while the node has `min_idle_cores` idle. During
+a burst, when the replicas being started need the CPU, it waits (in a trial run before this rule,
+four workers prestarted at once made a light load's latency jump for a second).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+import time
+
+from shardserve.runtime import procfs
+
+logger = logging.getLogger("ray.serve")
+IDLE_TITLE = b"ray::IDLE"
+STARTING = b"default_worker.py"  # a worker's command line before it retitles itself
+KEEP_ALIVE_S = 3600  # the raylet does not reap a prestarted idle worker before this
+SETTLE_S = 2.0  # between two top-ups: a preloaded worker's start is ~1.4 s of CPU
+
+
+def workers_to_start(pooled: int, target: int, now: float, not_before: float | None,
+                     idle_cores: float, min_idle_cores: float) -> int:
+    """How many workers to prestart now (0 or 1): one while the pool is below `target`, once
+    `not_before` has passed (set `refill_after_s` after the pool fell short, `SETTLE_S` after the
+    last top-up) and the node has `min_idle_cores` to spare. Pure: unit-tested."""
+    if pooled >= target or not_before is None or now < not_before:
+        return 0
+    return int(idle_cores >= min_idle_cores)
+
+
+def idle_jiffies() -> tuple[float, float]:
+    """(idle + iowait, total) CPU time of the node so far, in clock ticks, from /proc/stat."""
+    with open("/proc/stat") as handle:
+        fields = [float(v) for v in handle.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def pooled_pids(raylet_pid: int) -> list[int]:
+    """The raylet's idle workers plus those still starting (its children, read from /proc)."""
+    return [child for child in _children(raylet_pid) if _pooled(procfs.cmdline(child))]
+
+
+def _pooled(line: bytes) -> bool:
+    """Idle ("ray::IDLE") or still starting (`python [setup_worker.py] …/default_worker.py --flags`:
+    the script is one of the first arguments; the raylet's own command line names it too, inside
+    a flag further on)."""
+    args = line.split(b"\0")
+    return args[0].startswith(IDLE_TITLE) or any(arg.endswith(STARTING) for arg in args[1:3])
+
+
+def pooled_workers(raylet_pid: int) -> int:
+    return len(pooled_pids(raylet_pid))
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                children.extend(int(c) for c in handle.read().split())
+    except OSError:
+        return []
+    return children
+
+
+class WarmPool:
+    """Keeps `target` idle workers on this node while this process holds the node's keeper lock
+    (a daemon thread; started from a Ray worker, whose parent is the raylet)."""
+
+    def __init__(self, target: int, period_s: float = 1.0, refill_after_s: float = 5.0,
+                 min_idle_cores: float = 0.5):
+        self.target, self.period_s, self.refill_after_s = target, period_s, refill_after_s
+        self.min_idle_cores = min_idle_cores
+        self.cores = os.cpu_count() or 1
+        self.raylet_pid = os.getppid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="warm-pool", daemon=True)
+
+    def start(self) -> WarmPool:
+        if self.target > 0 and b"raylet" in procfs.cmdline(self.raylet_pid):
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        lock_path = os.path.join(tempfile.gettempdir(), f"shardserve-warm-pool-{self.raylet_pid}.lock")
+        with open(lock_path, "a") as lock:
+            while not self._stop.is_set():  # wait to be this node's keeper
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    self._stop.wait(5 * self.period_s)
+            not_before: float | None = None
+            idle_before, total_before = idle_jiffies()
+            while not self._stop.wait(self.period_s):
+                pooled, now = pooled_workers(self.raylet_pid), time.monotonic()
+                idle, total = idle_jiffies()
+                idle_cores = self.cores * (idle - idle_before) / max(total - total_before, 1.0)
+                idle_before, total_before = idle, total
+                if pooled >= self.target:
+                    not_before = None
+                elif not_before is None:  # just fell short: the replica that took one starts first
+                    not_before = now + self.refill_after_s
+                count = workers_to_start(pooled, self.target, now, not_before, idle_cores,
+                                         self.min_idle_cores)
+                if count:
+                    self._prestart(count)
+                    not_before = now + SETTLE_S  # one at a time: each imports ~1 s of CPU
+
+    def _prestart(self, count: int) -> None:
+        from shardserve.runtime.ray_private import prestart_workers
+
+        try:
+            prestart_workers(count, KEEP_ALIVE_S)
+        except Exception as exc:  # best effort: a replica serves whether or not the pool fills
+            logger.warning("warm pool: prestarting %d workers failed: %s", count, exc)
+            self._stop.wait(30 * self.period_s)
