@@ -310,7 +310,7 @@ def ramp(args: argparse.Namespace, settings: dict | None, extra: dict | None = N
     path = RECORDS / f"{args.name}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     plot(record, path.with_suffix(".png"))
-    peak = {}
+    peak: dict = {}
     for sample in samples:
         for name, count in sample.get("replicas", {}).items():
             peak[name] = max(peak.get(name, 0), count)

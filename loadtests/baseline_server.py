@@ -52,10 +52,11 @@ def create_app() -> FastAPI:
         matrix = prepare_vectors(query.matrix, searcher.metric)
         distances, ids, compute_ms = searcher.search(matrix, query.k, dict(query.params), prepared=True)
         total = (time.perf_counter() - started) * 1000
-        body = {"ids": ids[0], "distances": distances[0]} if query.single else {
+        answer: dict = {"ids": ids[0], "distances": distances[0]} if query.single else {
             "results": [{"ids": i, "distances": d} for i, d in zip(ids, distances, strict=True)]}
-        body["timing_ms"] = {"total": total, "compute": compute_ms, "queue": total - compute_ms}
-        return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+        answer["timing_ms"] = {"total": total, "compute": compute_ms, "queue": total - compute_ms}
+        return Response(orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
 
     @app.get("/v1/health")
     async def health() -> dict:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -169,9 +170,9 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
     from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     front = f"http://127.0.0.1:{FRONT_PORT}"
-    systems = [("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
-               ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}),
-               ("serve-noop", None, {})]
+    systems: list[tuple[str, str | None, dict[str, Any]]] = [
+        ("shardserve-4shard", index_4, {}), ("shardserve-1shard", index_1, {}),
+        ("shardserve-4shard-serve-calls", index_4, {"shard_transport": "serve"}), ("serve-noop", None, {})]
     for label, index, overrides in systems:
         started = ensure_ray(serving_node=True)
         try:

@@ -120,7 +120,7 @@ def single_process_build(data_dir: Path, factory: str) -> dict:
     sample = data.base if rows is None else data.base[rows]  # the streaming build's sample, same cap
     empty = train_empty_index(factory, "l2", sample, params.seed)
     trained = time.perf_counter()
-    add_to_copy(empty, data.base, data.ids)
+    add_to_copy(empty, data.base, data.index_ids())
     done = time.perf_counter()
     return {"train_s": round(trained - started, 2), "add_s": round(done - trained, 2),
             "seconds": round(done - started, 2), "vectors": len(data.base), "cores": cores,

@@ -90,7 +90,10 @@ def tally(hits: list[dict], events: dict[str, float] | None = None) -> dict:
 
     `events`: name → wall-clock seconds (time.time()) of what happened during the load.
     """
-    codes, versions, coverage, errors = Counter(), Counter(), Counter(), Counter()
+    codes: Counter[str] = Counter()
+    versions: Counter[str] = Counter()
+    coverage: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
     timeline: dict[int, Counter] = {}
     start = min((parse_timestamp(h["timestamp"]) for h in hits), default=0.0)
     for hit in hits:

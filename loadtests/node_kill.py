@@ -27,7 +27,7 @@ from shardserve.data.datasets import load_dataset
 from shardserve.runtime.background import run_on_loop
 
 HTTP_PORT = 18500
-WORKERS = [{"shard_host": 4, "node_w1": 1}, {"shard_host": 4, "node_w2": 1}]
+WORKERS: list[dict[str, float]] = [{"shard_host": 4, "node_w1": 1}, {"shard_host": 4, "node_w2": 1}]
 
 
 def shard_placement(app: str) -> dict[str, str]:

@@ -398,6 +398,10 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
 
+def _replacer(table: str):
+    return lambda m: m.group(1) + table + "\n" + m.group(2)
+
+
 def render(page: str, generated: dict[str, str]) -> tuple[str, set[str]]:
     """The page with each of its generated blocks re-rendered, and the names it holds."""
     found = set()
@@ -405,13 +409,14 @@ def render(page: str, generated: dict[str, str]) -> tuple[str, set[str]]:
         pattern = re.compile(rf"(<!-- generated:{name} -->\n).*?(<!-- /generated:{name} -->)", re.S)
         if pattern.search(page):
             found.add(name)
-            page = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), page)
+            page = pattern.sub(_replacer(table), page)
     return page, found
 
 
 def render_all(generated: dict[str, str]) -> dict[Path, tuple[str, str]]:
     """(current, wanted) text of every page; every block must sit in some page."""
-    out, placed = {}, set()
+    out: dict[Path, tuple[str, str]] = {}
+    placed: set[str] = set()
     for path in pages():
         current = path.read_text()
         wanted, found = render(current, generated)

@@ -12,6 +12,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 
 import numpy as np
 
@@ -21,7 +22,8 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
     """One `levels[]` entry of the records contract."""
     latencies, computes, server_totals, interface, batches = [], [], [], [], []
     by_code: dict[str, list[float]] = {}
-    codes, errors = Counter(), Counter()
+    codes: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
     shed_without_retry_after = 0
     first = last = None
     for line in lines:
@@ -50,7 +52,7 @@ def summarize(lines: Iterable[str], mode: str, value: float, duration_s: float,
                 interface.append(latency_ms - timing["compute"])
     requests = len(latencies)
     ok = codes.get("200", 0)
-    wall = max((last - first) if first is not None else 0.0, 1e-9)
+    wall = max((last - first) if first is not None and last is not None else 0.0, 1e-9)
     lat = np.asarray(latencies) if latencies else np.zeros(1)
     level = {
         "mode": mode, "value": value, "duration_s": duration_s, "requests": requests,
@@ -90,27 +92,11 @@ def _payload(body_b64: str) -> dict:
 
 
 def parse_timestamp(stamp: str) -> float:
-    """vegeta RFC3339Nano timestamp → seconds (only differences matter)."""
-    import datetime as dt
-
-    head, _, frac = stamp.partition(".")
-    zone = ""
-    if frac:
-        digits = "".join(ch for ch in frac if ch.isdigit())
-        zone = frac[len(digits):]
-        frac_s = float("0." + digits) if digits else 0.0
-    else:
-        for sep in ("Z", "+", "-"):
-            if sep in head[10:]:
-                idx = head.index(sep, 10)
-                head, zone = head[:idx], head[idx:]
-                break
-        frac_s = 0.0
-    zone = "+00:00" if zone in ("Z", "") else zone
-    return dt.datetime.fromisoformat(head + zone).timestamp() + frac_s
+    """vegeta's RFC 3339 timestamp (nanoseconds, `Z` or an offset) -> seconds since the epoch, to
+    the microsecond (only differences matter)."""
+    return datetime.fromisoformat(stamp).timestamp()
 
 
-# The latency knee of a sweep.
 # The latency knee of a sweep: where throughput stops growing and latency starts to be queueing.
 # 
 # Definition (precise, so records from different days compare): with levels sorted by offered load

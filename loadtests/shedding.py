@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,7 +33,7 @@ from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
 
 PORT = 18480
-GOAL = {"closed_loop_success": {"8": 1.0, "32": 1.0, "128": 0.99}, "shed_p99_ms": 10.0,
+GOAL: dict[str, Any] = {"closed_loop_success": {"8": 1.0, "32": 1.0, "128": 0.99}, "shed_p99_ms": 10.0,
         "admitted_p99_x_c32": 3.0, "admitted_p99_floor_ms": 50.0, "goodput_x_c32": 0.8}
 
 

@@ -103,7 +103,7 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         per_request["total (servers)"] = round(sum(
             v for name, v in per_request.items() if name not in NOT_SERVERS), 3)
         level["cpu_ms_per_request"] = dict(sorted(per_request.items()))
-        level["machine_cpu"] = machine_share(meter.machine, sum(cpu.values()))
+        level["machine_cpu"] = machine_share(meter.machine, sum(cpu.values())) if meter else {}
     results.unlink()  # the record keeps the summary; raw results are large
     return level
 
