@@ -56,6 +56,7 @@ demo: install data haproxy $(INDEX)/manifest.json
 
 test: install data vegeta haproxy
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster"
 
 # ray up / ray exec / ray down of configs/cluster.local.yaml against this machine (own sshd on
@@ -69,6 +70,7 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench-build: install data
 	$(BIN)/python -m index_build.bench --dataset fashion-mnist --shards 4 --index IVF1024,Flat

@@ -79,7 +79,7 @@ class IndexSet:
     async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
         """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""
         link = self.links.pick(shard) if self.links is not None else None
-        if link is not None:
+        if link is not None and self.links is not None:
             try:
                 return decode_answer(await link.call(query.encode()))
             except ConnectionError:

@@ -10,6 +10,7 @@ shard links (where each shard replica listens; shardserve.transport.shard_link).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 from ray import serve
@@ -69,8 +70,11 @@ class IndexVersion:
         async def call(shard: int, shard_query: ShardQuery):
             return await call_shard(self.calls[shard], shard_query)
 
+        assigner = self.assigner
+
         async def prepare(m: np.ndarray, kk: int, p: dict) -> ShardQuery:
-            return await asyncio.to_thread(self.assigner.query, m, kk, p)
+            assert assigner is not None  # used only when there is one
+            return await asyncio.to_thread(assigner.query, m, kk, p)
 
         [result] = await search_batch([query], call, len(self.shards), self.manifest.metric != "l2",
                                       self.shard_timeout_s * 10,
@@ -103,7 +107,8 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
     actor_options: dict = {"num_cpus": app_args.shard_num_cpus}
     if app_args.shard_resources:
         actor_options["resources"] = dict(app_args.shard_resources)
-    shard = ShardDeployment if shard_class is None else ShardDeployment.options(func_or_class=shard_class)
+    shard: Any = (ShardDeployment if shard_class is None
+                  else ShardDeployment.options(func_or_class=shard_class))
     shards = [
         shard.options(
             name=entry.name, **scaling,

@@ -15,7 +15,7 @@ from ray.util import metrics
 from shardserve.index.manifest import Manifest
 
 LATENCY_MS_BOUNDARIES = [0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500]
-BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+BATCH_BOUNDARIES: list[float] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 class RouterMetrics:

@@ -67,7 +67,7 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
 class Router:
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
-    async def __init__(self, control: DeploymentHandle, args: dict):  # Serve awaits async constructors
+    async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
         self.args = a = AppArgs.model_validate(args)
         self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes)
         self.control, self.use_links = control, a.shard_transport == "link"

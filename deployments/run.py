@@ -66,7 +66,8 @@ def shard_replicas(app_name: str = APP_NAME) -> dict[str, int]:
             continue
         for deployment, status in app.deployments.items():
             if deployment != INDEX_INGRESS:
-                counts[deployment] = counts.get(deployment, 0) + status.replica_states.get("RUNNING", 0)
+                running = sum(n for state, n in status.replica_states.items() if state == "RUNNING")
+                counts[deployment] = counts.get(deployment, 0) + running
     return counts
 
 

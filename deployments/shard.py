@@ -34,7 +34,7 @@ class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (shardserve.transport.shard_link) or a Serve handle call, both through `search`."""
 
-    async def __init__(self, index: str, shard: int, *, faiss_threads: int = 1,
+    async def __init__(self, index: str, shard: int, *, faiss_threads: int = 1,  # type: ignore[misc]
                        link_secret: str | None = None,
                        index_version: str | None = None, nice: int = 0, mmap: bool = True,
                        warm_workers: int = 0, max_rows: int = 2048, max_k: int = 100,

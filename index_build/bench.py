@@ -18,6 +18,7 @@ from pathlib import Path
 from index_build.job import BuildParams, build_from_dataset
 from shardserve.data.datasets import load_dataset
 from shardserve.index.storage import Location
+from shardserve.runtime.procfs import cpu_model
 
 RECORDS = Path(__file__).resolve().parent.parent / "loadtests" / "records"
 
@@ -56,7 +57,7 @@ def run(dataset_spec: str, shards: int, factory: str, repeats: int) -> dict:
     return {
         "name": f"build-{dataset.name}-{factory}-{shards}shards",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cores": _cores(), "cpu_model": _cpu_model(), "python": platform.python_version()},
+        "machine": {"cores": _cores(), "cpu_model": cpu_model(), "python": platform.python_version()},
         "dataset": {"name": dataset.name, "num_vectors": len(dataset.base), "dim": dataset.dim},
         "index": {"factory": factory, "shards": shards},
         "cluster_startup_s": round(startup, 3),
@@ -71,16 +72,6 @@ def _cores() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -133,8 +133,9 @@ def add_shards_ray(vectors: np.ndarray, ids: np.ndarray, empty: bytes, rows_of_s
 
     shards = len(rows_of_shard)
     specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
-    written = specs.map_batches(
-        _add_and_write_shard, batch_size=1, batch_format="numpy", num_cpus=1,
+    written = specs.map_batches(  # fn_kwargs fill the task's other parameters
+        _add_and_write_shard,  # type: ignore[arg-type]
+        batch_size=1, batch_format="numpy", num_cpus=1,
         fn_kwargs={"refs": [ray.put(vectors), ray.put(ids), ray.put(empty), ray.put(rows_of_shard)],
                    "location_uri": location.uri})
     rows = written.take_all()

@@ -236,27 +236,28 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
             raise ShardserveError(f"dataset {source.name}: base rows contain NaN/Inf (first at file row "
                                   f"{piece.first_row + int(bad[0])})")
         if base.any():
-            digest.update(memoryview(np.ascontiguousarray(matrix[base])).cast("B"))
+            digest.update(np.ascontiguousarray(matrix[base]).data.cast("B"))
         queries.append(matrix[piece.is_query & base])
         if piece.ids is not None:
             ids.append(piece.ids[base])
         wanted = base if train_rows is None else base & in_sorted(train_rows, piece.position)
         taken = int(wanted.sum())
+        assert train is not None  # sized when the first piece came
         train[filled:filled + taken] = matrix[wanted]
         filled += taken
-    if dim is None:
+    if dim is None or train is None:
         raise ShardserveError(f"dataset {source.name}: no rows")
-    queries = np.ascontiguousarray(np.concatenate(queries))
-    digest.update(memoryview(queries).cast("B"))
+    query_matrix = np.ascontiguousarray(np.concatenate(queries))
+    digest.update(query_matrix.data.cast("B"))
     all_ids = np.concatenate(ids) if ids else np.arange(base_rows, dtype=np.int64)
     if source.id_column:
         check_ids(source.name, all_ids, base_rows)
-        digest.update(memoryview(all_ids).cast("B"))
+        digest.update(np.ascontiguousarray(all_ids).data.cast("B"))
     if metric == "cosine":  # as prepare_vectors does, in place
         import faiss
 
         faiss.normalize_L2(train)
-    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, queries, query_rows)
+    return Scan(base_rows, dim, digest.hexdigest()[:16], train, all_ids, query_matrix, query_rows)
 
 
 def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, partition: Partition,
@@ -334,7 +335,7 @@ def build_streaming(spec: str, params, location: Location, backend: str, vector_
                 written = [add_shard_streaming(source, empty, params.metric, s, partition, base_rows, at)
                            for s in range(params.shards)]
         entries = [ShardEntry.model_validate_json(entry) for entry, _ in written]
-        metadata = ([ShardEntry.model_validate_json(meta) for _, meta in written]
+        metadata = ([ShardEntry.model_validate_json(meta or "") for _, meta in written]
                     if source.metadata_columns else None)
         return entries, metadata
 
@@ -355,8 +356,9 @@ def _add_shards_ray(source: Source, empty: bytes, metric: str, partition: Partit
 
     shards = partition.shards
     specs = ray.data.from_items([{"shard": s} for s in range(shards)], override_num_blocks=shards)
-    written = specs.map_batches(
-        _stream_shard_task, batch_size=1, batch_format="numpy", num_cpus=1,
+    written = specs.map_batches(  # fn_kwargs fill the task's other parameters
+        _stream_shard_task,  # type: ignore[arg-type]
+        batch_size=1, batch_format="numpy", num_cpus=1,
         fn_kwargs={"source": source, "empty": ray.put(empty), "metric": metric, "partition": partition,
                    "base_rows": base_rows, "location_uri": location.uri})
     rows = written.take_all()

@@ -18,20 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loadtests.report import find_knee
+from shardserve.runtime.procfs import cpu_model
 
 RECORDS = Path(__file__).resolve().parent / "records"
 
 
 def machine() -> dict:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cores": len(os.sched_getaffinity(0)), "cpu_model": model, "python": platform.python_version()}
+    return {"cores": len(os.sched_getaffinity(0)), "cpu_model": cpu_model(),
+            "python": platform.python_version()}
 
 
 def index_info(url: str) -> dict:

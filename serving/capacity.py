@@ -55,6 +55,12 @@ class CapacityModel:
         return self.usable_cores(layout) * 1000.0 / self.cpu_ms(layout.shards)
 
 
+def _measured(layout: Layout) -> float:
+    if layout.knee_qps is None:
+        raise ValueError(f"layout {layout.shards}x{layout.replicas_per_shard} has no measured knee")
+    return layout.knee_qps
+
+
 def fit(layouts: list[Layout]) -> CapacityModel:
     """Least-squares fit of cpu_ms = fixed + per_shard x S on measured layouts (>= 2 shard counts)."""
     shard_counts = {layout.shards for layout in layouts}
@@ -62,7 +68,7 @@ def fit(layouts: list[Layout]) -> CapacityModel:
         raise ValueError("fitting needs measured layouts with at least two different shard counts")
     probe = CapacityModel(0.0, 0.0)
     design = np.array([[1.0, layout.shards] for layout in layouts])
-    cpu = np.array([probe.usable_cores(layout) * 1000.0 / layout.knee_qps for layout in layouts])
+    cpu = np.array([probe.usable_cores(layout) * 1000.0 / _measured(layout) for layout in layouts])
     (fixed, per_shard), *_ = np.linalg.lstsq(design, cpu, rcond=None)
     return CapacityModel(float(fixed), float(per_shard))
 
@@ -71,10 +77,10 @@ def check(model: CapacityModel, layouts: list[Layout], fitted: set[tuple[int, in
     """Predicted vs measured knee of every measured layout, with the relative error of each."""
     rows = []
     for layout in layouts:
-        predicted = model.knee_qps(layout)
+        predicted, measured = model.knee_qps(layout), _measured(layout)
         rows.append({"layout": f"{layout.shards}x{layout.replicas_per_shard}",
-                     "measured_qps": round(layout.knee_qps, 1), "predicted_qps": round(predicted, 1),
-                     "error": round(predicted / layout.knee_qps - 1.0, 3),
+                     "measured_qps": round(measured, 1), "predicted_qps": round(predicted, 1),
+                     "error": round(predicted / measured - 1.0, 3),
                      "role": "fit" if (layout.shards, layout.replicas_per_shard) in fitted else "test"})
     return rows
 

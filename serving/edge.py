@@ -168,7 +168,8 @@ class EdgeProcess:
                                         stderr=subprocess.PIPE)
         time.sleep(0.5)
         if self.process.poll() is not None:
-            error = self.process.stderr.read().decode(errors="replace").strip().splitlines()
+            said = self.process.stderr.read() if self.process.stderr else b""
+            error = said.decode(errors="replace").strip().splitlines()
             self.stop()
             raise ShardserveError(f"edge haproxy on {self.listen} exited: {(error or ['?'])[-1]}")
         return self

@@ -20,6 +20,7 @@ from shardserve.data.groundtruth import (
     graded_as,
     ground_truth,
     load_cached,
+    progress,
     recall_at_k,
     recall_from_distances,
     save_cached,
@@ -76,8 +77,10 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     `compare_unsharded`): no copy of the base set is held, only the queries and the ids.
     """
     params = params or {}
+    searchers: list[ShardSearcher] = []
+    assigner: CoarseAssigner | None = None
     if url:  # the server searches: only the manifest is needed here, not the shards (GBs at scale)
-        manifest, searchers, assigner = read_manifest(Location.parse(index_uri)), [], None
+        manifest = read_manifest(Location.parse(index_uri))
     else:
         manifest, searchers = load_all_shards(index_uri)
         assigner = load_assigner(index_uri)
@@ -111,7 +114,10 @@ def _search(searchers: list[ShardSearcher], assigner: CoarseAssigner | None, man
     if url:
         ids, mode = search_over_http(url, queries, k, params, batch_size), f"http {url}"
     else:
-        ids, mode = sharded_search(searchers, queries, k, params, manifest.metric, assigner)[1], "in-process"
+        ids = np.concatenate([
+            sharded_search(searchers, queries[start:start + 1000], k, params, manifest.metric, assigner)[1]
+            for start in progress(range(0, len(queries), 1000), "search", unit="x1000 queries")])
+        mode = "in-process"
     return ids, mode, time.perf_counter() - start
 
 
@@ -140,13 +146,14 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
     exact = None if truth is not None else ExactTopK(scanned.queries, depth, manifest.metric,
                                                      exclude=scanned.query_rows)
     found = FoundDistances(scanned.queries, found_rows, manifest.metric)
-    for first, chunk in base_chunks(source, scanned.base_rows):
+    for first, chunk in progress(base_chunks(source, scanned.base_rows), "exact ground truth", unit="piece"):
         if exact is not None:
             exact.add(first, chunk)
         found.add(first, chunk)
     if exact is not None:
         truth = exact.distances
         save_cached(path, truth)
+    assert truth is not None
     true_kth = truth[:, min(k, depth) - 1]
     recall = recall_from_distances(found.distances, found_rows >= 0, true_kth, manifest.metric)
     return asdict(EvalResult(
@@ -164,7 +171,7 @@ def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_
     ids = np.full((len(queries), k), -1, dtype=np.int64)
     try:
         with Client(url, timeout_s=60.0) as client:
-            for start in range(0, len(queries), batch_size):
+            for start in progress(range(0, len(queries), batch_size), "search over HTTP", unit="request"):
                 for row, hits in enumerate(client.search_batch(queries[start:start + batch_size], k, params)):
                     ids[start + row, :len(hits.ids)] = hits.ids
     except ApiError as exc:

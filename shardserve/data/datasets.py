@@ -55,10 +55,10 @@ class Dataset:
         """Content hash of base + queries + metric (+ ids): caches keyed on it can never go stale."""
         digest = hashlib.sha256()
         digest.update(f"{self.metric}:{self.base.shape}:{self.queries.shape}".encode())
-        digest.update(memoryview(self.base).cast("B"))
-        digest.update(memoryview(self.queries).cast("B"))
+        digest.update(self.base.data.cast("B"))
+        digest.update(self.queries.data.cast("B"))
         if self.ids is not None:
-            digest.update(memoryview(self.ids).cast("B"))
+            digest.update(self.ids.data.cast("B"))
         return digest.hexdigest()[:16]
 
     def index_ids(self) -> np.ndarray:

@@ -16,6 +16,15 @@ from shardserve.index.indexes import FAISS_METRIC, prepare_vectors
 from shardserve.query.merge import merge_topk
 
 GROUND_TRUTH_K = 100
+PROGRESS_AFTER_S = 10.0  # long work shows a progress bar once it has run this long
+
+
+def progress(items, what: str, **options):
+    """`items`, with a tqdm progress bar on stderr that appears only if the loop runs past
+    PROGRESS_AFTER_S (short runs stay quiet)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=what, delay=PROGRESS_AFTER_S, leave=False, **options)
 log = logging.getLogger(__name__)
 
 
@@ -65,7 +74,7 @@ def exact_search(base: np.ndarray, queries: np.ndarray, k: int, metric: str,
     as ExactTopK's)."""
     k = min(k, len(base) - (exclude is not None))
     exact = ExactTopK(queries, k, metric, exclude)
-    for first in range(0, len(base), chunk_rows):
+    for first in progress(range(0, len(base), chunk_rows), "exact ground truth", unit="chunk"):
         exact.add(first, base[first:first + chunk_rows])
     return exact.distances, exact.rows
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -36,7 +37,7 @@ class DatasetInfo(_Strict):
     id_column: str | None = None
     metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
 
-    def columns(self) -> dict[str, str | None]:
+    def columns(self) -> dict[str, Any]:
         """`load_dataset` keywords that read the data the way this index's build did."""
         return {"vector_column": self.vector_column, "id_column": self.id_column}
 

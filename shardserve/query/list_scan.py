@@ -27,7 +27,9 @@ _MISSING = {False: np.finfo(np.float32).max, True: -np.finfo(np.float32).max}
 
 def nonempty_lists(ivf: faiss.IndexIVF) -> np.ndarray:
     """Which of the index's lists hold vectors: the probes a shard dealt by lists can skip."""
-    return np.array([ivf.invlists.list_size(number) > 0 for number in range(ivf.nlist)], bool)
+    lists = ivf.invlists
+    assert lists is not None, "an IVF index without inverted lists"
+    return np.array([lists.list_size(number) > 0 for number in range(ivf.nlist)], bool)
 
 
 def search_by_lists(ivf: faiss.IndexIVF, nonempty: np.ndarray, matrix: np.ndarray, assign: np.ndarray,

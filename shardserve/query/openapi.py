@@ -7,6 +7,7 @@ router's CPU under load); FastAPI is still what renders the schema and the Swagg
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import orjson
 from fastapi import FastAPI
@@ -15,7 +16,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from shardserve.query.api import NPY_CONTENT_TYPE, SearchRequest, SearchResponse
 from shardserve.transport.http_front import Reply
 
-_ERRORS = {413: {"description": "body too large"},
+_ERRORS: dict[int | str, dict[str, Any]] = {413: {"description": "body too large"},
            422: {"description": "a field is wrong: the body names it"},
            503: {"description": "overloaded, not ready, or partial with require_full (Retry-After)"}}
 
@@ -79,4 +80,4 @@ def docs_reply(route: str, root: str) -> Reply | None:
 
 
 def docs_page(openapi_url: str) -> bytes:
-    return get_swagger_ui_html(openapi_url=openapi_url, title="shardserve API").body
+    return bytes(get_swagger_ui_html(openapi_url=openapi_url, title="shardserve API").body)

@@ -63,8 +63,9 @@ class ShardSearcher:
     @property
     def mmapped(self) -> bool:
         """Are the IVF lists served from the mapped file (not copied into this process)?"""
-        return self.ivf is not None and isinstance(
-            faiss.downcast_InvertedLists(self.ivf.invlists), faiss.OnDiskInvertedLists)
+        lists = None if self.ivf is None else self.ivf.invlists
+        return lists is not None and isinstance(faiss.downcast_InvertedLists(lists),
+                                                faiss.OnDiskInvertedLists)
 
     @property
     def dim(self) -> int:
@@ -124,6 +125,7 @@ class ShardSearcher:
         """FAISS's query-by-query scan of the assigned lists; arrays C-contiguous float32 / int64 /
         float32 (the C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must
         come from the request, never from mutating the shared index)."""
+        assert self.ivf is not None  # answer() routes only IVF shards here
         n, nprobe = assign.shape
         distances = np.empty((n, k), np.float32)
         ids = np.empty((n, k), np.int64)

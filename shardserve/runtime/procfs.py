@@ -1,29 +1,36 @@
-"""This machine's processes from /proc: what stops a Ray (or HAProxy) we started, and only that."""
+"""This machine's processes, through psutil (pid-reuse safe, no /proc parsing of our own): what stops
+a Ray (or HAProxy) we started and only that, and what each part of a serving stack costs.
+
+Two things psutil does not give are read here by hand, and tested: per-thread nice values
+(`lower_priority`) and run-queue wait from schedstat (`sched_times`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 
+import psutil
+
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+
 
 def cmdline(pid: int) -> bytes:
-    """NUL-separated command line ("" when the process is gone or not ours to read)."""
+    """NUL-separated command line (b"" when the process is gone or not ours to read)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read()
-    except OSError:
+        return "\0".join(psutil.Process(pid).cmdline()).encode(errors="surrogateescape")
+    except _GONE:
         return b""
 
 
 def parent(pid: int) -> int:
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).ppid()
+    except _GONE:
         return 0
 
 
@@ -35,8 +42,7 @@ def lower_priority(nice: int) -> int:
     (a new Ray worker: about 2 s of CPU for Python, Ray, Serve and FAISS imports and the index)
     otherwise gets only the share of each busy one (loadtests/records/autoscale.json).
     Lowering one's own priority needs no privilege; raising it back does."""
-    tasks = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    for tid in tasks:
+    for tid in [thread.id for thread in psutil.Process().threads()]:
         with contextlib.suppress(OSError):  # a thread that just ended
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
@@ -46,58 +52,49 @@ def lower_priority(nice: int) -> int:
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for its parent's wait() is not)."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except _GONE:
         return False
 
 
 def pids_matching(fragment: bytes) -> list[int]:
     """Processes whose command line contains `fragment`."""
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and fragment in cmdline(int(e))]
+    return [p.pid for p in psutil.process_iter() if fragment in cmdline(p.pid)]
 
 
 def pids_with_environment(name: str, value: str) -> list[int]:
     """Processes (other than this one) started with `name=value` in their environment: what a
     process inherited, which renaming itself (Ray workers become `ray::IDLE`) or losing its parent
     does not change."""
-    wanted = f"{name}={value}".encode()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
             continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if wanted in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:  # gone, or not ours to read
-            continue
+        with contextlib.suppress(*_GONE):
+            if process.environ().get(name) == value:
+                found.append(process.pid)
     return found
 
 
 def descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            children.setdefault(parent(int(entry)), []).append(int(entry))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except _GONE:
+        return []
 
 
 def stop(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM, wait up to grace_s for every pid to exit, then SIGKILL the rest and wait again."""
+    processes = []
+    for pid in pids:
+        with contextlib.suppress(*_GONE):
+            processes.append(psutil.Process(pid))
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.05)
-        if not any(alive(p) for p in pids):
+        for process in processes:
+            with contextlib.suppress(*_GONE):
+                process.send_signal(sig)
+        _, processes = psutil.wait_procs(processes, timeout=grace_s)
+        if not processes:
             return
 
 
@@ -114,16 +111,12 @@ def interrupt(process: subprocess.Popen, timeout_s: float = 120.0) -> int:
         return process.wait()
 
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of the process (all its threads) so far; 0 when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    except (OSError, ValueError, IndexError):
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    except _GONE:
         return 0.0
 
 
@@ -155,11 +148,8 @@ def sched_times(pid: int) -> tuple[float, float, int, int]:
 def age_seconds(pid: int) -> float:
     """Seconds since the process started (0 when it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            started = int(handle.read().rsplit(")", 1)[1].split()[19]) / _CLOCK_TICKS
-        with open("/proc/uptime") as handle:
-            return float(handle.read().split()[0]) - started
-    except (OSError, ValueError, IndexError):
+        return max(time.time() - psutil.Process(pid).create_time(), 0.0)
+    except _GONE:
         return 0.0
 
 
@@ -167,17 +157,22 @@ def memory_mb(pid: int) -> dict[str, float]:
     """Resident memory of a process, split as the kernel does: `rss_anon_mb` is its own (heap,
     copies), `rss_file_mb` file pages it maps (a memory-mapped index: page cache, shared by every
     process mapping the same file). Empty when the process is gone."""
-    wanted = {"RssAnon": "rss_anon_mb", "RssFile": "rss_file_mb", "VmRSS": "rss_mb"}
-    found: dict[str, float] = {}
     try:
-        with open(f"/proc/{pid}/status") as handle:
-            for line in handle:
-                key, _, rest = line.partition(":")
-                if key in wanted:
-                    found[wanted[key]] = round(int(rest.split()[0]) / 1024, 1)  # kB
-    except (OSError, ValueError, IndexError):
+        info = psutil.Process(pid).memory_info()
+    except _GONE:
         return {}
-    return found
+    shared = getattr(info, "shared", 0)  # file-backed resident pages (RssFile + RssShmem)
+    return {"rss_mb": round(info.rss / 2**20, 1), "rss_file_mb": round(shared / 2**20, 1),
+            "rss_anon_mb": round((info.rss - shared) / 2**20, 1)}
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name, for records."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 def process_class(command: bytes) -> str | None:
@@ -200,13 +195,11 @@ def process_class(command: bytes) -> str | None:
 
 
 def machine_cpu_seconds() -> dict[str, float]:
-    """CPU seconds of every core of this machine so far, from /proc/stat: `busy` (user, nice,
-    system, irq, softirq, steal) and `idle` (idle, iowait)."""
-    with open("/proc/stat") as handle:
-        ticks = [int(v) for v in handle.readline().split()[1:9]]
-    user, nice, system, idle, iowait, irq, softirq, steal = ticks
-    return {"busy": (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS,
-            "idle": (idle + iowait) / _CLOCK_TICKS}
+    """CPU seconds of every core of this machine so far: `busy` (user, nice, system, irq, softirq,
+    steal) and `idle` (idle, iowait)."""
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+    return {"busy": busy, "idle": t.idle + t.iowait}
 
 
 SELF_CLASS = "measuring process"
@@ -215,11 +208,11 @@ SELF_CLASS = "measuring process"
 def classified_pids(classify: Callable[[bytes], str | None] = process_class) -> dict[int, str]:
     """Every process but this one that `classify` names a part of the stack, by its command line."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            name = classify(cmdline(int(entry)))
+    for process in psutil.process_iter():
+        if process.pid != os.getpid():
+            name = classify(cmdline(process.pid))
             if name is not None:
-                found[int(entry)] = name
+                found[process.pid] = name
     return found
 
 

@@ -37,8 +37,8 @@ def ensure_ray(num_cpus: float | None = None, serving_node: bool = True, dashboa
     if os.environ.get("RAY_ADDRESS") or _local_cluster_running():
         ray.init(address="auto", log_to_driver=False)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False,
-             configure_logging=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=dashboard,  # type: ignore[arg-type]
+             log_to_driver=False, configure_logging=False)
     return True
 
 

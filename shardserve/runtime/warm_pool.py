@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+import psutil
+
 from shardserve.runtime import procfs
 
 logger = logging.getLogger("ray.serve")
@@ -50,14 +52,14 @@ def workers_to_start(pooled: int, target: int, now: float, not_before: float | N
 
 
 def idle_jiffies() -> tuple[float, float]:
-    """(idle + iowait, total) CPU time of the node so far, in clock ticks, from /proc/stat."""
-    with open("/proc/stat") as handle:
-        fields = [float(v) for v in handle.readline().split()[1:]]
-    return fields[3] + fields[4], sum(fields[:8])
+    """(idle + iowait, total) CPU seconds of the node so far (psutil)."""
+    t = psutil.cpu_times()
+    idle = t.idle + t.iowait
+    return idle, idle + t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
 def pooled_pids(raylet_pid: int) -> list[int]:
-    """The raylet's idle workers plus those still starting (its children, read from /proc)."""
+    """The raylet's idle workers plus those still starting (its children)."""
     return [child for child in _children(raylet_pid) if _pooled(procfs.cmdline(child))]
 
 
@@ -74,14 +76,10 @@ def pooled_workers(raylet_pid: int) -> int:
 
 
 def _children(pid: int) -> list[int]:
-    children: list[int] = []
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as handle:
-                children.extend(int(c) for c in handle.read().split())
-    except OSError:
+        return [child.pid for child in psutil.Process(pid).children()]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
-    return children
 
 
 class WarmPool:

@@ -143,7 +143,8 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:  # the client does not read its answers: stop taking requests
         self.writable = False
-        self.transport.pause_reading()
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.writable = True
@@ -206,7 +207,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
-        if self.expect_continue and not self.busy and not self.ready:
+        if self.expect_continue and not self.busy and not self.ready and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -281,6 +282,8 @@ class _Connection(asyncio.Protocol):
         """Data arrived after a refusal (or the refusal itself): close once the client has been
         quiet for LINGER_IDLE_S, or at the latest LINGER_MAX_S after the refusal."""
         self._disarm()
+        if self.transport is None:
+            return
         wait = min(LINGER_IDLE_S, self.lingering_until - self.front.loop.time())
         if wait <= 0:
             self.transport.close()

@@ -115,6 +115,7 @@ class _FrameBuffer:
         """(request id, status, payload) of every frame completed by `data`; None: a corrupt stream
         (a frame longer than `max_frame`). Each payload is copied once; when nothing was pending,
         straight out of `data`."""
+        source: bytes | bytearray
         if self.buffer:
             self.buffer += data
             source = self.buffer
@@ -180,7 +181,7 @@ class _ServerConnection(asyncio.Protocol):
             return
         server.connections.add(self)
         server.handshakes += 1
-        self.transport.write(self.nonce)
+        transport.write(self.nonce)  # type: ignore[attr-defined]
         self._arm(self.limits.handshake_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -322,6 +323,7 @@ class _ClientConnection(asyncio.Protocol):
             data = data[need:]
             if len(self.nonce) < NONCE_BYTES:
                 return
+            assert self.transport is not None  # data arrives only on a made connection
             self.transport.write(link_mac(self.link.secret, bytes(self.nonce)))
             self.ready.set_result(None)
             if not data:
@@ -441,7 +443,7 @@ class ShardLinks:
         self._failed = {a: t for a, t in self._failed.items() if clock - t < self.retry_after_s}
         for shard, wanted in enumerate(endpoints[:len(self.by_shard)]):
             links = self.by_shard[shard]
-            wanted_set = {tuple(address) for address in wanted}
+            wanted_set = {(str(host), int(port)) for host, port in wanted}
             for address in list(links):
                 if address not in wanted_set or links[address].broken:
                     links.pop(address).close()
