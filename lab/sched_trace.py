@@ -9,7 +9,8 @@ with nothing runnable anywhere (everyone waiting on a hand-off: a pipeline matte
 the switch, wake-up and migration events and splits each core's idle time into those two.
 
     python -m lab.sched_trace --index indexes/fashion-mnist-ivf1024-4 [--windows 3]
-    → loadtests/records/sched-trace.json (sched-trace-try.json: one exploratory window)
+    → a record named by --name (the committed one, loadtests/records/sched-trace-try.json, is one
+      exploratory window)
 Needs `perf` with the sched tracepoints (root here). Starts its own local Ray and stops it.
 """
 

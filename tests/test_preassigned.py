@@ -44,7 +44,8 @@ def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4, by: s
 
 
 @pytest.mark.parametrize("factory, metric", [("IVF64,Flat", "l2"), ("IVF64,Flat", "ip"),
-                                             ("IVF64,Flat", "cosine"), ("IVF64,PQ8", "l2"),
+                                             ("IVF64,Flat", "cosine"),
+                                             pytest.param("IVF64,PQ8", "l2", marks=pytest.mark.slow),
                                              ("IVF64,PQ16x4fs", "l2"), ("IVF64,SQ8", "ip")])
 @pytest.mark.parametrize("by", [BY_LISTS, BY_ROWS])
 def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> None:

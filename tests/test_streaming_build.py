@@ -34,7 +34,9 @@ def parquet_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(("factory", "with_ids", "metric"),
-                         [("IVF32,Flat", True, "l2"), ("IVF32,PQ4", False, "l2"), ("Flat", True, "l2"),
+                         [("IVF32,Flat", True, "l2"),
+                          pytest.param("IVF32,PQ4", False, "l2", marks=pytest.mark.slow),  # PQ training
+                          ("Flat", True, "l2"),
                           ("IVF32,Flat", False, "cosine")])
 def test_streaming_build_writes_the_in_memory_build_byte_for_byte(
         parquet_dir: Path, tmp_path: Path, factory: str, with_ids: bool, metric: str) -> None:

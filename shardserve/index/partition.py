@@ -2,9 +2,8 @@
 
 Why whole lists: with rows dealt round-robin, every shard holds a quarter of every inverted list, so
 a query's 16 probed lists are scanned as 64 short pieces, and each piece start pays memory latency
-the hardware prefetcher has not hidden yet. In-process, one thread, 16-row batches on Fashion-MNIST
-IVF1024: 4 row-dealt shards scanned ~1.2x the unsharded index's CPU, 4 list-owning shards ~1.0x
-(loadtests/records/partition-cost.json). A list lives in exactly one shard, so the set of vectors a
+the hardware prefetcher has not hidden yet (served side by side: loadtests/records/partition-ab.json,
+`python -m lab.scan_cost` for FAISS alone). A list lives in exactly one shard, so the set of vectors a
 query compares against is the unsharded index's, as before; merged answers stay equal.
 
 Lists are balanced by vector count: the trained quantizer assigns the training sample (the same
