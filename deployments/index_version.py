@@ -64,8 +64,8 @@ class IndexVersion:
 
     async def search(self, matrix: np.ndarray, k: int, params: dict) -> np.ndarray:
         """Merged top-k ids of every shard, as the router computes them; shards must all answer."""
-        query = ParsedQuery(prepare_vectors(matrix, self.manifest.metric), k,
-                            tuple(sorted(params.items())), False, True)
+        query = ParsedQuery(matrix=prepare_vectors(matrix, self.manifest.metric), k=k,
+                            params=tuple(sorted(params.items())), single=False, require_full=True)
 
         async def call(shard: int, shard_query: ShardQuery):
             return await call_shard(self.calls[shard], shard_query)

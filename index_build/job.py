@@ -40,8 +40,25 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
                 train_size: int = 0, seed: int = 1234, vector_column: str | None = None,
                 id_column: str | None = None, metadata_columns: list[str] | None = None,
                 memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Manifest:
-    """Build a sharded index of `dataset_spec` at `out` (local path or pyarrow URI); return its manifest.
-    `factory="auto"` picks one from the data's size and `memory_budget` (shardserve.index.auto_index)."""
+    """Build a sharded index of `dataset_spec` at `out`; return its manifest (published last, atomically).
+
+    Arguments:
+        dataset_spec: a dataset name (`fashion-mnist`, `synthetic:NxD`, `glove-50`), a vector file, or a
+            directory, glob or pyarrow URI of parquet or `.npy` files (those are streamed).
+        shards: how many shard files (and Serve deployments) the index has.
+        factory: a FAISS factory string, or "auto" to pick one from the data's size and `memory_budget`
+            (shardserve.index.auto_index).
+        out: a local path or pyarrow URI; each build publishes a new version directory under it.
+        metric: "l2", "ip" or "cosine" (default: the dataset's).
+        limit: index only the first `limit` rows.
+        backend: "ray" (the Ray Data job) or "local" (one process; the same bytes).
+        force: publish a new version over an existing index.
+        train_size: training sample rows (0: the factory's need, capped).
+        seed: the training sample's and k-means' seed (same data + params -> same bytes).
+        vector_column, id_column, metadata_columns: parquet columns of the vectors, of the user's
+            int64 ids, and of the metadata stored per shard.
+        memory_budget: bytes the index may take, for `factory="auto"`.
+    """
     if shards < 1:
         raise ShardserveError(f"--shards must be >= 1, got {shards}")
     location = Location.parse(out)
@@ -59,8 +76,9 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
             return chosen, reason
 
         params = BuildParams(factory, shards, metric or BASE_ONLY_METRIC, train_size, seed)
-        return build_streaming(dataset_spec, params, location, backend, vector_column, id_column,
-                               metadata_columns, limit, factory_for)
+        return build_streaming(dataset_spec, params=params, location=location, backend=backend,
+                               vector_column=vector_column, id_column=id_column,
+                               metadata_columns=metadata_columns, limit=limit, factory_for=factory_for)
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,
                            metadata_columns=metadata_columns)
     auto = None

@@ -299,11 +299,15 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
     return entry.model_dump_json(), meta
 
 
-def build_streaming(spec: str, params, location: Location, backend: str, vector_column: str | None,
+def build_streaming(spec: str, *, params, location: Location, backend: str, vector_column: str | None,
                     id_column: str | None, metadata_columns: list[str] | None, limit: int | None,
                     factory_for: Callable[[int, int], tuple[str, str | None]]) -> Manifest:
-    """Build `spec` (parquet or .npy files) without holding its base set anywhere. `factory_for(rows, dim)`
-    resolves `--index auto` once the size is known; `params.factory` is used otherwise."""
+    """Build `spec` (parquet or .npy files) without holding its base set anywhere.
+
+    Arguments (as `index_build.job.build_index` documents them): params, the build's; location,
+    where the version is published; backend, "ray" or "local"; vector_column, id_column,
+    metadata_columns, limit, as for `load_dataset`; factory_for(rows, dim), the factory and why,
+    resolved once the size is known (`--index auto`)."""
     from index_build.publish import BuildParams, publish_build, training_rows
     from shardserve.index.manifest import DatasetInfo
 

@@ -35,7 +35,8 @@ def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
 
 def test_mixed_groups_get_their_own_answers() -> None:
     data, searchers = _shards()
-    queries = [ParsedQuery(data.queries[i:i + 1], k, (("nprobe", p),), True, False)
+    queries = [ParsedQuery(matrix=data.queries[i:i + 1], k=k, params=(("nprobe", p),), single=True,
+                           require_full=False)
                for i, (k, p) in enumerate([(3, 1), (10, 16), (3, 1), (5, 4)])]
     seen: list[tuple[int, float | None]] = []
     results = asyncio.run(search_batch(queries, _caller(searchers), 3, False, 5.0,
@@ -49,7 +50,7 @@ def test_mixed_groups_get_their_own_answers() -> None:
 
 def test_late_shard_is_left_out_and_counted() -> None:
     data, searchers = _shards()
-    query = ParsedQuery(data.queries[:2], 5, (), False, False)
+    query = ParsedQuery(matrix=data.queries[:2], k=5, params=(), single=False, require_full=False)
     seen: list[tuple[int, float | None]] = []
     (result,) = asyncio.run(search_batch([query], _caller(searchers, {1}, 0.5), 3, False, 0.1,
                                          lambda s, ms: seen.append((s, ms))))
@@ -65,7 +66,8 @@ def test_all_shards_failing_is_no_answer_not_an_exception() -> None:
     async def broken(shard: int, query: ShardQuery):
         raise RuntimeError(f"shard {shard} lost")
 
-    (result,) = asyncio.run(search_batch([ParsedQuery(data.queries[:1], 5, (), True, False)], broken,
+    (result,) = asyncio.run(search_batch([ParsedQuery(matrix=data.queries[:1], k=5, params=(), single=True,
+                                                          require_full=False)], broken,
                                          3, False, 1.0))
     assert result.answered == 0 and "lost" in result.error  # the router turns this into a 503
 

@@ -52,7 +52,8 @@ def test_answers_match_in_process_search_through_links() -> None:
         async def direct(shard: int, query: ShardQuery):
             return searchers[shard].answer(query)
 
-        queries = [ParsedQuery(data.queries[:7], 5, (("nprobe", 4),), False, False)]
+        queries = [ParsedQuery(matrix=data.queries[:7], k=5, params=(("nprobe", 4),), single=False,
+                               require_full=False)]
         over_links = await search_batch(queries, call, 3, False, 5.0)
         in_process = await search_batch(queries, direct, 3, False, 5.0)
         links.close()

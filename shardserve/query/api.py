@@ -85,7 +85,7 @@ class ApiError(Exception):
         return orjson.dumps({"error": self.message, "field": self.field})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParsedQuery:
     """A validated request: float32 (n, dim) matrix plus what decides how it is searched."""
 
@@ -243,8 +243,8 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
     require_full = payload.get("require_full", False)
     if not isinstance(require_full, bool):
         raise ApiError(422, "require_full", "require_full must be true or false")
-    return ParsedQuery(matrix, k, _params(payload.get("params")), single, require_full,
-                       _include(payload.get("include")))
+    return ParsedQuery(matrix=matrix, k=k, params=_params(payload.get("params")), single=single,
+                       require_full=require_full, include=_include(payload.get("include")))
 
 
 NPY_CONTENT_TYPE = "application/x-npy"
@@ -286,8 +286,9 @@ def parse_npy_request(body: bytes, query_string: str, dim: int, max_k: int, max_
     if unknown:
         raise ApiError(422, unknown[0], f"unknown query option(s) {unknown}: use "
                                         f"{list(_QUERY_OPTIONS + KNOWN_PARAMS)}")
-    return ParsedQuery(_checked(matrix, "vector" if single else "vectors", dim, metric), k,
-                       _params(params), single, require_full in ("true", "1"), _include(include))
+    return ParsedQuery(matrix=_checked(matrix, "vector" if single else "vectors", dim, metric), k=k,
+                       params=_params(params), single=single, require_full=require_full in ("true", "1"),
+                       include=_include(include))
 
 
 def _query_int(values: list[str], field: str, low: int, high: int) -> int:
