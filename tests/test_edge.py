@@ -144,7 +144,7 @@ def test_smuggling_forms_through_the_edge_never_get_a_second_answer_and_a_trickl
     as exactly the requests the edge answered, re-framed. A client trickling a chunked body does not
     hold up other clients (HAProxy buffers it, the door sees it whole or not at all)."""
     from shardserve.transport.http_front import FrontDoor, Reply, Request
-    from tests.test_http_front import SMUGGLED, SMUGGLING
+    from tests.shared import SMUGGLED, SMUGGLING
 
     seen: list[str] = []
 

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from serving.evaluate import sharded_search
-from shardserve.data.datasets import load_dataset
-from shardserve.index.indexes import add_to_copy, train_empty_index
 from shardserve.query.api import ParsedQuery
 from shardserve.query.fanout import hedged, search_batch, search_grouped
-from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
-
-
-def _shards(num: int = 3):
-    data = load_dataset("synthetic:3000x16")
-    empty = train_empty_index("IVF16,Flat", "l2", data.base, seed=1)
-    ids = np.arange(len(data.base))
-    searchers = [ShardSearcher(add_to_copy(empty, data.base[s::num], ids[s::num]), "l2", f"s{s}", "v")
-                 for s in range(num)]
-    return data, searchers
+from tests.shared import shards
 
 
 def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
@@ -34,7 +22,7 @@ def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
 
 
 def test_mixed_groups_get_their_own_answers() -> None:
-    data, searchers = _shards()
+    data, searchers = shards()
     queries = [ParsedQuery(matrix=data.queries[i:i + 1], k=k, params=(("nprobe", p),), single=True,
                            require_full=False)
                for i, (k, p) in enumerate([(3, 1), (10, 16), (3, 1), (5, 4)])]
@@ -49,7 +37,7 @@ def test_mixed_groups_get_their_own_answers() -> None:
 
 
 def test_late_shard_is_left_out_and_counted() -> None:
-    data, searchers = _shards()
+    data, searchers = shards()
     query = ParsedQuery(matrix=data.queries[:2], k=5, params=(), single=False, require_full=False)
     seen: list[tuple[int, float | None]] = []
     (result,) = asyncio.run(search_batch([query], _caller(searchers, {1}, 0.5), 3, False, 0.1,
@@ -61,7 +49,7 @@ def test_late_shard_is_left_out_and_counted() -> None:
 
 
 def test_all_shards_failing_is_no_answer_not_an_exception() -> None:
-    data, searchers = _shards()
+    data, searchers = shards()
 
     async def broken(shard: int, query: ShardQuery):
         raise RuntimeError(f"shard {shard} lost")

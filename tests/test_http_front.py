@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from shardserve.transport.http_front import FrontDoor, Reply, Request
+from tests.shared import SMUGGLED, SMUGGLING
 
 
 async def _echo(request: Request) -> Reply:
@@ -206,37 +207,6 @@ def test_cached_heads_equal_the_full_heads() -> None:
                   Reply(200, b"abc"), Reply(503, b"{}", headers={"Retry-After": "1"})]:
         for keep_alive in (True, False):
             assert _head(reply, keep_alive) == _full_head(reply, keep_alive)
-
-
-_CHUNKED = b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n"
-# Requests whose framing two parsers could read two ways: each must get one 400-class answer and a
-# closed connection, never an answer to the request hidden behind it.
-SMUGGLING = {
-    "content-length and transfer-encoding": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\n"
-                                            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-    "transfer-encoding then content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: "
-                                             b"chunked\r\nContent-Length: 40\r\n\r\n0\r\n\r\n",
-    "duplicate content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n"
-                                b"Content-Length: 40\r\n\r\n",
-    "signed content-length": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length: +0\r\n\r\n",
-    "bare LF ending a header": b"POST /v1/search HTTP/1.1\r\nHost: a\nContent-Length: 40\r\n\r\n",
-    "bare LF everywhere": b"POST /v1/search HTTP/1.1\nHost: a\nContent-Length: 0\n\n",
-    "obs-fold": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nX-A: b\r\n Content-Length: 40\r\n\r\n",
-    "space before colon": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nContent-Length : 40\r\n\r\n",
-    "chunk size 0x": _CHUNKED + b"0x0\r\n\r\n",
-    "chunk size +": _CHUNKED + b"+0\r\n\r\n",
-    "chunk size -": _CHUNKED + b"-1\r\nx\r\n0\r\n\r\n",
-    "chunk size _": _CHUNKED + b"1_0\r\n\r\n",
-    "chunk size space": _CHUNKED + b" 0\r\n\r\n",
-    "chunk data without CRLF": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
-                               b"1\r\nxYY0\r\n\r\n",
-    "transfer-encoding list": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, "
-                              b"chunked\r\n\r\n0\r\n\r\n",
-    "transfer-encoding twice": b"POST /v1/search HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
-                               b"Transfer-Encoding: identity\r\n\r\n0\r\n\r\n",
-    "NUL in a header": b"POST /v1/search HTTP/1.1\r\nHost: a\x00\r\nContent-Length: 0\r\n\r\n",
-}
 
 
 @pytest.mark.parametrize("form", list(SMUGGLING))

@@ -17,38 +17,15 @@ from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
 from shardserve.query.searcher import load_all_shards
 from tests.conftest import run_cli
+from tests.shared import ROWS, source_id, write_parquet
 
-ROWS, DIM, FILES = 6000, 16, 3
 SERVE_PORT = 18321  # one Serve HTTP port per test cluster: the port every test uses
-
-
-def _source_id(row: np.ndarray) -> np.ndarray:
-    """The id the source gives row r: sparse and large, nothing like a row number."""
-    return row.astype(np.int64) * 1_000_003 + 2**40
-
-
-def write_parquet(directory: Path, ids: np.ndarray | None = None, id_type: pa.DataType | None = None) -> Path:
-    """FILES parquet files: `emb` (list<float32>, component 0 = the source row), `doc_id`, `caption`."""
-    rng = np.random.default_rng(7)
-    centers = rng.normal(size=(32, DIM)).astype(np.float32)
-    vectors = centers[rng.integers(0, 32, ROWS)] + 0.1 * rng.normal(size=(ROWS, DIM)).astype(np.float32)
-    vectors[:, 0] = np.arange(ROWS)  # lets a test find the source row of any base row
-    ids = _source_id(np.arange(ROWS)) if ids is None else ids
-    directory.mkdir(parents=True, exist_ok=True)
-    for number, rows in enumerate(np.array_split(np.arange(ROWS), FILES)):
-        table = pa.table({
-            "emb": pa.array(list(vectors[rows]), type=pa.list_(pa.float32())),
-            "doc_id": pa.array(ids[rows]).cast(id_type or pa.int64()),
-            "caption": pa.array([f"caption {r}" for r in rows]),
-        })
-        pq.write_table(table, directory / f"part-{number:02d}.parquet")
-    return directory
 
 
 def test_ids_follow_their_rows_and_every_row_is_in_the_base(tmp_path: Path) -> None:
     data = load_dataset(str(write_parquet(tmp_path / "emb")), vector_column="emb", id_column="doc_id")
     assert len(data.base) == ROWS  # eval's queries are some of those rows, not rows taken out
-    np.testing.assert_array_equal(data.ids, _source_id(np.arange(ROWS)))
+    np.testing.assert_array_equal(data.ids, source_id(np.arange(ROWS)))
     np.testing.assert_array_equal(data.queries, data.base[data.query_rows])
     rows = np.array([[5, 0, -1], [len(data.base) - 1, 2, 3]])
     np.testing.assert_array_equal(data.rows_of(np.where(rows >= 0, data.ids[rows], -1)), rows)
@@ -78,10 +55,10 @@ def test_answers_carry_the_users_ids_and_eval_grades_them(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("ids, id_type, message", [
-    (np.where(np.arange(ROWS) == 77, _source_id(np.array(5)), _source_id(np.arange(ROWS))), pa.int64(),
+    (np.where(np.arange(ROWS) == 77, source_id(np.array(5)), source_id(np.arange(ROWS))), pa.int64(),
      "duplicate ids"),
-    (np.where(np.arange(ROWS) == 9, -4, _source_id(np.arange(ROWS))), pa.int64(), "ids must be >= 0"),
-    (_source_id(np.arange(ROWS)), pa.float64(), "expected integers"),
+    (np.where(np.arange(ROWS) == 9, -4, source_id(np.arange(ROWS))), pa.int64(), "ids must be >= 0"),
+    (source_id(np.arange(ROWS)), pa.float64(), "expected integers"),
 ])
 def test_bad_ids_are_refused_in_one_line(tmp_path: Path, ids, id_type, message: str) -> None:
     source = write_parquet(tmp_path / "emb", ids, id_type)
@@ -183,7 +160,6 @@ def test_every_row_of_a_60k_parquet_is_indexed_and_finds_itself(tmp_path: Path) 
     """60,000 rows in, 60,000 vectors served: each row's own vector finds its own id (IVF with
     nprobe 1 probes the list the row was added to, its nearest centroid)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from serving.evaluate import sharded_search
     from shardserve.index.assigner import load_assigner

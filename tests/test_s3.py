@@ -19,7 +19,7 @@ import pytest
 
 from index_build.job import build_index
 from tests.conftest import S3_PORT
-from tests.test_ids_and_metadata import write_parquet
+from tests.shared import write_parquet
 
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "shardserve-test"

@@ -23,7 +23,7 @@ from shardserve.transport.shard_link import (
     serve_link,
 )
 from shardserve.transport.shard_wire import ShardQuery, decode_answer, encode_answer
-from tests.test_fanout import _shards
+from tests.shared import shards
 
 SECRET = bytes(range(32))
 
@@ -33,7 +33,7 @@ def _port(server: asyncio.Server) -> int:
 
 
 def test_answers_match_in_process_search_through_links() -> None:
-    data, searchers = _shards(3)
+    data, searchers = shards(3)
     from shardserve.query.api import ParsedQuery
 
     async def run():

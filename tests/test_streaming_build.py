@@ -18,7 +18,7 @@ from shardserve.errors import ShardserveError
 from shardserve.index.manifest import MANIFEST, read_manifest
 from shardserve.index.metadata import MetadataTable
 from shardserve.index.storage import Location
-from tests.test_ids_and_metadata import FILES, ROWS, _source_id, write_parquet
+from tests.shared import FILES, ROWS, source_id, write_parquet
 
 
 def _with_row_groups(source: Path, rows_per_group: int = 700) -> Path:
@@ -71,7 +71,7 @@ def test_ids_and_metadata_round_trip_through_the_shards(parquet_dir: Path, tmp_p
     for entry in manifest.metadata:
         table = MetadataTable.load(location, entry)
         source_rows = (table.ids - 2**40) // 1_000_003  # _source_id inverted
-        np.testing.assert_array_equal(_source_id(source_rows), table.ids)
+        np.testing.assert_array_equal(source_id(source_rows), table.ids)
         assert table.table.column("caption").to_pylist() == [f"caption {r}" for r in source_rows]
 
 
@@ -85,7 +85,7 @@ def faiss_ids(index) -> np.ndarray:
 
 
 def test_duplicate_ids_and_a_missing_column_are_refused_before_anything_is_written(tmp_path: Path) -> None:
-    ids = _source_id(np.arange(ROWS))
+    ids = source_id(np.arange(ROWS))
     ids[ROWS - 1] = ids[0]  # two rows, in the first and the last file
     source = _with_row_groups(write_parquet(tmp_path / "dup", ids))
     with pytest.raises(ShardserveError, match="1 duplicate ids, e.g. id"):
