@@ -22,8 +22,8 @@ def build_app(args: dict) -> Application:
     # The version published now, in its immutable directory (fails here, not in every replica).
     app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
     pinned = {"resources": dict(app_args.router_resources)} if app_args.router_resources else {}
-    control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())
-    return Router.options(
+    control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())  # type: ignore[attr-defined]
+    return Router.options(  # type: ignore[attr-defined]
         num_replicas=app_args.router_replicas,
         max_ongoing_requests=app_args.router_max_ongoing_requests,
         max_queued_requests=app_args.router_max_queued_requests,

@@ -21,9 +21,10 @@ from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, 
 from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.metadata import combine
 from shardserve.index.storage import Location
-from shardserve.query.api import ParsedQuery, real_ids
+from shardserve.query.api import ParsedQuery
 from shardserve.query.fanout import Prepare, ShardCall, hedged, plain_query, search_batch
 from shardserve.query.merge import QueryResult
+from shardserve.query.render import real_ids
 from shardserve.runtime.ray_private import deployment_handle_unchecked
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.transport.shard_wire import ShardQuery, decode_answer

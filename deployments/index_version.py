@@ -108,7 +108,7 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
     if app_args.shard_resources:
         actor_options["resources"] = dict(app_args.shard_resources)
     shard: Any = (ShardDeployment if shard_class is None
-                  else ShardDeployment.options(func_or_class=shard_class))
+                  else ShardDeployment.options(func_or_class=shard_class))  # type: ignore[attr-defined]
     shards = [
         shard.options(
             name=entry.name, **scaling,
@@ -120,4 +120,4 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
                max_k=app_args.max_k, max_frame=app_args.max_body_bytes)
         for position, entry in enumerate(manifest.shards)
     ]
-    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret)
+    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret)  # type: ignore[attr-defined]

@@ -20,20 +20,13 @@ from starlette.responses import Response
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
-from shardserve.query.api import (
-    ApiError,
-    Limits,
-    ParsedQuery,
-    coverage_error,
-    index_summary,
-    parse_query,
-    receive_body,
-    render_search,
-)
+from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.query.fanout import search_grouped
 from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
+from shardserve.query.parse import parse_query, receive_body
+from shardserve.query.render import coverage_error, index_summary, render_search
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest

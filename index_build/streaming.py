@@ -289,7 +289,7 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
         index.add_with_ids(np.ascontiguousarray(vectors), ids)
         ids_kept.append(ids)
         if source.metadata_columns:
-            tables.append(piece.table.take(pa.array(rows)))
+            tables.append(piece.table.take(pa.array(rows)))  # type: ignore[attr-defined]
     entry = write_file(location, shard_file_name(shard), index_to_bytes(index), int(index.ntotal))
     meta = None
     if source.metadata_columns:

@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from shardserve.index.indexes import prepare_vectors, supported_params
-from shardserve.query.api import ApiError, is_npy, parse_npy_request, parse_search_request
+from shardserve.query.api import ApiError
+from shardserve.query.parse import is_npy, parse_npy_request, parse_search_request
 from shardserve.query.searcher import ShardSearcher, load_all_shards
 
 INDEX_ENV = "SHARDSERVE_BASELINE_INDEX"

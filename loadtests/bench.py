@@ -65,7 +65,8 @@ def in_process(index: str, queries: np.ndarray, k: int, params: dict) -> dict:
 def parse_cost(queries: np.ndarray) -> dict:
     """Why the router parses with orjson + numpy instead of pydantic, and what a .npy body saves:
     measured per body of one query, and of a 256-query batch (JSON vs .npy)."""
-    from shardserve.query.api import SearchRequest, npy_body, parse_npy_request, parse_search_request
+    from shardserve.query.api import SearchRequest
+    from shardserve.query.parse import npy_body, parse_npy_request, parse_search_request
 
     body = orjson.dumps({"vector": queries[0], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
     batch = orjson.dumps({"vectors": queries[:256], "k": 10}, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -178,7 +179,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": SERVE_PORT})
             if index is None:
-                serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")
+                serve.run(NoopDeployment.bind(), name="noop", route_prefix="/noop")  # type: ignore[attr-defined]
                 url = f"http://127.0.0.1:{SERVE_PORT}/noop"
                 _wait_http(url + "/v1/health")
             else:

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from shardserve.data.datasets import load_dataset
-from shardserve.query.api import NPY_CONTENT_TYPE, npy_body
+from shardserve.query.parse import NPY_CONTENT_TYPE, npy_body
 
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,

@@ -6,16 +6,10 @@ import numpy as np
 import orjson
 import pytest
 
-from shardserve.query.api import (
-    ApiError,
-    check_work,
-    coverage_error,
-    is_npy,
-    parse_npy_request,
-    parse_search_request,
-    render_search,
-)
+from shardserve.query.api import ApiError
 from shardserve.query.merge import QueryResult
+from shardserve.query.parse import check_work, is_npy, parse_npy_request, parse_search_request
+from shardserve.query.render import coverage_error, render_search
 
 
 def _parse(payload: object, dim: int = 4):
@@ -91,7 +85,7 @@ def test_work_per_request_is_bounded() -> None:
 def test_read_body_stops_at_the_limit_without_reading_the_rest() -> None:
     import asyncio
 
-    from shardserve.query.api import read_body
+    from shardserve.query.parse import read_body
 
     consumed = 0
 

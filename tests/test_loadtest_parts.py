@@ -9,7 +9,7 @@ import orjson
 
 from loadtests.report import find_knee, summarize
 from loadtests.targets import make_targets
-from shardserve.query.api import parse_npy_request, parse_search_request
+from shardserve.query.parse import parse_npy_request, parse_search_request
 
 SAMPLE = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "sample"
 

@@ -24,8 +24,8 @@ from shardserve.index.indexes import (
     train_empty_index,
 )
 from shardserve.index.partition import BY_LISTS, BY_ROWS, Partition
-from shardserve.query.api import hits
 from shardserve.query.list_scan import search_by_lists
+from shardserve.query.render import hits
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery, decode_answer, encode_answer
 

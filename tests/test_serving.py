@@ -15,7 +15,7 @@ import pytest
 from index_build.job import build_index
 from serving.evaluate import evaluate
 from shardserve.data.datasets import load_dataset
-from shardserve.query.api import npy_body
+from shardserve.query.parse import npy_body
 from shardserve.query.searcher import load_all_shards
 from tests.conftest import run_cli
 from tests.faults import slow_shards

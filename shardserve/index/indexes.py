@@ -129,14 +129,14 @@ def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.Se
             raise ShardserveError("param nprobe needs an IVF index")
         chosen: faiss.SearchParameters = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
     elif isinstance(base, faiss.IndexHNSW):
-        chosen = faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))
+        chosen = faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))  # type: ignore[attr-defined]
     else:
         raise ShardserveError("param efSearch needs an HNSW index")
     if refine is None:
         return chosen
     # IndexRefine takes its own parameter type, carrying the base index's; keep the stored k_factor.
     wrapped = faiss.IndexRefineSearchParameters(k_factor=refine.k_factor, base_index_params=chosen)
-    wrapped.referenced_objects = [chosen]  # SWIG holds a raw pointer to `chosen`
+    wrapped.referenced_objects = [chosen]  # type: ignore[attr-defined]  # SWIG holds a raw pointer to `chosen`
     return wrapped
 
 

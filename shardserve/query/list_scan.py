@@ -53,7 +53,7 @@ def search_by_lists(ivf: faiss.IndexIVF, nonempty: np.ndarray, matrix: np.ndarra
     pair_d = np.empty((pairs, kept), np.float32)
     pair_i = np.empty((pairs, kept), np.int64)
     if pairs:
-        ivf.search_preassigned_c(pairs, faiss.swig_ptr(pair_matrix), kept, faiss.swig_ptr(pair_lists),
+        ivf.search_preassigned_c(pairs, faiss.swig_ptr(pair_matrix), kept, faiss.swig_ptr(pair_lists),  # type: ignore[attr-defined]
                                  faiss.swig_ptr(pair_coarse), faiss.swig_ptr(pair_d),
                                  faiss.swig_ptr(pair_i), False, one_probe)
     # Each query's pairs side by side: slot = the probe's rank among the query's probes held here.

@@ -13,7 +13,8 @@ import orjson
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from shardserve.query.api import NPY_CONTENT_TYPE, SearchRequest, SearchResponse
+from shardserve.query.api import SearchRequest, SearchResponse
+from shardserve.query.parse import NPY_CONTENT_TYPE
 from shardserve.transport.http_front import Reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {413: {"description": "body too large"},

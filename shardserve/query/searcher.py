@@ -129,7 +129,7 @@ class ShardSearcher:
         n, nprobe = assign.shape
         distances = np.empty((n, k), np.float32)
         ids = np.empty((n, k), np.int64)
-        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),
+        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),  # type: ignore[attr-defined]
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
                                       faiss.swig_ptr(ids), False, self._params(nprobe))
         return distances, ids

@@ -99,12 +99,12 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
     importing everything (shardserve.runtime.warm_pool says why). No public API starts idle workers on demand.
     Needs the cluster's auth token in the call's metadata when token auth is on."""
     import grpc
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
     node = ray._private.worker.global_worker.node
-    request = node_manager_pb2.PrestartWorkersRequest(
-        language=common_pb2.PYTHON, num_workers=count, keep_alive_duration_secs=keep_alive_s)
+    request = node_manager_pb2.PrestartWorkersRequest(  # type: ignore[attr-defined]
+        language=common_pb2.PYTHON, num_workers=count, keep_alive_duration_secs=keep_alive_s)  # type: ignore[attr-defined]
     request.runtime_env_info.serialized_runtime_env = "{}"  # matches replicas with no runtime_env
     token = AuthenticationTokenLoader.instance().get_token_for_http_header(ignore_auth_mode=True)
     with grpc.insecure_channel(f"{node.node_ip_address}:{node.node_manager_port}") as channel:

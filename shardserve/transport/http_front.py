@@ -131,7 +131,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         if len(self.front.connections) >= self.front.max_connections:
-            transport.abort()
+            transport.abort()  # type: ignore[attr-defined]
             return
         self.front.connections.add(self)
         self._arm(KEEP_ALIVE_IDLE_S)

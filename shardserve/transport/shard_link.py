@@ -177,7 +177,7 @@ class _ServerConnection(asyncio.Protocol):
         server = self.server
         if len(server.connections) >= self.limits.max_connections or \
                 server.handshakes >= self.limits.max_handshakes:
-            transport.abort()
+            transport.abort()  # type: ignore[attr-defined]
             return
         server.connections.add(self)
         server.handshakes += 1
