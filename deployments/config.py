@@ -79,7 +79,7 @@ class AppArgs(BaseModel):
     pointer_poll_s: float = Field(0.25, gt=0, description="how often routers ask which index to serve")
     gate_min_recall: float = Field(0.9, ge=0, le=1, description="`shardserve swap` refuses an index "
                                                                 "whose recall@gate_k is below this")
-    gate_queries: int = Field(500, ge=1, description="held-out queries the swap gate searches")
+    gate_queries: int = Field(500, ge=1, description="eval queries the swap gate searches")
     gate_k: int = Field(10, ge=1)
     gate_params: dict[str, int] = Field(
         default_factory=lambda: {"nprobe": 16, "efSearch": 64},

@@ -1,7 +1,7 @@
 """`shardserve swap`: replace the served index with no failed request.
 
 1. deploy the new version as its own Serve application beside the serving one (no HTTP route);
-2. recall gate: held-out queries through the new version's shards (same fan-out and merge as the
+2. recall gate: eval queries through the new version's shards (same fan-out and merge as the
    router) against exact ground truth; below `gate_min_recall` the new app is deleted and the old
    one never stopped serving;
 3. switch: IndexControl's pointer moves one generation; each router replica picks it up on its next
@@ -170,7 +170,7 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
         if recall < threshold:
             await asyncio.to_thread(delete_app_nowait, new_app)
             raise GateFailed(f"recall@{args.gate_k} of {new.index_version} is {recall:.4f} < "
-                             f"{threshold} on {args.gate_queries} held-out queries: rolled back "
+                             f"{threshold} on {args.gate_queries} eval queries: rolled back "
                              f"(deleted {new_app}); {old.index_version} still serving")
 
     started = time.perf_counter()

@@ -131,7 +131,7 @@ def scaled_cpu_ms(model: CapacityModel, faiss_ms_per_shard: float | None, measur
 
 def faiss_ms_per_query(index_dir: str, params: dict, batch: int = 32) -> float:
     """Measured here, in-process: FAISS milliseconds per query per shard at a router-sized batch, on
-    held-out queries of the dataset the index was built from (its manifest names it)."""
+    eval queries of the dataset the index was built from (its manifest names it)."""
     import time
 
     from shardserve.data.datasets import load_dataset

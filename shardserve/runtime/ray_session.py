@@ -9,7 +9,7 @@ from shardserve.runtime import procfs
 # The environment a serving node's Ray must start with (read when Ray's processes start, so it must
 # be in the environment before ray.init()/`ray start` launches them):
 # - Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
-#   (its cost is the serve-noop rows of loadtests/records/bench.json; README "Fast by default");
+#   (its cost is the serve-noop rows of loadtests/records/bench.json; docs/architecture.md "Fast by default");
 # - the serving code preloaded into every Python worker the raylet starts, so the idle workers
 #   shardserve.runtime.warm_pool keeps have already imported it and a new shard replica skips those imports.
 SERVING_NODE_ENV = {
