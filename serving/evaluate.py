@@ -125,10 +125,9 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
                        spec: str, k: int, params: dict, url: str | None, limit: int | None,
                        batch_size: int) -> dict:
     """Two passes over the files, a piece at a time: the first keeps the eval queries (rows of the
-    index) and the
-    ids; after the search, the second brute-forces the exact top-k chunk by chunk (merged with
-    merge_topk; cached by fingerprint, so only once per dataset and metric) and takes the exact
-    distances of what the search returned, for the tie-aware recall."""
+    index) and the ids; after the search, the second brute-forces the exact top-k chunk by chunk
+    (merged with merge_topk; cached by fingerprint, so only once per dataset and metric) and takes
+    the exact distances of what the search returned, for the tie-aware recall."""
     from index_build.streaming import base_chunks, open_source, scan
 
     source = open_source(spec, **manifest.dataset.columns())
