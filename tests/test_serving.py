@@ -91,6 +91,34 @@ def test_single_and_batch_agree_with_in_process(door: str, fm_index: Path, queri
         assert single["ids"] == hits["ids"]
 
 
+def test_the_python_client_answers_as_the_router_does(door: str, fm_index: Path, queries: np.ndarray) -> None:
+    """shardserve.Client and AsyncClient (real HTTP): ids and distances equal the in-process search;
+    a refused request raises ApiError with the status, message and field the server gave."""
+    import asyncio
+
+    from serving.evaluate import sharded_search
+    from shardserve import ApiError, AsyncClient, Client
+
+    manifest, searchers = load_all_shards(str(fm_index))
+    distances, ids = sharded_search(searchers, queries[:5], 6, {"nprobe": 8}, manifest.metric)
+    with Client(door) as client:
+        single = client.search(queries[0], k=6, params={"nprobe": 8})
+        batch = client.search_batch(queries[:5], k=6, params={"nprobe": 8})
+        assert client.health()["status"] == "ok" and client.index()["num_vectors"] == manifest.num_vectors
+        with pytest.raises(ApiError) as refused:
+            client.search(queries[0][:10], k=6)
+    assert single.ids.tolist() == ids[0].tolist() and single.extra["coverage"]["answered"] == 4
+    assert [hits.ids.tolist() for hits in batch] == ids.tolist()
+    np.testing.assert_allclose(np.stack([hits.distances for hits in batch]), distances, rtol=1e-6)
+    assert refused.value.status == 422 and refused.value.field == "vector"
+
+    async def concurrently() -> list:
+        async with AsyncClient(door) as client:
+            return await asyncio.gather(*[client.search(q, k=6, params={"nprobe": 8}) for q in queries[:5]])
+
+    assert [hits.ids.tolist() for hits in asyncio.run(concurrently())] == ids.tolist()
+
+
 def test_npy_bodies_answer_as_json_does(door: str, queries: np.ndarray) -> None:
     """The binary request format (shardserve.query.api.parse_npy_request) over both doors: the same answers as
     JSON, its options in the query string, its errors 4xx naming the field."""
