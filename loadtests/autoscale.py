@@ -13,6 +13,7 @@ links), runs the ramp and stops everything it started. The record keeps the sett
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import tempfile
@@ -162,6 +163,7 @@ def main() -> None:
                      help="logical CPUs of the Ray it starts: enough that every shard's extra replicas "
                           "fit (at shard_num_cpus 0.25), whatever the cores")
     own.add_argument("--serving-nice", type=int, default=None, help="AppArgs.serving_nice (default: its own)")
+    own.add_argument("--no-edge", action="store_true", help="drive Serve's HTTP directly, no admission edge")
     own.add_argument("--warm-workers", type=int, default=None, help="AppArgs.warm_workers (default: its own)")
     args = cli.parse_args()
     assert_loopback(args.url)
@@ -181,6 +183,8 @@ def run_own(args: argparse.Namespace) -> None:
     from deployments.autoscaling import autoscaling_config
     from deployments.config import AppArgs
     from deployments.run import deploy
+    from serving.edge import EdgeProcess
+    from shardserve.runtime.ports import free_port
     from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
     settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
@@ -190,18 +194,27 @@ def run_own(args: argparse.Namespace) -> None:
     if not started:  # e.g. the previous run's Ray, still shutting down: its settings are not ours
         raise SystemExit("error: --index needs its own Ray, and one is already running here "
                          "(RAY_ADDRESS or a local cluster); stop it or run without --index")
+    edge = None
     try:
         chosen = {name: value for name, value in (("serving_nice", args.serving_nice),
                                                   ("warm_workers", args.warm_workers)) if value is not None}
-        deploy(args.index, port=urlparse(args.url).port or 8000, app_name=args.app,
-               shard_autoscaling=settings, **chosen)
+        # As `shardserve serve` runs it: Serve and the router's door on private ports, the edge with
+        # its default admission on the user's port (--no-edge: Serve's HTTP on the user's port).
+        port = urlparse(args.url).port or 8000
+        if args.no_edge:
+            deploy(args.index, port=port, app_name=args.app, shard_autoscaling=settings, **chosen)
+        else:
+            front = free_port()
+            deploy(args.index, port=free_port(), app_name=args.app, shard_autoscaling=settings,
+                   front_port=front, **chosen)
+            edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}").start()
         pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
-        ramp(args, settings, extra={"warm_pool": pool})
+        admission = None if edge is None else dataclasses.asdict(edge.admission)
+        ramp(args, settings, extra={"warm_pool": pool, "edge_admission": admission})
     finally:
+        if edge is not None:
+            edge.stop()
         if started:
-            from ray import serve
-
-            serve.shutdown()
             shutdown_ray()
 
 
