@@ -1,9 +1,12 @@
-"""`shardserve tune RECORD`: the knee of a closed-loop sweep → backpressure + autoscaling settings.
+"""`shardserve tune RECORD`: the knee of a closed-loop sweep → admission + autoscaling settings.
 
 Reasoning (the numbers are written into the config as comments):
-- Past the knee concurrency C*, extra in-flight requests only queue. So a router replica works on at
-  most C* requests (`max_in_flight`, admission control: the next one gets 503 + Retry-After at once),
-  and Serve queues at most C* more before the replica (`router_max_queued_requests`).
+- Admission is the edge's (serving/edge.py): `K` requests inside the router, enough for full
+  batches past the knee (2 × the knee concurrency C*), and a queue of `Q` = peak throughput × the
+  delay target before new arrivals get 503 at once. The config's header prints the edge flags.
+- Behind the edge, a router replica works on at most K requests (`max_in_flight`: never fewer than
+  the edge admits, or it would refuse waiting clients the edge let through), and Serve queues at
+  most C* more before the replica (`router_max_queued_requests`, for Serve's own HTTP path).
 - All C* in-flight requests must fit into the router's concurrent batches:
   `max_batch_size >= ceil(C* / max_concurrent_batches)`.
 - A shard replica sees at most `max_concurrent_batches` calls per router replica (the router queues
@@ -22,15 +25,25 @@ from deployments.autoscaling import autoscaling_config
 from deployments.config import AUTOSCALED_BATCHES, AppArgs, serve_config_yaml
 from shardserve.errors import ShardserveError
 
+DELAY_TARGET_S = 0.05  # how long an admitted request may wait in the edge's queue past capacity
+
+
+def edge_from_knee(knee: dict, delay_target_s: float = DELAY_TARGET_S) -> dict:
+    """serving.edge.Admission fields from a knee: K = 2 × the knee concurrency (at least 8), Q = the
+    peak throughput × `delay_target_s` (at least 1)."""
+    if knee.get("mode", "concurrency") != "concurrency":
+        raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
+    return {"max_in_flight": max(8, 2 * int(knee["value"])),
+            "max_queue": max(1, math.ceil(float(knee["peak_qps"]) * delay_target_s))}
+
 
 def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
     """AppArgs overrides derived from a knee (see module docstring)."""
-    if knee.get("mode", "concurrency") != "concurrency":
-        raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
+    edge = edge_from_knee(knee)
     knee_concurrency = max(1, int(knee["value"]))
     concurrent_batches = AUTOSCALED_BATCHES  # what the router keeps in flight once shards autoscale
     return {
-        "max_in_flight": knee_concurrency,
+        "max_in_flight": edge["max_in_flight"],
         "router_max_ongoing_requests": max(2 * knee_concurrency, concurrent_batches),
         "router_max_queued_requests": knee_concurrency,
         "max_batch_size": max(AppArgs.model_fields["max_batch_size"].default,
@@ -54,7 +67,11 @@ def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
     if not index:
         raise ShardserveError("pass --index-dir: the record does not name its index directory")
     overrides = settings_from_knee(knee)
+    edge = edge_from_knee(knee)
+    flags = f"--edge-in-flight {edge['max_in_flight']} --edge-queue {edge['max_queue']}"
     header = (f"# Tuned by `shardserve tune {record_path}`: knee at {knee['mode']} {knee['value']} "
               f"({knee['qps']} QPS, p50 {knee['p50_ms']} ms, p99 {knee['p99_ms']} ms; "
-              f"peak {knee['peak_qps']} QPS)\n")
+              f"peak {knee['peak_qps']} QPS)\n"
+              f"# Admission at the edge (queue = peak x {DELAY_TARGET_S * 1000:g} ms): "
+              f"`shardserve serve DIR {flags}` or `shardserve edge-config {flags}`\n")
     return header + serve_config_yaml(index, **overrides)

@@ -2,6 +2,7 @@
 
 import base64
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -87,11 +88,17 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     from deployments.config import AppArgs
     from deployments.tune import tune_from_record
 
-    config = yaml.safe_load(tune_from_record(str(SAMPLE / "sweep-sample.json"), str(tmp_path)))
+    text = tune_from_record(str(SAMPLE / "sweep-sample.json"), str(tmp_path))
+    config = yaml.safe_load(text)
     ServeDeploySchema.model_validate(config)
     args = AppArgs.model_validate(config["applications"][0]["args"])
-    knee = json.loads((SAMPLE / "sweep-sample.json").read_text())["knee"]["value"]
-    assert args.max_in_flight == knee and args.router_max_queued_requests == knee
+    sweep_knee = json.loads((SAMPLE / "sweep-sample.json").read_text())["knee"]
+    knee = int(sweep_knee["value"])
+    # the edge admits 2 x the knee concurrency and queues ~50 ms of the peak; the router behind it
+    # takes every request the edge admits (a smaller max_in_flight would refuse waiting clients)
+    edge_in_flight, edge_queue = max(8, 2 * knee), math.ceil(sweep_knee["peak_qps"] * 0.05)
+    assert f"--edge-in-flight {edge_in_flight} --edge-queue {edge_queue}" in text
+    assert args.max_in_flight == edge_in_flight and args.router_max_queued_requests == knee
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
     # half the router's concurrent batches, at least 1 (the default: 2 batches -> 1)
