@@ -44,8 +44,7 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
     from ray import serve
 
     from deployments.run import deploy
-    from loadtests.targets import make_targets, write_targets
-    from loadtests.vegeta_run import attack
+    from loadtests.vegeta_run import attack, make_targets, write_targets
     from shardserve.data.datasets import load_dataset
     from shardserve.index.manifest import read_manifest
     from shardserve.index.storage import Location

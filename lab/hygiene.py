@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtests.record import header, save
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack
+from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.runtime.procfs import CpuMeter, process_class
 
 SERVE_PORT = 18600

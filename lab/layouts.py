@@ -12,8 +12,7 @@ from pathlib import Path
 
 from loadtests.record import RECORDS, header, save
 from loadtests.report import find_knee
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack
+from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location

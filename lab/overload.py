@@ -13,8 +13,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from loadtests.record import RECORDS, header, index_info, save
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import assert_loopback, attack
+from loadtests.vegeta_run import assert_loopback, attack, make_targets, write_targets
 from serving.edge import Admission, EdgeProcess
 from shardserve.data.datasets import load_dataset
 

@@ -21,8 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from loadtests.record import index_info, new_record, save
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack
+from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime.procfs import cmdline, pids_matching, process_class
 

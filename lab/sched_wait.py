@@ -70,8 +70,7 @@ def warm_c32_app(index: str, app_name: str, work: Path) -> Iterator[tuple[dict, 
     from ray import serve
 
     from deployments.run import deploy
-    from loadtests.targets import make_targets, write_targets
-    from loadtests.vegeta_run import attack
+    from loadtests.vegeta_run import attack, make_targets, write_targets
     from shardserve.data.datasets import load_dataset
 
     queries, params = load_dataset("fashion-mnist").queries, {"nprobe": 16}

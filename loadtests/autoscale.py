@@ -25,8 +25,7 @@ import numpy as np
 from loadtests.during import ReplicaWatcher
 from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
+from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode, make_targets, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime.procfs import lower_priority
 

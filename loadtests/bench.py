@@ -32,8 +32,7 @@ import orjson
 
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import new_record, save
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack
+from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.index.indexes import prepare_vectors
 from shardserve.runtime.procfs import CpuMeter

@@ -87,8 +87,7 @@ def check_include(url: str, data_dir: Path, queries: int = 100) -> dict:
 
 
 def load_levels(url: str, data_dir: Path, nprobe: int, duration_s: float, work: Path) -> list[dict]:
-    from loadtests.targets import make_targets, write_targets
-    from loadtests.vegeta_run import attack
+    from loadtests.vegeta_run import attack, make_targets, write_targets
     from shardserve.data.datasets import load_dataset
     from shardserve.runtime.procfs import CpuMeter
 

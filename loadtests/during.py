@@ -16,8 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from loadtests.report import parse_timestamp
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode
+from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode, make_targets, write_targets
 
 
 class BackgroundLoad:

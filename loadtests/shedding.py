@@ -26,8 +26,7 @@ from typing import Any
 import psutil
 
 from loadtests.record import RECORDS, header, save
-from loadtests.targets import make_targets, write_targets
-from loadtests.vegeta_run import attack
+from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location

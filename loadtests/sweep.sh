@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Sweep closed-loop concurrency (default) or open-loop rates; each level bounded by DURATION seconds.
+# vegeta against a running shardserve (loopback only), each level bounded by DURATION seconds:
+# closed-loop concurrency levels (default) or open-loop rates; one value is one level.
 #   loadtests/sweep.sh                         # concurrency 1 2 4 8 16 32 64
+#   loadtests/sweep.sh -c 32                   # one closed-loop level, 32 clients
 #   loadtests/sweep.sh -r "100 200 400 800"    # open-loop rates
-# Writes loadtests/records/NAME.json (levels + knee), NAME.png, and a vegeta HTML plot per level.
+# Writes loadtests/records/NAME.json (levels, + the knee for 3 or more), NAME.png, and a vegeta HTML
+# plot per level. Env: URL (http://127.0.0.1:8000) DATASET K NPROBE BATCH (vectors per request,
+# 0 = single) DURATION OUT NAME.
 set -euo pipefail
-source "$(dirname "$0")/common.sh"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VEGETA="${VEGETA:-$ROOT/.bin/vegeta}"
+PY="${PY:-$ROOT/.venv/bin/python}"
+URL="${URL:-http://127.0.0.1:8000}"
+DATASET="${DATASET:-fashion-mnist}"
+K="${K:-10}"; NPROBE="${NPROBE:-16}"; BATCH="${BATCH:-0}"; DURATION="${DURATION:-10}"
 MODE=concurrency; VALUES="1 2 4 8 16 32 64"
 while getopts "c:r:d:n:" opt; do
   case "$opt" in
@@ -12,14 +21,31 @@ while getopts "c:r:d:n:" opt; do
     r) MODE=rate; VALUES="$OPTARG" ;;
     d) DURATION="$OPTARG" ;;
     n) NAME="$OPTARG" ;;
-    *) sed -n '2,5p' "$0"; exit 2 ;;
+    *) sed -n '2,9p' "$0"; exit 2 ;;
   esac
 done
+[[ -x "$VEGETA" ]] || { echo "vegeta not found at $VEGETA: run 'make vegeta'" >&2; exit 1; }
+case "$URL" in
+  http://127.*|http://localhost*|http://\[::1\]*) ;;
+  *) echo "refusing to load-test $URL: loopback targets only" >&2; exit 1 ;;
+esac
 NAME="${NAME:-sweep-$MODE-$(date -u +%Y%m%dT%H%M%SZ)}"; OUT="${OUT:-$ROOT/loadtests/records}"
+WORK="$(mktemp -d)"; trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
-make_targets
+
+# targets from real query vectors; the attack flags from loadtests/vegeta_run.py (spelled once)
+"$PY" -m loadtests.vegeta_run targets --dataset "$DATASET" --url "$URL" --k "$K" --nprobe "$NPROBE" \
+  --batch "$BATCH" --count 2000 --out "$WORK/targets.jsonl" >/dev/null
 for value in $VALUES; do
   echo "level $MODE=$value (${DURATION}s)" >&2
-  run_level "$MODE" "$value"
+  bin="$WORK/$MODE-$value.bin"
+  mapfile -t flags < <("$PY" -m loadtests.vegeta_run flags --targets "$WORK/targets.jsonl" \
+    --duration "$DURATION" --mode "$MODE" --value "$value")
+  "$VEGETA" attack "${flags[@]}" > "$bin"
+  "$VEGETA" plot -title "$NAME $MODE=$value" "$bin" > "$OUT/$NAME-$MODE-$value.html"
+  "$VEGETA" encode --to json "$bin" | "$PY" -m loadtests.report --mode "$MODE" --value "$value" \
+    --duration "$DURATION" --queries-per-request "$(( BATCH > 0 ? BATCH : 1 ))" > "$WORK/level-$MODE-$value.json"
+  rm -f "$bin"
 done
-write_record
+"$PY" -m loadtests.record --name "$NAME" --url "$URL" --out "$OUT" \
+  --vegeta-version "$("$VEGETA" -version | sed -n 's/^Version: //p')" "$WORK"/level-*.json

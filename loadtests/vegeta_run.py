@@ -1,17 +1,28 @@
-"""Run vegeta from Python, the one place its flags are spelled (the shell scripts in common.sh ask
-this module for them): a closed-loop or open-loop attack, and the decoding of its results."""
+"""vegeta from Python, the one place its flags are spelled (loadtests/sweep.sh asks this module for
+them): targets from real query vectors, a closed-loop or open-loop attack, and its results decoded.
+
+    python -m loadtests.vegeta_run targets --dataset fashion-mnist --url URL --out t.jsonl
+    python -m loadtests.vegeta_run flags --targets t.jsonl --duration 10 --mode concurrency --value 32
+"""
 
 from __future__ import annotations
 
+import argparse
+import base64
 import ipaddress
 import json
 import os
 import resource
 import subprocess
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlencode, urlparse
+
+import numpy as np
+import orjson
 
 from loadtests.report import summarize
+from shardserve.data.datasets import load_dataset
+from shardserve.query.parse import NPY_CONTENT_TYPE, npy_body
 from shardserve.runtime.procfs import SELF_CLASS, CpuMeter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +51,34 @@ def vegeta_version() -> str:
     out = subprocess.run([str(VEGETA), "-version"], capture_output=True, text=True, check=True).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")),
                 "unknown")
+
+
+def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,
+                 batch: int = 0, count: int = 1000, npy: bool = False) -> list[bytes]:
+    """One vegeta JSON target per line; bodies cycle through the real queries (base64-encoded).
+    `npy`: float32 .npy bodies with k and params in the query string, instead of JSON bodies."""
+    lines = []
+    endpoint = url.rstrip("/") + "/v1/search"
+    for i in range(count):
+        rows = np.arange(i * batch, (i + 1) * batch) % len(queries) if batch else i % len(queries)
+        if npy:
+            raw, kind = npy_body(queries[rows]), NPY_CONTENT_TYPE
+            target = f"{endpoint}?{urlencode({'k': k, **(params or {})})}"
+        else:
+            body: dict = {"vectors" if batch else "vector": queries[rows], "k": k}
+            if params:
+                body["params"] = params
+            raw, kind = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), "application/json"
+            target = endpoint
+        lines.append(orjson.dumps({"method": "POST", "url": target, "header": {"Content-Type": [kind]},
+                                   "body": base64.b64encode(raw).decode()}))
+    return lines
+
+
+def write_targets(path: Path, lines: list[bytes]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
 
 
 def attack_flags(targets: Path, duration_s: float, *, rate: float | None = None,
@@ -109,19 +148,35 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
 
 
 def main() -> None:
-    """`python -m loadtests.vegeta_run --targets T --duration S --mode M --value V`: the attack flags,
-    one per line, for the shell scripts (loadtests/common.sh), so they are spelled in one place."""
-    import argparse
-
+    """`targets`: write vegeta JSON targets from a dataset's queries. `flags`: print the attack flags,
+    one per line, for loadtests/sweep.sh, so they are spelled in one place."""
     cli = argparse.ArgumentParser(description=main.__doc__)
-    cli.add_argument("--targets", type=Path, required=True)
-    cli.add_argument("--duration", type=float, required=True)
-    cli.add_argument("--mode", choices=("concurrency", "rate"), required=True)
-    cli.add_argument("--value", type=float, required=True)
+    sub = cli.add_subparsers(dest="what", required=True)
+    targets = sub.add_parser("targets")
+    targets.add_argument("--dataset", default="fashion-mnist")
+    targets.add_argument("--url", default="http://127.0.0.1:8000")
+    targets.add_argument("--k", type=int, default=10)
+    targets.add_argument("--nprobe", type=int)
+    targets.add_argument("--ef-search", type=int)
+    targets.add_argument("--batch", type=int, default=0, help="vectors per request (0 = single `vector`)")
+    targets.add_argument("--count", type=int, default=1000, help="distinct bodies")
+    targets.add_argument("--npy", action="store_true", help=".npy bodies (k, params in the query string)")
+    targets.add_argument("--out", required=True)
+    flags = sub.add_parser("flags")
+    flags.add_argument("--targets", type=Path, required=True)
+    flags.add_argument("--duration", type=float, required=True)
+    flags.add_argument("--mode", choices=("concurrency", "rate"), required=True)
+    flags.add_argument("--value", type=float, required=True)
     args = cli.parse_args()
-    flags = (attack_flags(args.targets, args.duration, concurrency=int(args.value))
-             if args.mode == "concurrency" else attack_flags(args.targets, args.duration, rate=args.value))
-    print("\n".join(flags))
+    if args.what == "targets":
+        params = {k: v for k, v in (("nprobe", args.nprobe), ("efSearch", args.ef_search)) if v}
+        queries = load_dataset(args.dataset).queries
+        print(write_targets(Path(args.out), make_targets(queries, args.url, args.k, params, args.batch,
+                                                          args.count, args.npy)))
+        return
+    chosen = (attack_flags(args.targets, args.duration, concurrency=int(args.value))
+              if args.mode == "concurrency" else attack_flags(args.targets, args.duration, rate=args.value))
+    print("\n".join(chosen))
 
 
 if __name__ == "__main__":

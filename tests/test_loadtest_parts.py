@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from loadtests.report import find_knee, summarize
-from loadtests.targets import make_targets
+from loadtests.vegeta_run import make_targets
 from shardserve.query.parse import parse_npy_request, parse_search_request
 
 SAMPLE = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "sample"
@@ -152,8 +152,8 @@ def test_admission_verdict_needs_every_part_of_the_goal() -> None:
     assert verdict(closed, lost)["checks"]["only_200_or_503"] is False
 
 
-def test_shell_scripts_get_the_same_vegeta_flags() -> None:
-    """loadtests/common.sh asks vegeta_run for its attack flags: one spelling for Python and shell."""
+def test_the_sweep_script_gets_the_same_vegeta_flags() -> None:
+    """loadtests/sweep.sh asks vegeta_run for its attack flags: one spelling for Python and shell."""
     import subprocess
     import sys
 
@@ -161,11 +161,12 @@ def test_shell_scripts_get_the_same_vegeta_flags() -> None:
 
     for mode, value, expected in (("concurrency", "32", attack_flags(Path("t.jsonl"), 10, concurrency=32)),
                                   ("rate", "500", attack_flags(Path("t.jsonl"), 10, rate=500))):
-        printed = subprocess.run([sys.executable, "-m", "loadtests.vegeta_run", "--targets", "t.jsonl",
-                                  "--duration", "10", "--mode", mode, "--value", value],
+        printed = subprocess.run([sys.executable, "-m", "loadtests.vegeta_run", "flags", "--targets",
+                                  "t.jsonl", "--duration", "10", "--mode", mode, "--value", value],
                                  capture_output=True, text=True, check=True).stdout.split()
         assert printed == expected
-    assert "loadtests.vegeta_run" in (Path(__file__).parent.parent / "loadtests" / "common.sh").read_text()
+    script = (Path(__file__).parent.parent / "loadtests" / "sweep.sh").read_text()
+    assert "loadtests.vegeta_run flags" in script and "loadtests.vegeta_run targets" in script
 
 
 def test_knee_reactions_run_from_the_first_crossing() -> None:
