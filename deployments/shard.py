@@ -16,7 +16,6 @@ from ray import serve
 from deployments.config import INDEX_INGRESS
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from shardserve.index.manifest import read_version
-from shardserve.index.metadata import MetadataTable
 from shardserve.index.storage import Location
 from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
@@ -51,8 +50,7 @@ class ShardDeployment:
         location, loading = Location.parse(index), time.monotonic()
         manifest = read_version(location, index_version)
         self.searcher = await asyncio.to_thread(ShardSearcher.load, location, manifest, shard, mmap)
-        self.metadata_table = None if manifest.metadata is None else await asyncio.to_thread(
-            MetadataTable.load, location, manifest.metadata[shard])
+        self.metadata_table = self.searcher.metadata
         loaded_s = time.monotonic() - loading
         self.bounds = self.searcher.query_bounds(
             max_rows=max_rows, max_k=max_k,

@@ -23,7 +23,8 @@ def shard_handle(handle: DeploymentHandle) -> DeploymentHandle:
                           response_serialization=HOP_SERIALIZATION)
 
 
-async def call_shard(handle: DeploymentHandle, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float]:
+async def call_shard(handle: DeploymentHandle, query: ShardQuery
+                     ) -> tuple[np.ndarray, np.ndarray, float, int]:
     """One awaited call; a cancelled caller (deadline) cancels the shard's request too."""
     response = handle.remote(query.encode())
     try:

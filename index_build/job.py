@@ -26,7 +26,7 @@ from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
 from shardserve.index.indexes import add_to_copy, make_empty_index, prepare_vectors
 from shardserve.index.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
-from shardserve.index.metadata import write_metadata
+from shardserve.index.metadata import column_kinds, write_metadata
 from shardserve.index.partition import BY_LISTS, Partition, assigner_of
 from shardserve.index.storage import Location
 from shardserve.runtime.timing import timed
@@ -119,7 +119,9 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
 
     info = DatasetInfo(name=dataset.name, fingerprint=dataset.fingerprint(), vector_column=vector_column,
                        id_column=id_column, metadata_columns=[] if dataset.metadata is None
-                       else dataset.metadata.column_names)
+                       else dataset.metadata.column_names,
+                       metadata_kinds={} if dataset.metadata is None
+                       else column_kinds(dataset.metadata.schema))
     return publish_build(location, params, info, dataset.dim, len(vectors),
                          lambda: training_sample(vectors, params), add, {"backend": backend}, auto)
 

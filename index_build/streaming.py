@@ -310,12 +310,14 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
     resolved once the size is known (`--index auto`)."""
     from index_build.publish import BuildParams, publish_build, training_rows
     from shardserve.index.manifest import DatasetInfo
+    from shardserve.index.metadata import column_kinds
 
     source = open_source(spec, vector_column, id_column, metadata_columns)
     if limit is not None and limit < 1:
         raise ShardserveError(f"--limit must be >= 1, got {limit}")
     base_rows = source.rows if limit is None else min(limit, source.rows)
-    dim = next(source.read())[0].shape[1]
+    first_matrix, _, first_table = next(source.read())
+    dim = first_matrix.shape[1]
     factory, auto = factory_for(base_rows, dim)
     params = BuildParams(factory, params.shards, params.metric, params.train_size, params.seed)
     make_empty_index(factory, dim, params.metric)  # a bad factory fails before the pass
@@ -325,8 +327,11 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
     rows = training_rows(factory, dim, params.metric, base_rows, params.train_size, params.seed,
                          TRAIN_MAX_BYTES)
     scanned = scan(source, params.metric, rows, limit)
+    kinds = (column_kinds(first_table.schema)  # type: ignore[attr-defined]  # a pyarrow Table
+             if source.metadata_columns and first_table is not None else {})
     info = DatasetInfo(name=source.name, fingerprint=scanned.fingerprint, vector_column=vector_column,
-                       id_column=id_column, metadata_columns=list(source.metadata_columns))
+                       id_column=id_column, metadata_columns=list(source.metadata_columns),
+                       metadata_kinds=kinds)
 
     def add(empty: bytes, partition: Partition, at: Location, timings: dict):
         from shardserve.index.manifest import ShardEntry

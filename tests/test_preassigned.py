@@ -147,8 +147,8 @@ def test_wire_round_trip() -> None:
         else:
             assert back.assign is None
     distances, ids = coarse[:, :2].copy(), assign[:, :2].copy()
-    got_d, got_i, ms = decode_answer(encode_answer(distances, ids, 1.5))
-    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and ms == 1.5
+    got_d, got_i, ms, matched = decode_answer(encode_answer(distances, ids, 1.5, 42))
+    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and (ms, matched) == (1.5, 42)
     with pytest.raises(ValueError, match="magic"):
         ShardQuery.decode(b"XXXX" + blob[4:], BOUNDS)
     with pytest.raises(ValueError, match="bytes"):
@@ -181,7 +181,7 @@ def _bad_frames() -> dict[str, bytes]:
                                 np.zeros((3, 65), np.float32)).encode(),
         "list numbers": ShardQuery(m, 5, {}, np.full((3, 2), 64), coarse).encode(),
         "list numbers ": ShardQuery(m, 5, {}, np.full((3, 2), -7), coarse).encode(),
-        "params of": with_header(params_len=4096),
+        "params of": with_header(params_len=2**20),
         "header says": good[:-3],
         "shorter than its header": good[:10],
         "params must be an object": ShardQuery(m, 5, {"efSearch": 4}).encode(),

@@ -119,6 +119,32 @@ def test_the_python_client_answers_as_the_router_does(door: str, fm_index: Path,
     assert [hits.ids.tolist() for hits in asyncio.run(concurrently())] == ids.tolist()
 
 
+def test_a_filter_is_pushed_into_every_shard_and_graded_exactly(door: str, queries: np.ndarray) -> None:
+    """Fashion-MNIST's own labels over HTTP: one class (10 %) and a class within an id range (~1 %):
+    every hit matches, `matched` counts the matching rows, recall@10 against brute force over the
+    matching rows >= 0.95; a bad filter is a 422 naming `filter`, and the next query is answered."""
+    data = load_dataset("fashion-mnist", limit=int(LIMIT))
+    labels = data.metadata.column("label").to_numpy()
+    first_rows = np.arange(len(labels)) < 2000
+    for where, allowed in (({"label": 3}, labels == 3),
+                           ({"label": 3, "$id": {"$lt": 2000}}, (labels == 3) & first_rows)):
+        rows = np.flatnonzero(allowed)
+        answer = _post({"vectors": queries[:30], "k": 10, "params": {"nprobe": 8}, "filter": where,
+                        "include": ["label"]}, door)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["matched"] == len(rows)
+        exact = ((queries[:30, None, :] - data.base[rows][None, :, :]) ** 2).sum(axis=2)
+        truth = rows[np.argsort(exact, axis=1, kind="stable")[:, :10]]
+        recall = np.mean([len(set(hits["ids"]) & set(t)) / 10
+                          for hits, t in zip(body["results"], truth.tolist(), strict=True)])
+        assert recall >= 0.95, (where, recall)
+        assert all(row["label"] == 3 for hits in body["results"] for row in hits["metadata"])
+    bad = _post({"vector": queries[0], "k": 5, "filter": {"lable": 3}}, door)
+    assert bad.status_code == 422 and bad.json()["field"] == "filter" and "lable" in bad.json()["error"]
+    assert _post({"vector": queries[0], "k": 5}, door).status_code == 200
+
+
 def test_npy_bodies_answer_as_json_does(door: str, queries: np.ndarray) -> None:
     """The binary request format (shardserve.query.api.parse_npy_request) over both doors: the same answers as
     JSON, its options in the query string, its errors 4xx naming the field."""

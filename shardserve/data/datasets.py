@@ -211,8 +211,14 @@ def _load_fashion_mnist() -> Dataset:
         )
     base = read_idx(train)
     queries = read_idx(test)
+    labels = FASHION_MNIST_DIR / "train-labels-idx1-ubyte.gz"
+    metadata = None
+    if labels.exists():  # the 10 classes, a real metadata column to filter on
+        import pyarrow as pa
+
+        metadata = pa.table({"label": pa.array(read_idx(labels).astype(np.int64))})
     return Dataset("fashion-mnist", as_float32(base.reshape(len(base), -1)),
-                   as_float32(queries.reshape(len(queries), -1)), "l2")
+                   as_float32(queries.reshape(len(queries), -1)), "l2", metadata=metadata)
 
 
 # --- synthetic clustered Gaussian mixture ----------------------------------------------------------

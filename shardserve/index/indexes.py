@@ -111,27 +111,40 @@ def unwrap_id_map(index: faiss.Index) -> faiss.Index:
     return faiss.downcast_index(index)
 
 
-def search_params(index: faiss.Index, params: dict[str, int] | None) -> faiss.SearchParameters | None:
+def search_params(index: faiss.Index, params: dict[str, int] | None,
+                  sel: faiss.IDSelector | None = None) -> faiss.SearchParameters | None:
     """Per-request parameters as a FAISS SearchParameters object (never mutate a shared index).
 
     Supported keys: `nprobe` (IVF), `efSearch` (HNSW). A key the index cannot use is an error.
+    `sel`: only ids it holds may be returned (a metadata filter, pushed into the scan).
     """
-    if not params:
+    if not params and sel is None:
         return None
+    params = params or {}
     unknown = set(params) - {"nprobe", "efSearch"}
     if unknown:
         raise ShardserveError(f"unknown search param(s) {sorted(unknown)}: use nprobe or efSearch")
     inner = unwrap_id_map(index)
     refine = inner if isinstance(inner, faiss.IndexRefine) else None
     base = faiss.downcast_index(refine.base_index) if refine is not None else inner
+    ivf = faiss.try_extract_index_ivf(base)
     if "nprobe" in params:
-        if faiss.try_extract_index_ivf(base) is None:
+        if ivf is None:
             raise ShardserveError("param nprobe needs an IVF index")
         chosen: faiss.SearchParameters = faiss.SearchParametersIVF(nprobe=int(params["nprobe"]))
-    elif isinstance(base, faiss.IndexHNSW):
+    elif "efSearch" in params:
+        if not isinstance(base, faiss.IndexHNSW):
+            raise ShardserveError("param efSearch needs an HNSW index")
         chosen = faiss.SearchParametersHNSW(efSearch=int(params["efSearch"]))  # type: ignore[attr-defined]
+    elif ivf is not None:  # a selector alone: the index's own nprobe (the parameters' default is 1)
+        chosen = faiss.SearchParametersIVF(nprobe=int(ivf.nprobe))
+    elif isinstance(base, faiss.IndexHNSW):
+        chosen = faiss.SearchParametersHNSW(efSearch=int(base.hnsw.efSearch))  # type: ignore[attr-defined]
     else:
-        raise ShardserveError("param efSearch needs an HNSW index")
+        chosen = faiss.SearchParameters()
+    if sel is not None:
+        chosen.sel = sel
+        chosen.referenced_objects = [sel]  # type: ignore[attr-defined]  # SWIG keeps a raw pointer
     if refine is None:
         return chosen
     # IndexRefine takes its own parameter type, carrying the base index's; keep the stored k_factor.

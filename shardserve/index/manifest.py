@@ -36,6 +36,8 @@ class DatasetInfo(_Strict):
     vector_column: str | None = None
     id_column: str | None = None
     metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
+    # the filterable ones and what a filter value must be: "number", "string" or "bool"
+    metadata_kinds: dict[str, str] = {}
 
     def columns(self) -> dict[str, Any]:
         """`load_dataset` keywords that read the data the way this index's build did."""

@@ -42,6 +42,19 @@ def write_metadata(location: Location, shard: int, ids: np.ndarray, table: pa.Ta
                       sha256=sha256_hex(data), bytes=len(data))
 
 
+def column_kinds(schema: pa.Schema) -> dict[str, str]:
+    """"number", "string" or "bool" per metadata column (what a filter value must be)."""
+    kinds = {}
+    for field in schema:
+        if pa.types.is_boolean(field.type):
+            kinds[field.name] = "bool"
+        elif pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
+            kinds[field.name] = "number"
+        elif pa.types.is_string(field.type) or pa.types.is_large_string(field.type):
+            kinds[field.name] = "string"
+    return kinds
+
+
 class MetadataTable:
     """One shard's metadata, looked up by id."""
 

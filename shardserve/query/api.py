@@ -25,6 +25,11 @@ class SearchRequest(BaseModel):
     include: list[str] | None = Field(
         None, description="metadata columns to return with every hit (`metadata`, aligned with `ids`); "
                           "the index's columns are in GET /v1/index")
+    filter: dict | None = Field(
+        None, description="only rows whose metadata match, in Chroma's `where` syntax: {\"label\": 3}, "
+                          "{\"label\": {\"$in\": [1, 3]}}, {\"$and\": [...]}, {\"$or\": [...]}; operators "
+                          "$eq $ne $gt $gte $lt $lte $in $nin; \"$id\" filters ids. The answer's "
+                          "`matched` counts the rows that match")
 
 
 class Coverage(BaseModel):
@@ -52,6 +57,7 @@ class SearchResponse(BaseModel):
     coverage: Coverage
     timing_ms: Timing
     index: str
+    matched: int | None = Field(None, description="with a filter: the rows that match it, over all shards")
 
 
 class ApiError(Exception):
@@ -75,11 +81,12 @@ class ParsedQuery:
     single: bool
     require_full: bool
     include: tuple[str, ...] = ()  # metadata columns to return with every hit
+    filter: str | None = None  # canonical JSON of a checked filter (query.filters)
 
     @property
     def group_key(self) -> tuple:
         """Requests with the same key can share one scan per shard."""
-        return (self.k, self.params)
+        return (self.k, self.params, self.filter)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.transport.shard_wire import ShardQuery
 
 # (shard index, the group's query) -> (distances, ids, search ms)
-ShardCall = Callable[[int, ShardQuery], Awaitable[tuple[np.ndarray, np.ndarray, float]]]
+# a shard call answers (distances, ids, search ms), and with a filter also the rows it matched
+ShardCall = Callable[[int, ShardQuery], Awaitable[tuple]]
 # (prepared matrix, k, params) -> the query every shard gets (e.g. with IVF lists assigned once)
 Prepare = Callable[[np.ndarray, int, dict], Awaitable[ShardQuery]]
 
@@ -57,7 +58,9 @@ async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_sh
 async def _search_group(group: list[ParsedQuery], positions: list[int], results: list,
                         call_shard: ShardCall, num_shards: int, higher_is_better: bool,
                         timeout_s: float, on_shard_done, prepare: Prepare) -> None:
-    k, params = group[0].k, dict(group[0].params)
+    k, params = group[0].k, dict[str, object](group[0].params)
+    if group[0].filter is not None:  # the shards evaluate it on their own metadata
+        params["filter"] = group[0].filter
     matrix = group[0].matrix if len(group) == 1 else np.concatenate([q.matrix for q in group])
     started = time.perf_counter()
     shard_query = await prepare(matrix, k, params)
@@ -79,12 +82,13 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         first = next((o for o in outcomes if isinstance(o, BaseException)), None)
         error = f"{type(first).__name__}: {first}"[:500] if first is not None else None
     compute_ms = prepare_ms + max((o[2] for o in answered), default=0.0)
+    matched = sum(o[3] for o in answered if len(o) > 3)  # rows the filter let through, all shards
     row = 0
     for query, position in zip(group, positions, strict=True):
         rows = slice(row, row + len(query.matrix))
         row += len(query.matrix)
         results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
-                                        compute_ms, fanout_ms, len(matrix), error)
+                                        compute_ms, fanout_ms, len(matrix), error, matched)
 
 
 async def _call_every_shard(call_shard: ShardCall, query: ShardQuery, num_shards: int,

@@ -48,3 +48,4 @@ class QueryResult:
     fanout_ms: float
     batch_size: int
     error: str | None = None  # the first shard failure when no shard answered
+    matched: int = 0  # with a filter: the rows that match it, summed over the shards that answered

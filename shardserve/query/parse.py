@@ -22,6 +22,7 @@ from numpy.lib import format as npy_format
 from shardserve.index.indexes import prepare_vectors
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import KNOWN_PARAMS, ApiError, Limits, ParsedQuery
+from shardserve.query.filters import check_filter
 
 if TYPE_CHECKING:
     from shardserve.transport.http_front import Request
@@ -63,7 +64,7 @@ def parse_query(request: Request, manifest: Manifest, supported: Collection[str]
                                   limits.max_vectors, manifest.metric)
     else:
         query = parse_search_request(request.body, manifest.dim, limits.max_k, limits.max_vectors,
-                                     manifest.metric)
+                                     manifest.metric, manifest.dataset.metadata_kinds)
     check_work(query, limits.max_work)
     for name, _ in query.params:
         if name not in supported:
@@ -80,8 +81,9 @@ def parse_query(request: Request, manifest: Manifest, supported: Collection[str]
 
 
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
-                         metric: str = "l2") -> ParsedQuery:
-    """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault."""
+                         metric: str = "l2", kinds: dict[str, str] | None = None) -> ParsedQuery:
+    """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault.
+    `kinds`: the index's filterable metadata columns (query.filters), for a `filter`."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -91,7 +93,7 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
         raise ApiError(422, "body", f"body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ApiError(422, "body", "body must be a JSON object")
-    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full", "include"}
+    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full", "include", "filter"}
     if unknown:
         raise ApiError(422, sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}")
     single = "vector" in payload
@@ -106,8 +108,9 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
     require_full = payload.get("require_full", False)
     if not isinstance(require_full, bool):
         raise ApiError(422, "require_full", "require_full must be true or false")
+    where = None if payload.get("filter") is None else check_filter(payload["filter"], kinds or {})
     return ParsedQuery(matrix=matrix, k=k, params=_params(payload.get("params")), single=single,
-                       require_full=require_full, include=_include(payload.get("include")))
+                       require_full=require_full, include=_include(payload.get("include")), filter=where)
 
 
 NPY_CONTENT_TYPE = "application/x-npy"

@@ -32,6 +32,10 @@ def coverage_error(query: ParsedQuery, result: QueryResult, retry_after_s: float
     return None
 
 
+def _matched(query: ParsedQuery, result: QueryResult) -> dict:
+    return {} if query.filter is None else {"matched": result.matched}
+
+
 def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, index_version: str,
                   metadata: list[list[dict]] | None = None) -> bytes:
     """The /v1/search response body (SearchResponse's fields), numpy arrays written by orjson.
@@ -49,6 +53,7 @@ def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, inde
                             "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
     payload["index"] = index_version
     payload["batch"] = result.batch_size
+    payload.update(_matched(query, result))
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

@@ -22,9 +22,10 @@ import numpy as np
 import orjson
 
 _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment (0 = none), params len
-_ANSWER = struct.Struct("<4sIId")  # magic, n, k, search milliseconds
-_QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA1"
-MAX_PARAMS_BYTES = 1024
+_ANSWER = struct.Struct("<4sIIdq")  # magic, n, k, search milliseconds, rows a filter matched
+_QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA2"
+MAX_FILTER_BYTES = 256 * 1024  # a filter's JSON: 8 levels, $in lists of 4,096 values
+MAX_PARAMS_BYTES = MAX_FILTER_BYTES + 1024
 MAX_EF_SEARCH = 65536
 
 
@@ -118,27 +119,30 @@ def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
         params = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise ValueError("params are not JSON") from None
-    if not isinstance(params, dict) or not set(params) <= bounds.params:
-        raise ValueError(f"params must be an object of {sorted(bounds.params)}")
+    if not isinstance(params, dict) or not set(params) <= bounds.params | {"filter"}:
+        raise ValueError(f"params must be an object of {sorted(bounds.params)} and a filter")
+    where = params.pop("filter", None)
+    if where is not None and (not isinstance(where, str) or len(where) > MAX_FILTER_BYTES):
+        raise ValueError(f"filter must be a JSON string of at most {MAX_FILTER_BYTES} bytes")
     limit = {"nprobe": bounds.nlist, "efSearch": MAX_EF_SEARCH}
     for key, value in params.items():
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit[key]:
             raise ValueError(f"param {key} must be an integer in 1..{limit[key]}")
-    return params
+    return params if where is None else {**params, "filter": where}
 
 
-def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float) -> bytes:
+def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float, matched: int = 0) -> bytes:
     n, k = ids.shape
-    return b"".join([_ANSWER.pack(_ANSWER_MAGIC, n, k, search_ms),
+    return b"".join([_ANSWER.pack(_ANSWER_MAGIC, n, k, search_ms, matched),
                      np.ascontiguousarray(distances, np.float32).tobytes(),
                      np.ascontiguousarray(ids, np.int64).tobytes()])
 
 
-def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float]:
-    """(distances, ids, search ms) from a shard's answer bytes (views, no copy)."""
-    magic, n, k, search_ms = _ANSWER.unpack_from(blob)
+def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """(distances, ids, search ms, rows a filter matched) from a shard's answer bytes (views, no copy)."""
+    magic, n, k, search_ms, matched = _ANSWER.unpack_from(blob)
     if magic != _ANSWER_MAGIC:
         raise ValueError(f"not a shard answer (magic {magic!r})")
     distances = np.frombuffer(blob, np.float32, n * k, _ANSWER.size).reshape(n, k)
     ids = np.frombuffer(blob, np.int64, n * k, _ANSWER.size + 4 * n * k).reshape(n, k)
-    return distances, ids, search_ms
+    return distances, ids, search_ms, matched
