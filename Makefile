@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -92,6 +92,11 @@ bench-glove: install vegeta
 # capacity, Ctrl-C: loadtests/records/admission.json.
 bench-admission: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.shedding --index $(INDEX)
+
+# Filtered search on the default `shardserve serve`: recall and req/s at 32 clients per selectivity
+# (Fashion-MNIST's labels): loadtests/records/bench-filter.json.
+bench-filter: install data vegeta haproxy $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.bench_filter --index $(INDEX)
 
 # Millions of vectors (default 4M x 128, 2 GB of parquet) streamed into a build on a Ray whose object
 # store is capped at 1 GB, served and graded over HTTP: loadtests/records/bench-scale.json. Not in make test.

@@ -117,6 +117,19 @@ def headline_table(bench: dict, admission: dict) -> str:
     return "\n".join(rows)
 
 
+def filter_table(record: dict) -> str:
+    """Filtered search on the default `shardserve serve`, per selectivity."""
+    base = record["levels"][0]["qps"]
+    rows = ["| filter | matching rows | recall@10 (HTTP, vs brute force) | req/s at 32 clients (vs none) "
+            "| p99 ms | 200 |", "|---|---|---|---|---|---|"]
+    for level in record["levels"]:
+        ratio = _cell(round(level["qps"] / base, 3))
+        rows.append(f"| {level['filter_label']} | {_cell(level['matching_rows'])} | {_cell(level['recall'])} "
+                    f"| {_cell(level['qps'])} ({ratio}) | {_cell(level['p99_ms'])} "
+                    f"| {_cell(100 * level['success_ratio'])} % |")
+    return "\n".join(rows)
+
+
 def admission_table(record: dict) -> str:
     """The default `shardserve serve` at 8, 32, 128 waiting clients and at 2x its capacity."""
     rows = ["| load (default `shardserve serve`) | req/s | 200 | 503 | other | p50 ms | p99 ms (200) "
@@ -364,6 +377,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     hop = json.loads((records / "hop.json").read_text())
     profile = json.loads((records / "profile-hot-path.json").read_text())
     admission = json.loads((records / "admission.json").read_text())
+    bench_filter = json.loads((records / "bench-filter.json").read_text())
     autoscale = json.loads((records / "autoscale.json").read_text())
     shard_start = json.loads((records / "shard-start.json").read_text())
     scan_cost = json.loads((records / "scan-cost.json").read_text())
@@ -385,6 +399,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
             "admission": admission_table(admission), "headline": headline_table(bench, admission),
+            "bench-filter": filter_table(bench_filter),
             "autoscale": autoscale_table(autoscale),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),

@@ -54,9 +54,11 @@ def vegeta_version() -> str:
 
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,
-                 batch: int = 0, count: int = 1000, npy: bool = False) -> list[bytes]:
+                 batch: int = 0, count: int = 1000, npy: bool = False,
+                 extra: dict | None = None) -> list[bytes]:
     """One vegeta JSON target per line; bodies cycle through the real queries (base64-encoded).
-    `npy`: float32 .npy bodies with k and params in the query string, instead of JSON bodies."""
+    `npy`: float32 .npy bodies with k and params in the query string, instead of JSON bodies.
+    `extra`: more fields of every JSON body (e.g. a `filter`)."""
     lines = []
     endpoint = url.rstrip("/") + "/v1/search"
     for i in range(count):
@@ -68,6 +70,7 @@ def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None
             body: dict = {"vectors" if batch else "vector": queries[rows], "k": k}
             if params:
                 body["params"] = params
+            body.update(extra or {})
             raw, kind = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), "application/json"
             target = endpoint
         lines.append(orjson.dumps({"method": "POST", "url": target, "header": {"Content-Type": [kind]},

@@ -29,7 +29,8 @@ def _eval(args: argparse.Namespace) -> None:
 
     result = evaluate(args.index_dir, args.dataset, k=args.k,
                       params=search_params_from_flags(args.nprobe, args.ef_search), url=args.url,
-                      limit=args.limit, compare_unsharded=args.compare_unsharded)
+                      limit=args.limit, compare_unsharded=args.compare_unsharded,
+                      where=_filter_arg(args.filter))
     if args.json:
         print(json.dumps(result))
         return
@@ -38,6 +39,18 @@ def _eval(args: argparse.Namespace) -> None:
     if "unsharded" in result:
         u = result["unsharded"]
         print(f"unsharded recall@{result['k']} = {u['recall']:.4f}  ({u['qps']:.0f} QPS)")
+
+
+def _filter_arg(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ShardserveError(f"--filter is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ShardserveError("--filter must be a JSON object, e.g. '{\"label\": 3}'")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -279,6 +292,8 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--url", help="evaluate a running server, e.g. http://127.0.0.1:8000")
     ev.add_argument("--limit", type=int, help="the --limit the index was built with")
     ev.add_argument("--compare-unsharded", action="store_true")
+    ev.add_argument("--filter", help="grade a filtered search (Chroma where JSON, e.g. '{\"label\": 3}') "
+                    "against exact ground truth over the matching rows")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=_eval)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from shardserve.data.groundtruth import (
     GROUND_TRUTH_K,
     ExactTopK,
     FoundDistances,
+    exact_search,
     graded_as,
     ground_truth,
     load_cached,
@@ -70,7 +72,8 @@ def sharded_search(searchers: list[ShardSearcher], queries: np.ndarray, k: int, 
 
 def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None = None,
              url: str | None = None, limit: int | None = None, batch_size: int = 100,
-             compare_unsharded: bool = False, stream: bool | None = None) -> dict:
+             compare_unsharded: bool = False, stream: bool | None = None,
+             where: dict | None = None) -> dict:
     """Recall@k against exact ground truth and QPS; optionally also the unsharded index's.
 
     Parquet and .npy directories are streamed (`stream`, default: for those, unless
@@ -85,13 +88,16 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
         manifest, searchers = load_all_shards(index_uri)
         assigner = load_assigner(index_uri)
     if stream is None:
-        stream = (is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec)) and not compare_unsharded
+        stream = ((is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec)) and not compare_unsharded
+                  and where is None)
     if stream:
         return _evaluate_streamed(manifest, searchers, assigner, dataset_spec, k, params, url, limit,
                                   batch_size)
     dataset = load_dataset(dataset_spec, limit=limit, **manifest.dataset.columns())
     dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
     _check_compatible(manifest, dataset.dim, len(dataset.base), dataset.name)
+    if where is not None:
+        return _evaluate_filtered(manifest, searchers, assigner, dataset, k, params, url, batch_size, where)
     truth = ground_truth(dataset)
     own = dataset.self_ids()  # base-only data: the queries are indexed rows, their own hit is dropped
     ids, mode, elapsed = _search(searchers, assigner, manifest, dataset.queries, k + (own is not None),
@@ -162,8 +168,46 @@ def _evaluate_streamed(manifest: Manifest, searchers: list[ShardSearcher], assig
         params=params, shards=len(manifest.shards), index_version=manifest.index_version))
 
 
-def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_size: int = 100
-                     ) -> np.ndarray:
+def _evaluate_filtered(manifest: Manifest, searchers: list[ShardSearcher], assigner: CoarseAssigner | None,
+                       dataset: Dataset, k: int, params: dict, url: str | None, batch_size: int,
+                       where: dict) -> dict:
+    """Recall@k of a filtered search against exact ground truth over the matching rows only."""
+    from shardserve.query.api import ApiError
+    from shardserve.query.filters import check_filter, matching
+
+    try:
+        canonical = check_filter(where, manifest.dataset.metadata_kinds)
+    except ApiError as exc:
+        raise ShardserveError(f"--filter: {exc.message}") from None
+    if dataset.metadata is None:
+        raise ShardserveError(f"--filter: dataset {dataset.name} carries no metadata columns")
+    rows = np.flatnonzero(np.isin(dataset.index_ids(),
+                                  matching(canonical, dataset.metadata, dataset.index_ids())))
+    own = dataset.self_ids()
+    if len(rows) < k + (own is not None):
+        raise ShardserveError(f"--filter matches {len(rows)} rows: fewer than k={k}")
+    _, found = exact_search(dataset.base[rows], dataset.queries, k + (own is not None), dataset.metric)
+    truth_ids = without_self(dataset.index_ids()[rows][found], own, k)
+    truth = dataset.rows_of(truth_ids)
+    start = time.perf_counter()
+    filtered = {**params, "filter": canonical}
+    if url:
+        ids, mode = search_over_http(url, dataset.queries, k + (own is not None), params, batch_size,
+                                     where=where), f"http {url}"
+    else:
+        ids, mode = sharded_search(searchers, dataset.queries, k + (own is not None), filtered,
+                                   manifest.metric, assigner)[1], "in-process"
+    elapsed = time.perf_counter() - start
+    ids = without_self(ids, own, k)
+    result = asdict(EvalResult(
+        recall=round(recall_at_k(ids, dataset, k, truth), 5), k=k, queries=len(dataset.queries),
+        qps=round(len(dataset.queries) / elapsed, 1), mode=f"{mode}, filter {canonical} ({len(rows)} rows)",
+        params=params, shards=len(manifest.shards), index_version=manifest.index_version))
+    return {**result, "filter": where, "matching_rows": len(rows)}
+
+
+def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_size: int = 100,
+                     where: dict | None = None) -> np.ndarray:
     """Ids of the top-k of every query through the HTTP API (shardserve.client), `batch_size` a request;
     any answer but 200 is an error naming the server's message."""
     from shardserve.client import ApiError, Client
@@ -172,7 +216,9 @@ def search_over_http(url: str, queries: np.ndarray, k: int, params: dict, batch_
     try:
         with Client(url, timeout_s=60.0) as client:
             for start in progress(range(0, len(queries), batch_size), "search over HTTP", unit="request"):
-                for row, hits in enumerate(client.search_batch(queries[start:start + batch_size], k, params)):
+                options: dict[str, Any] = {} if where is None else {"filter": where}
+                answers = client.search_batch(queries[start:start + batch_size], k, params, **options)
+                for row, hits in enumerate(answers):
                     ids[start + row, :len(hits.ids)] = hits.ids
     except ApiError as exc:
         raise ShardserveError(f"{url}: {exc}") from None

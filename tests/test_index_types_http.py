@@ -36,7 +36,12 @@ def test_index_type_serves_with_recall(ray_cluster, tmp_path: Path, factory: str
             path.unlink()
     try:
         result = evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT)
+        # Fashion-MNIST's labels as filters over HTTP: a class (10 %, compared row by row) and five
+        # classes (50 %, a widened scan), graded against brute force over the matching rows
+        filtered = [evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT,
+                             where=where) for where in ({"label": 3}, {"label": {"$in": [1, 3, 5, 7, 9]}})]
     finally:
         undeploy("types")
     assert result["recall"] >= 0.95, result
     assert result["shards"] == 2
+    assert all(f["recall"] >= 0.95 for f in filtered), filtered

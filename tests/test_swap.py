@@ -70,7 +70,7 @@ def _fully_answered(url: str, body: bytes, timeout_s: float = 60.0) -> dict:
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
     from deployments.run import deploy, shard_replicas, undeploy
     from deployments.swap import GateFailed, rollback, swap_index
-    from loadtests.swap import swap_under_load
+    from loadtests.during import swap_under_load
 
     old, new, bad = tmp_path / "old", tmp_path / "new", tmp_path / "bad"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(old), limit=LIMIT, backend="local")

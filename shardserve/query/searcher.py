@@ -32,7 +32,8 @@ LIST_SCAN_ROWS = 64
 # every list; above it, it probes FILTER_WIDEN x nprobe / share lists. Chosen on Fashion-MNIST's
 # labels (a filter that follows the clusters), graded in tests/test_serving.py and test_filters.py.
 EXACT_SHARE = 0.25
-FILTER_WIDEN = 2.0
+FILTER_WIDEN = 4.0
+GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (each <= EXACT_SHARE x rows)
 MAX_FILTERED_EF = 4096  # the widest HNSW search a selective filter may ask for
 LIST_ORDER_ROWS = 64
 
@@ -55,6 +56,8 @@ class ShardSearcher:
         self.list_scan_rows = LIST_SCAN_ROWS
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected: dict[str, np.ndarray] = {}
+        self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
+        self._ids: np.ndarray | None = None  # an IndexIDMap2's id of each inner row
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -133,12 +136,12 @@ class ShardSearcher:
     def answer_filtered(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int]:
         """A batch under a metadata filter: only the shard's rows that match are candidates (a FAISS
         selector, so the scan skips the others), planned by selectivity s = matched / rows. Up to
-        EXACT_SHARE, IVF scans every list: an exact search of the matching rows (a filter that
-        follows the data's clusters, such as a class label, leaves a query's nearest lists with no
-        match at all, so probing more of them is not enough). Above it, IVF probes FILTER_WIDEN x
-        nprobe / s lists and HNSW widens efSearch the same way (capped); Flat is exact anyway. The
-        router's list assignment is not used: the lists depend on the selectivity, which only the
-        shard knows."""
+        EXACT_SHARE, the matching rows are compared one by one (their vectors gathered once per
+        filter): exact, and a filter that follows the data's clusters, such as a class label, leaves
+        a query's nearest lists with no match at all, so probing more of them would not be enough.
+        Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the same way
+        (capped). The router's list assignment is not used: the lists depend on the selectivity,
+        which only the shard knows."""
         params = dict(query.params)
         where = params.pop("filter")
         start = time.perf_counter()
@@ -150,16 +153,65 @@ class ShardSearcher:
                     (time.perf_counter() - start) * 1000.0, 0)
         share = len(selected) / max(int(self.index.ntotal), 1)
         ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
+        if share <= EXACT_SHARE:  # compare with each matching row: no probe or graph walk misses one
+            distances, ids = self._exact_among(query.matrix, k, where, selected)
+            return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
         if ivf is not None:
             wanted = params.get("nprobe", int(ivf.nprobe))
-            widened = int(np.ceil(FILTER_WIDEN * wanted / share))
-            params["nprobe"] = int(ivf.nlist) if share <= EXACT_SHARE else min(int(ivf.nlist), widened)
-        elif "efSearch" in params:
-            params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * params["efSearch"] / share)))
-        sel = faiss.IDSelectorBatch(selected)
-        distances, ids = self.index.search(np.ascontiguousarray(query.matrix, np.float32), k,
-                                           params=search_params(self.index, params, sel))
+            params["nprobe"] = min(int(ivf.nlist), int(np.ceil(FILTER_WIDEN * wanted / share)))
+        elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
+            wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
+            params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * wanted / share)))
+        matrix = np.ascontiguousarray(query.matrix, np.float32)
+        if not isinstance(self.index, faiss.IndexIDMap):  # IVF: the lists hold the ids themselves
+            sel = faiss.IDSelectorBatch(selected)
+            distances, ids = self.index.search(matrix, k, params=search_params(self.index, params, sel))
+            return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+        # An IndexIDMap2 (Flat, HNSW, refined IVF): the inner index knows rows 0..n-1 only, and it
+        # translates a selector itself only at the top level, which IndexRefine does not pass on to
+        # its base index: select the inner rows here, search the inner index, name the answers.
+        id_map = self._id_map()
+        inner = unwrap_id_map(self.index)
+        sel = faiss.IDSelectorBatch(np.flatnonzero(np.isin(id_map, selected)).astype(np.int64))
+        distances, rows = inner.search(matrix, k, params=search_params(inner, params, sel))
+        ids = np.where(rows >= 0, id_map[np.maximum(rows, 0)], -1)
         return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+
+    def _id_map(self) -> np.ndarray:
+        """External id of each inner row of an IndexIDMap2 (read once)."""
+        if self._ids is None:
+            self._ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)  # type: ignore[attr-defined]
+        return self._ids
+
+    def _exact_among(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Brute force over the matching rows' stored vectors, gathered once per filter (cached):
+        a flat index of them answers the whole batch with BLAS."""
+        flat = self._gathered.get(where)
+        if flat is None:
+            flat = faiss.IndexFlat(int(self.index.d), self.index.metric_type)
+            flat.add(self._vectors(selected))
+            if len(self._gathered) >= GATHERED_KEPT:
+                self._gathered.pop(next(iter(self._gathered)))
+            self._gathered[where] = flat
+        distances, rows = flat.search(np.ascontiguousarray(matrix, np.float32), min(k, len(selected)))
+        ids = np.where(rows >= 0, selected[np.maximum(rows, 0)], -1)
+        if ids.shape[1] < k:  # fewer matching rows than k: padded as FAISS pads
+            worst = -np.inf if self.metric != "l2" else np.inf
+            pad = k - ids.shape[1]
+            ids = np.hstack([ids, np.full((len(ids), pad), -1, np.int64)])
+            distances = np.hstack([distances, np.full((len(ids), pad), worst, np.float32)])
+        return distances, ids
+
+    def _vectors(self, ids: np.ndarray) -> np.ndarray:
+        """The stored vectors of these ids (IVF: through its direct map, made on first use; an
+        IndexIDMap2, Flat, HNSW or refined index: by id)."""
+        if self.ivf is not None:
+            # ids are the user's, not sequential: a hash map from id to its place in the lists
+            if self.ivf.direct_map.type == faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
+                self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
+            return self.ivf.reconstruct_batch(ids)
+        return self.index.reconstruct_batch(ids)
 
     def selected(self, where: str) -> np.ndarray:
         """The ids of this shard's rows that pass a (checked) filter; the last few are cached."""
