@@ -140,6 +140,8 @@ def test_a_filter_is_pushed_into_every_shard_and_graded_exactly(door: str, queri
                           for hits, t in zip(body["results"], truth.tolist(), strict=True)])
         assert recall >= 0.95, (where, recall)
         assert all(row["label"] == 3 for hits in body["results"] for row in hits["metadata"])
+    three = _post({"vector": queries[0], "k": 10, "filter": {"$id": {"$in": [5, 77, 1234]}}}, door).json()
+    assert sorted(three["ids"]) == [5, 77, 1234] and three["matched"] == 3  # k=10, 3 rows match: those 3
     bad = _post({"vector": queries[0], "k": 5, "filter": {"lable": 3}}, door)
     assert bad.status_code == 422 and bad.json()["field"] == "filter" and "lable" in bad.json()["error"]
     assert _post({"vector": queries[0], "k": 5}, door).status_code == 200
