@@ -58,6 +58,7 @@ class ShardSearcher:
         self._selected: dict[str, np.ndarray] = {}
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
         self._ids: np.ndarray | None = None  # an IndexIDMap2's id of each inner row
+        self._inner_rows: dict[str, np.ndarray] = {}  # filter -> its inner rows (IndexIDMap2)
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -172,7 +173,13 @@ class ShardSearcher:
         # its base index: select the inner rows here, search the inner index, name the answers.
         id_map = self._id_map()
         inner = unwrap_id_map(self.index)
-        sel = faiss.IDSelectorBatch(np.flatnonzero(np.isin(id_map, selected)).astype(np.int64))
+        inner_rows = self._inner_rows.get(where)
+        if inner_rows is None:  # once per filter, not per batch: a pass over every id of the shard
+            inner_rows = np.flatnonzero(np.isin(id_map, selected)).astype(np.int64)
+            if len(self._inner_rows) >= GATHERED_KEPT:
+                self._inner_rows.pop(next(iter(self._inner_rows)))
+            self._inner_rows[where] = inner_rows
+        sel = faiss.IDSelectorBatch(inner_rows)
         distances, rows = inner.search(matrix, k, params=search_params(inner, params, sel))
         ids = np.where(rows >= 0, id_map[np.maximum(rows, 0)], -1)
         return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
