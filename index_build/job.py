@@ -25,7 +25,7 @@ from shardserve.data.datasets import BASE_ONLY_METRIC, Dataset, is_npy_dir_spec,
 from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
 from shardserve.index.indexes import add_to_copy, make_empty_index, prepare_vectors
-from shardserve.index.manifest import MANIFEST, DatasetInfo, Manifest, ShardEntry
+from shardserve.index.manifest import MANIFEST, DatasetInfo, Manifest, MetadataEntry, ShardEntry
 from shardserve.index.metadata import column_kinds, write_metadata
 from shardserve.index.partition import BY_LISTS, Partition, assigner_of
 from shardserve.index.storage import Location
@@ -103,7 +103,7 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
     vectors = prepare_vectors(dataset.base, params.metric)
 
     def add(empty: bytes, partition: Partition, at: Location,
-            timings: dict) -> tuple[list[ShardEntry], list[ShardEntry] | None]:
+            timings: dict) -> tuple[list[ShardEntry], list[MetadataEntry] | None]:
         with timed("deal rows to shards", timings):
             rows_of_shard = rows_per_shard(partition, empty, vectors)
         with timed(f"add+write {params.shards} shards ({backend})", timings):

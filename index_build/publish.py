@@ -25,6 +25,7 @@ from shardserve.index.manifest import (
     BuildInfo,
     DatasetInfo,
     Manifest,
+    MetadataEntry,
     ShardEntry,
     published,
     write_manifest,
@@ -55,7 +56,7 @@ class BuildParams:
 
 TrainSample = Callable[[], np.ndarray]
 AddShards = Callable[[bytes, Partition, Location, dict],
-                    tuple[list[ShardEntry], list[ShardEntry] | None]]
+                    tuple[list[ShardEntry], list[MetadataEntry] | None]]
 
 
 def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,

@@ -47,7 +47,7 @@ from shardserve.data.datasets import (
 )
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import make_empty_index, prepare_vectors
-from shardserve.index.manifest import Manifest
+from shardserve.index.manifest import Manifest, MetadataEntry
 from shardserve.index.metadata import write_metadata
 from shardserve.index.partition import BY_LISTS, Partition, assigner_of
 from shardserve.index.storage import Location
@@ -344,7 +344,7 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
                 written = [add_shard_streaming(source, empty, params.metric, s, partition, base_rows, at)
                            for s in range(params.shards)]
         entries = [ShardEntry.model_validate_json(entry) for entry, _ in written]
-        metadata = ([ShardEntry.model_validate_json(meta or "") for _, meta in written]
+        metadata = ([MetadataEntry.model_validate_json(meta or "") for _, meta in written]
                     if source.metadata_columns else None)
         return entries, metadata
 

@@ -13,7 +13,7 @@ from index_build.job import build_index
 from serving.evaluate import sharded_search
 from shardserve.data.datasets import load_dataset
 from shardserve.index.assigner import load_assigner
-from shardserve.index.metadata import column_kinds
+from shardserve.index.metadata import POSTING_VALUES, Postings, build_postings, column_kinds
 from shardserve.query.api import ApiError
 from shardserve.query.filters import MAX_DEPTH, MAX_IN, check_filter, matching
 from shardserve.query.searcher import load_all_shards
@@ -35,6 +35,45 @@ IDS = np.arange(100, 112, dtype=np.int64)
 ])
 def test_filters_select_the_rows_they_say(where: dict, expected: list[int]) -> None:
     assert matching(check_filter(where, KINDS), TABLE, IDS).tolist() == expected
+
+
+def _random_filter(rng: np.random.Generator, depth: int = 0) -> dict:
+    """Leaves on every column kind and operator, nested under $and / $or."""
+    if depth < 2 and rng.random() < 0.4:
+        return {str(rng.choice(["$and", "$or"])): [_random_filter(rng, depth + 1) for _ in range(2)]}
+    column = str(rng.choice(["label", "lang", "ok", "score"]))
+    values = {"label": lambda: int(rng.integers(-1, 12)), "lang": lambda: str(rng.choice(list("abcdz"))),
+              "ok": lambda: bool(rng.random() < 0.5), "score": lambda: float(rng.integers(0, 4))}[column]
+    ops = ["$eq", "$ne"] + ([] if column == "ok" else ["$in", "$nin", "$gt", "$lte"])
+    op = str(rng.choice(ops))
+    if op in ("$in", "$nin"):
+        return {column: {op: [values() for _ in range(int(rng.integers(1, 4)))]}}
+    return {column: values()} if op == "$eq" and rng.random() < 0.5 else {column: {op: values()}}
+
+
+def test_posting_lists_select_what_the_scan_selects() -> None:
+    """The build's posting lists (integers, strings, booleans; nulls included) give every filter the
+    rows a pass over the columns gives; floats and columns past POSTING_VALUES are not inverted."""
+    rng = np.random.default_rng(11)
+    rows = POSTING_VALUES + 1000
+
+    def with_nulls(values: list) -> list:
+        return [None if rng.random() < 0.05 else v for v in values]
+
+    table = pa.table({
+        "label": pa.array(with_nulls(rng.integers(0, 10, rows).tolist()), pa.int16()),
+        "lang": pa.array(with_nulls(rng.choice(list("abcd"), rows).tolist())),
+        "ok": pa.array(with_nulls((rng.random(rows) < 0.3).tolist())),
+        "score": pa.array(rng.integers(0, 4, rows).astype(np.float32)),
+        "unique": pa.array(np.arange(rows) * 7)})
+    postings = Postings(build_postings(table))
+    assert postings.columns == {"label", "lang", "ok"}  # score: a float; unique: > POSTING_VALUES values
+    ids = np.arange(rows, dtype=np.int64) * 3 + 5
+    kinds = column_kinds(table.schema)
+    for _ in range(300):
+        where = check_filter(_random_filter(rng), kinds)
+        assert np.array_equal(matching(where, table, ids, postings), matching(where, table, ids)), where
+    assert len(matching(check_filter({"label": 99}, kinds), table, ids, postings)) == 0
 
 
 def test_equal_filters_have_one_canonical_form() -> None:
@@ -103,6 +142,9 @@ def test_a_filter_matching_three_rows_returns_those_three(filtered_index: tuple[
     data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
     _, ids, matched = _search(index, data.queries[:4], 10, {"nprobe": 1, "filter": where})
     assert matched == 3
+    assert all(entry.postings is not None for entry in manifest.metadata or [])  # written by the build
+    assert all(s.metadata is not None and s.metadata.postings is not None
+               and s.metadata.postings.columns == {"caption"} for s in load_all_shards(str(index))[1])
     for answer in ids:  # whatever the query, the three rows and nothing else (FAISS pads with -1)
         assert sorted(i for i in answer.tolist() if i >= 0) == sorted(source_id(np.array(rows)).tolist())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -26,6 +27,12 @@ class ShardEntry(_Strict):
     num_vectors: int
     sha256: str
     bytes: int
+
+
+class MetadataEntry(ShardEntry):
+    """A shard's metadata file, and the posting lists (value -> rows) of its categorical columns,
+    written at build time beside it (None: an index built before they were, or no such column)."""
+    postings: ShardEntry | None = None
 
 
 class DatasetInfo(_Strict):
@@ -63,14 +70,14 @@ class Manifest(_Strict):
     # quantizer once per batch for all shards. None in indexes built before it was written.
     trained: ShardEntry | None = None
     # Per shard, its rows' metadata columns (shardserve.index.metadata), when the build was given some.
-    metadata: list[ShardEntry] | None = None
+    metadata: list[MetadataEntry] | None = None
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str
 
     @staticmethod
     def content_version(shards: list[ShardEntry], factory: str, metric: str,
-                        metadata: list[ShardEntry] | None = None) -> str:
+                        metadata: Sequence[ShardEntry] | None = None) -> str:
         """Index version = hash of what the index answers with: shard contents + how they are read
         (+ the metadata it returns)."""
         digest = hashlib.sha256(f"{factory}|{metric}".encode())
@@ -88,10 +95,14 @@ def published(manifest: Manifest, version_dir: str) -> Manifest:
     def moved(entry: ShardEntry) -> ShardEntry:
         return entry.model_copy(update={"path": f"{version_dir}/{entry.path}"})
 
+    def moved_metadata(entry: MetadataEntry) -> MetadataEntry:
+        return entry.model_copy(update={"path": f"{version_dir}/{entry.path}",
+                                        "postings": moved(entry.postings) if entry.postings else None})
+
     return manifest.model_copy(update={
         "shards": [moved(s) for s in manifest.shards],
         "trained": moved(manifest.trained) if manifest.trained else None,
-        "metadata": [moved(m) for m in manifest.metadata] if manifest.metadata else None})
+        "metadata": [moved_metadata(m) for m in manifest.metadata] if manifest.metadata else None})
 
 
 def pinned_location(index: str) -> str:

@@ -8,6 +8,7 @@ evaluated in each shard over its own metadata (pyarrow.compute) into the ids FAI
 
 A filter is refused (422 naming `filter`) for an unknown column or operator, a value of the wrong type,
 nesting deeper than MAX_DEPTH, an `$in` longer than MAX_IN, or an index built without metadata.
+A row whose value is missing (null) matches no comparison on that column, `$ne` and `$nin` included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shardserve.index.metadata import Postings
 from shardserve.query.api import ApiError
 
 COMPARISONS = {"$eq": pc.equal, "$ne": pc.not_equal, "$gt": pc.greater, "$gte": pc.greater_equal,
@@ -100,16 +102,30 @@ def check_filter(value: object, kinds: dict[str, str]) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _mask(node: dict, table: pa.Table, ids: np.ndarray) -> np.ndarray:
+def _listed(rows: int, lists: list[np.ndarray]) -> np.ndarray:
+    mask = np.zeros(rows, bool)
+    for listed in lists:
+        mask[listed] = True
+    return mask
+
+
+def _mask(node: dict, table: pa.Table, ids: np.ndarray, postings: Postings | None) -> np.ndarray:
     result = np.ones(len(ids), bool)
     for key, value in node.items():
         if key == "$and":
-            part = np.logical_and.reduce([_mask(sub, table, ids) for sub in value])
+            part = np.logical_and.reduce([_mask(sub, table, ids, postings) for sub in value])
         elif key == "$or":
-            part = np.logical_or.reduce([_mask(sub, table, ids) for sub in value])
+            part = np.logical_or.reduce([_mask(sub, table, ids, postings) for sub in value])
         else:
             op, operand = next(iter(value.items())) if isinstance(value, dict) else ("$eq", value)
             operands = operand if op in MEMBERSHIP else [operand]
+            if postings is not None and key in postings.columns and op in ("$eq", "$ne", *MEMBERSHIP):
+                # the build's posting lists: a lookup per value, no pass over the column
+                part = _listed(len(ids), [postings.rows(key, v) for v in operands])
+                if op in ("$ne", "$nin"):  # a missing value matches no comparison, as in the scan
+                    part = ~part & ~_listed(len(ids), [postings.rows(key, None)])
+                result &= part
+                continue
             if key == ID:  # int64 as stored (user ids go past float64's exact integers)
                 column, values = pa.array(ids, pa.int64()), pa.array(operands, pa.int64())
             elif pa.types.is_integer(table.column(key).type) or pa.types.is_floating(table.column(key).type):
@@ -118,7 +134,8 @@ def _mask(node: dict, table: pa.Table, ids: np.ndarray) -> np.ndarray:
                 column, values = table.column(key), pa.array(operands, table.column(key).type)
             if op in MEMBERSHIP:
                 hit = pc.is_in(column, value_set=values)
-                hit = pc.invert(hit) if op == "$nin" else hit
+                if op == "$nin":  # a missing value is in no set and out of none, as with $ne (SQL's NOT IN)
+                    hit = pc.and_(pc.invert(hit), pc.is_valid(column))
             else:
                 hit = COMPARISONS[op](column, values[0])
             part = np.asarray(pc.fill_null(hit, False))
@@ -131,6 +148,8 @@ def _parsed(filter_json: str) -> dict:
     return orjson.loads(filter_json)
 
 
-def matching(filter_json: str, table: pa.Table, ids: np.ndarray) -> np.ndarray:
-    """The ids (of `ids`, the table's rows) that pass a checked filter."""
-    return ids[_mask(_parsed(filter_json), table, ids)]
+def matching(filter_json: str, table: pa.Table, ids: np.ndarray, postings: Postings | None = None
+             ) -> np.ndarray:
+    """The ids (of `ids`, the table's rows) that pass a checked filter; equality and membership on a
+    column with `postings` (built with the table, same row order) read its lists instead."""
+    return ids[_mask(_parsed(filter_json), table, ids, postings)]

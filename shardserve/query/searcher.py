@@ -226,7 +226,7 @@ class ShardSearcher:
             raise ValueError(f"shard {self.name} holds no metadata to filter on")
         found = self._selected.get(where)
         if found is None:
-            found = matching(where, self.metadata.table, self.metadata.ids)
+            found = matching(where, self.metadata.table, self.metadata.ids, self.metadata.postings)
             if len(self._selected) >= 64:
                 self._selected.pop(next(iter(self._selected)))
             self._selected[where] = found
