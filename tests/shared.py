@@ -79,3 +79,23 @@ SMUGGLING = {
                                b"Transfer-Encoding: identity\r\n\r\n0\r\n\r\n",
     "NUL in a header": b"POST /v1/search HTTP/1.1\r\nHost: a\x00\r\nContent-Length: 0\r\n\r\n",
 }
+
+
+def sharded_and_unsharded(factory: str, metric: str, base: np.ndarray, shards: int = 4,
+                          by: str = "ivf-lists") -> tuple:
+    """Shards dealt as the build deals them (whole IVF lists per shard), or by row (i mod S), the
+    unsharded index of the same rows, and the router's assigner (None: not IVF)."""
+    from index_build.job import rows_per_shard
+    from shardserve.index.assigner import CoarseAssigner
+    from shardserve.index.indexes import index_from_bytes, prepare_vectors
+    from shardserve.index.partition import BY_LISTS, Partition
+
+    vectors = prepare_vectors(base, metric)
+    empty = train_empty_index(factory, metric, vectors, seed=3)
+    ids = np.arange(len(vectors))
+    partition = Partition.plan(empty, vectors, shards) if by == BY_LISTS else Partition(shards)
+    assert partition.kind == by
+    searchers = [ShardSearcher(add_to_copy(empty, vectors[rows], ids[rows]), metric, f"s{s}", "v")
+                 for s, rows in enumerate(rows_per_shard(partition, empty, vectors))]
+    unsharded = ShardSearcher(add_to_copy(empty, vectors, ids), metric, "all", "v")
+    return searchers, unsharded, CoarseAssigner.from_trained(index_from_bytes(empty))

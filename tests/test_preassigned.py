@@ -11,7 +11,6 @@ import faiss
 import numpy as np
 import pytest
 
-from index_build.job import rows_per_shard
 from serving.evaluate import sharded_search
 from shardserve.data.datasets import load_dataset
 from shardserve.index.assigner import CoarseAssigner
@@ -23,24 +22,12 @@ from shardserve.index.indexes import (
     prepare_vectors,
     train_empty_index,
 )
-from shardserve.index.partition import BY_LISTS, BY_ROWS, Partition
+from shardserve.index.partition import BY_LISTS, BY_ROWS
 from shardserve.query.list_scan import search_by_lists
 from shardserve.query.render import hits
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery, decode_answer, encode_answer
-
-
-def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4, by: str = BY_LISTS):
-    """Shards dealt as the build deals them (whole IVF lists per shard), or by row (i mod S)."""
-    vectors = prepare_vectors(base, metric)
-    empty = train_empty_index(factory, metric, vectors, seed=3)
-    ids = np.arange(len(vectors))
-    partition = Partition.plan(empty, vectors, shards) if by == BY_LISTS else Partition(shards)
-    assert partition.kind == by
-    searchers = [ShardSearcher(add_to_copy(empty, vectors[rows], ids[rows]), metric, f"s{s}", "v")
-                 for s, rows in enumerate(rows_per_shard(partition, empty, vectors))]
-    unsharded = ShardSearcher(add_to_copy(empty, vectors, ids), metric, "all", "v")
-    return searchers, unsharded, CoarseAssigner.from_trained(index_from_bytes(empty))
+from tests.shared import sharded_and_unsharded
 
 
 @pytest.mark.parametrize("factory, metric", [("IVF64,Flat", "l2"), ("IVF64,Flat", "ip"),
@@ -50,7 +37,7 @@ def _sharded(factory: str, metric: str, base: np.ndarray, shards: int = 4, by: s
 @pytest.mark.parametrize("by", [BY_LISTS, BY_ROWS])
 def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> None:
     data = load_dataset("synthetic:8000x32")
-    searchers, unsharded, assigner = _sharded(factory, metric, data.base, by=by)
+    searchers, unsharded, assigner = sharded_and_unsharded(factory, metric, data.base, by=by)
     assert assigner is not None
     queries = data.queries[:300]
     for nprobe in (1, 7, 64, 200):  # 200 > nlist: clamped like FAISS does
@@ -72,7 +59,7 @@ def test_row_order_of_a_large_batch_changes_no_answer() -> None:
     order and one query at a time answers."""
     data = load_dataset("synthetic:8000x32")
     for factory in ("IVF64,Flat", "IVF64,SQ8"):
-        searchers, _, assigner = _sharded(factory, "l2", data.base)
+        searchers, _, assigner = sharded_and_unsharded(factory, "l2", data.base)
         query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 7})
         for searcher in searchers:
             assert (searcher.nonempty is not None) == (factory == "IVF64,Flat")
@@ -92,7 +79,7 @@ def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None
     the same order too: FAISS sorts ties by id)."""
     rng = np.random.default_rng(5)
     base = rng.integers(0, 3, (6000, 8)).astype(np.float32)
-    searchers, _, assigner = _sharded("IVF16,Flat", metric, base)
+    searchers, _, assigner = sharded_and_unsharded("IVF16,Flat", metric, base)
     queries = prepare_vectors(rng.integers(0, 3, (400, 8)).astype(np.float32), metric)
     for k, nprobe in ((10, 4), (1, 1), (50, 16)):
         query = assigner.query(queries, k, {"nprobe": nprobe})
@@ -115,7 +102,7 @@ def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None
 @pytest.mark.data
 def test_fashion_mnist_quantize_once_equals_unsharded() -> None:
     data = load_dataset("fashion-mnist", limit=12000, num_queries=200)
-    searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
+    searchers, unsharded, assigner = sharded_and_unsharded("IVF128,Flat", "l2", data.base)
     queries = prepare_vectors(data.queries, "l2")
     distances, ids = sharded_search(searchers, queries, 10, {"nprobe": 16}, "l2", assigner)
     expected_d, expected_i, _ = unsharded.search(queries, 10, {"nprobe": 16}, prepared=True)
@@ -248,7 +235,7 @@ def test_router_batches_on_blas_answer_as_single_queries_do() -> None:
     hence the answers, are those of FAISS's per-query kernels (one query at a time, as a plain
     server searches)."""
     data = load_dataset("fashion-mnist", limit=12000, num_queries=280)
-    searchers, unsharded, assigner = _sharded("IVF128,Flat", "l2", data.base)
+    searchers, unsharded, assigner = sharded_and_unsharded("IVF128,Flat", "l2", data.base)
     queries, params = prepare_vectors(data.queries, "l2"), {"nprobe": 16}
     faiss_default = faiss.cvar.distance_compute_blas_threshold
     try:  # process-wide: the tests after this one get FAISS's own setting back

@@ -163,11 +163,18 @@ class ShardSearcher:
         elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
             wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
             params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * wanted / share)))
-        matrix = np.ascontiguousarray(query.matrix, np.float32)
+        distances, ids = self.search_selected(query.matrix, k, where, selected, params)
+        return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+
+    def search_selected(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray, params: dict
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """The index's own search at `params` (no planning), its candidates only the `selected` ids
+        (those of filter `where`): what answer_filtered runs above EXACT_SHARE, once it has widened
+        the params. Sharded, merged, it equals the unsharded index's at the same params (tests)."""
+        matrix = np.ascontiguousarray(matrix, np.float32)
         if not isinstance(self.index, faiss.IndexIDMap):  # IVF: the lists hold the ids themselves
             sel = faiss.IDSelectorBatch(selected)
-            distances, ids = self.index.search(matrix, k, params=search_params(self.index, params, sel))
-            return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+            return self.index.search(matrix, k, params=search_params(self.index, params, sel))
         # An IndexIDMap2 (Flat, HNSW, refined IVF): the inner index knows rows 0..n-1 only, and it
         # translates a selector itself only at the top level, which IndexRefine does not pass on to
         # its base index: select the inner rows here, search the inner index, name the answers.
@@ -181,8 +188,7 @@ class ShardSearcher:
             self._inner_rows[where] = inner_rows
         sel = faiss.IDSelectorBatch(inner_rows)
         distances, rows = inner.search(matrix, k, params=search_params(inner, params, sel))
-        ids = np.where(rows >= 0, id_map[np.maximum(rows, 0)], -1)
-        return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+        return distances, np.where(rows >= 0, id_map[np.maximum(rows, 0)], -1)
 
     def _id_map(self) -> np.ndarray:
         """External id of each inner row of an IndexIDMap2 (read once)."""
