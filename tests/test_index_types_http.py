@@ -36,12 +36,18 @@ def test_index_type_serves_with_recall(ray_cluster, tmp_path: Path, factory: str
             path.unlink()
     try:
         result = evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT)
-        # Fashion-MNIST's labels as filters over HTTP: a class (10 %, compared row by row) and five
-        # classes (50 %, a widened scan), graded against brute force over the matching rows
+        # Fashion-MNIST's labels as filters over HTTP, graded against brute force over the matching
+        # rows: five classes (50 %, a widened scan), a class (10 %), a class within the first 2,000
+        # and 200 ids (~1 % and ~0.1 %; these three compared row by row)
         filtered = [evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT,
-                             where=where) for where in ({"label": 3}, {"label": {"$in": [1, 3, 5, 7, 9]}})]
+                             where=where)
+                    for where in ({"label": {"$in": [1, 3, 5, 7, 9]}}, {"label": 3},
+                                  {"label": 3, "$id": {"$lt": LIMIT // 10}},
+                                  {"label": 3, "$id": {"$lt": LIMIT // 100}})]
     finally:
         undeploy("types")
     assert result["recall"] >= 0.95, result
     assert result["shards"] == 2
+    assert [round(f["matching_rows"] / LIMIT, 3) for f in filtered] == pytest.approx([0.5, 0.1, 0.01, 0.001],
+                                                                                     rel=0.2)
     assert all(f["recall"] >= 0.95 for f in filtered), filtered
