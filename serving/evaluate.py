@@ -93,7 +93,10 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     if stream:
         return _evaluate_streamed(manifest, searchers, assigner, dataset_spec, k, params, url, limit,
                                   batch_size)
-    dataset = load_dataset(dataset_spec, limit=limit, **manifest.dataset.columns())
+    columns = manifest.dataset.columns()
+    if where is not None and is_parquet_spec(dataset_spec):  # the columns a filter reads, as built
+        columns["metadata_columns"] = manifest.dataset.metadata_columns
+    dataset = load_dataset(dataset_spec, limit=limit, **columns)
     dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
     _check_compatible(manifest, dataset.dim, len(dataset.base), dataset.name)
     if where is not None:

@@ -233,3 +233,15 @@ def test_sharded_filtered_search_equals_unsharded(factory: str, by: str, metric:
         if "fs" not in factory:  # fast-scan's quantized distances tie often: ties may swap ids
             assert np.array_equal(ids[real], expected_i[real]), nprobe
         assert set(ids[real].ravel() % GROUPS) <= set(range(12))
+
+
+def test_eval_grades_a_filter_on_the_users_parquet(filtered_index: tuple[Path, Path]) -> None:
+    """`shardserve eval --filter` on a parquet source reads the metadata columns the build stored."""
+    from serving.evaluate import evaluate
+
+    source, index = filtered_index
+    captions = [f"caption {r}" for r in range(0, ROWS, 3)]
+    result = evaluate(str(index), str(source), k=10, params={"nprobe": 2},
+                      where={"caption": {"$in": captions[:MAX_IN]}})
+    assert result["matching_rows"] == min(len(captions), MAX_IN)
+    assert result["recall"] >= 0.95, result
