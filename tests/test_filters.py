@@ -153,6 +153,10 @@ def test_a_filter_matching_three_rows_returns_those_three(filtered_index: tuple[
     data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
     _, ids, matched = _search(index, data.queries[:4], 10, {"nprobe": 1, "filter": where})
     assert matched == 3
+    assigner = load_assigner(str(index))
+    assert assigner is not None  # the router quantizes unfiltered batches only: shards plan filtered ones
+    assert assigner.query(data.queries[:4], 10, {"nprobe": 1}).assign is not None
+    assert assigner.query(data.queries[:4], 10, {"nprobe": 1, "filter": where}).assign is None
     assert all(entry.postings is not None for entry in manifest.metadata or [])  # written by the build
     assert all(s.metadata is not None and s.metadata.postings is not None
                and s.metadata.postings.columns == {"caption"} for s in load_all_shards(str(index))[1])

@@ -39,7 +39,10 @@ class CoarseAssigner:
         return cls.from_trained(index_from_bytes(read_shard_checked(location, manifest.trained)))
 
     def query(self, matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
-        """The batch with its lists assigned (matrix prepared: float32, normalised for cosine)."""
+        """The batch with its lists assigned (matrix prepared: float32, normalised for cosine). Not
+        under a filter: each shard picks its lists by how many of its rows match (answer_filtered)."""
+        if "filter" in params:
+            return ShardQuery(matrix, k, params)
         nprobe = int(params.get("nprobe", self.default_nprobe))
         nprobe = min(nprobe, int(self.ivf.nlist))
         coarse, assign = self.quantizer.search(matrix, nprobe)
