@@ -13,9 +13,10 @@ from deployments.shard import ShardDeployment
 
 
 def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, float] | None = None,
-                rank0_search_s: dict[str, float] | None = None) -> type:
+                rank0_search_s: dict[str, float] | None = None, slow_calls_log: str | None = None) -> type:
     """Shard name -> extra seconds before it loads (`load_s`), per search call (`search_s`), or per
-    search call in that shard's rank-0 replica only (`rank0_search_s`: one slow replica of several)."""
+    search call in that shard's rank-0 replica only (`rank0_search_s`: one slow replica of several).
+    `slow_calls_log`: a file each slowed search call appends a line to (the test reads who was called)."""
     load_s, search_s, rank0_search_s = load_s or {}, search_s or {}, rank0_search_s or {}
 
     class SlowShard(ShardDeployment.func_or_class):
@@ -31,6 +32,9 @@ def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, floa
 
         async def search(self, query: bytes) -> bytes:
             if self.delay_s:
+                if slow_calls_log is not None:
+                    with open(slow_calls_log, "a") as log:
+                        log.write("called\n")
                 await asyncio.sleep(self.delay_s)
             return await super().search(query)
 
