@@ -249,3 +249,23 @@ def test_eval_grades_a_filter_on_the_users_parquet(filtered_index: tuple[Path, P
                       where={"caption": {"$in": captions[:MAX_IN]}})
     assert result["matching_rows"] == min(len(captions), MAX_IN)
     assert result["recall"] >= 0.95, result
+
+
+def test_gathered_vectors_stay_within_one_copy_of_the_shard() -> None:
+    """Exact filtered search keeps each filter's matching vectors gathered for its next batches; all
+    of them together never hold more rows than the shard, the oldest filter dropped first."""
+    data = load_dataset("synthetic:4000x16")
+    [searcher], _, _ = sharded_and_unsharded("IVF16,Flat", "l2", data.base, shards=1, by="rows")
+    _with_groups(searcher)
+    queries = prepare_vectors(data.queries[:5], "l2")
+    kinds = {"group": "number"}
+    for first in range(0, GROUPS, 4):  # 5 filters of 4 groups: 20 % of the rows each, 100 % in all
+        where = check_filter({"group": {"$in": list(range(first, first + 4))}}, kinds)
+        searcher.answer_filtered(ShardQuery(queries, 10, {"filter": where}))
+        held = sum(int(flat.ntotal) for flat in searcher._gathered.values())
+        assert held <= searcher.index.ntotal and where in searcher._gathered
+    assert len(searcher._gathered) == 5  # exactly one copy fits: nothing dropped yet
+    where = check_filter({"group": {"$in": [0, 5]}}, kinds)
+    searcher.answer_filtered(ShardQuery(queries, 10, {"filter": where}))
+    assert len(searcher._gathered) == 5 and where in searcher._gathered  # the oldest made room
+    assert sum(int(flat.ntotal) for flat in searcher._gathered.values()) <= searcher.index.ntotal
