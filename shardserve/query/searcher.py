@@ -143,8 +143,9 @@ class ShardSearcher:
         filter): exact, and a filter that follows the data's clusters, such as a class label, leaves
         a query's nearest lists with no match at all, so probing more of them would not be enough.
         Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the same way
-        (capped). The router's list assignment is not used: the lists depend on the selectivity,
-        which only the shard knows."""
+        (capped). The router sends no list assignment under a filter: the lists depend on the
+        selectivity, which only the shard knows (so each shard runs the quantizer itself:
+        lab.filter_plan measures what that costs)."""
         params = dict(query.params)
         where = params.pop("filter")
         start = time.perf_counter()
