@@ -3,8 +3,9 @@ IVF widened to FILTER_WIDEN x nprobe / share lists with the selector in the scan
 and batch rows; the unfiltered preassigned path beside them. In-process, one FAISS thread (as a
 shard replica runs), every shard of the index in turn (CPU per query = the sum of the shards').
 
-Where EXACT_SHARE comes from, and what a filtered query costs that an unfiltered one does not:
-each shard runs the IVF quantizer itself under a filter (the router's lists are not used).
+Where EXACT_SHARE comes from, and what the widened scan costs with each shard running the IVF
+quantizer itself against taking its lists from the router's ranking (as served; router's
+quantizer time included, once per batch).
 
     python -m lab.filter_plan --index indexes/fashion-mnist-ivf1024-4 → records/filter-plan.json
 """
@@ -15,11 +16,12 @@ import argparse
 import time
 
 import faiss
+import numpy as np
 
 import shardserve.query.searcher as searcher_module
 from loadtests.record import header, save
 from shardserve.data.datasets import load_dataset
-from shardserve.index.assigner import load_assigner
+from shardserve.index.assigner import EXACT_SHARE, load_assigner
 from shardserve.index.indexes import prepare_vectors
 from shardserve.query.filters import check_filter
 from shardserve.query.searcher import load_all_shards
@@ -63,12 +65,18 @@ def main() -> None:
         for classes in CLASSES:
             where = check_filter({"label": {"$in": classes}}, manifest.dataset.metadata_kinds)
             share = round(sum(len(s.selected(where)) for s in searchers) / manifest.num_vectors, 3)
-            for plan, exact_share in (("exact (gathered)", 1.0), ("ivf widened", 0.0)):
+            plans = [("exact (gathered)", 1.0, None), ("ivf widened, each shard's quantizer", 0.0, None)]
+            if assigner is not None and share >= EXACT_SHARE:
+                plans.append(("ivf widened, the router's lists", 0.0, assigner))
+            for plan, exact_share, router in plans:
                 searcher_module.EXACT_SHARE = exact_share
                 for rows in BATCHES:
                     params = {"nprobe": args.nprobe, "filter": where}
+
+                    def make(m: np.ndarray, p: dict = params, a=router) -> ShardQuery:  # noqa: ANN001
+                        return a.query(m, 10, p) if a is not None else ShardQuery(m, 10, p)
                     cell = {"filter_share": share, "plan": plan, "batch": rows,
-                            "ms_per_query": ms_per_query(lambda m, p=params: ShardQuery(m, 10, p), rows)}
+                            "ms_per_query": ms_per_query(make, rows)}
                     print(cell, flush=True)
                     cells.append(cell)
     finally:

@@ -154,9 +154,9 @@ def test_a_filter_matching_three_rows_returns_those_three(filtered_index: tuple[
     _, ids, matched = _search(index, data.queries[:4], 10, {"nprobe": 1, "filter": where})
     assert matched == 3
     assigner = load_assigner(str(index))
-    assert assigner is not None  # the router quantizes unfiltered batches only: shards plan filtered ones
-    assert assigner.query(data.queries[:4], 10, {"nprobe": 1}).assign is not None
-    assert assigner.query(data.queries[:4], 10, {"nprobe": 1, "filter": where}).assign is None
+    assert assigner is not None  # under a filter it ranks as many lists as a shard may take
+    assert assigner.query(data.queries[:4], 10, {"nprobe": 1}).assign.shape == (4, 1)
+    assert assigner.query(data.queries[:4], 10, {"nprobe": 1, "filter": where}).assign.shape == (4, 16)
     assert all(entry.postings is not None for entry in manifest.metadata or [])  # written by the build
     assert all(s.metadata is not None and s.metadata.postings is not None
                and s.metadata.postings.columns == {"caption"} for s in load_all_shards(str(index))[1])
@@ -269,3 +269,24 @@ def test_gathered_vectors_stay_within_one_copy_of_the_shard() -> None:
     searcher.answer_filtered(ShardQuery(queries, 10, {"filter": where}))
     assert len(searcher._gathered) == 5 and where in searcher._gathered  # the oldest made room
     assert sum(int(flat.ntotal) for flat in searcher._gathered.values()) <= searcher.index.ntotal
+
+
+@pytest.mark.parametrize("by", ["ivf-lists", "rows"])
+def test_filtered_shards_take_their_lists_from_the_routers_ranking(by: str) -> None:
+    """Under a broad filter the router ranks as many lists as a shard may probe, and each shard
+    scans the prefix its own share asks for: the answers of each shard's own quantizer, exactly."""
+    data = load_dataset("synthetic:6000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base, by=by)
+    queries = prepare_vectors(data.queries[:100], "l2")
+    for searcher in searchers:
+        _with_groups(searcher)
+    broad = check_filter({"group": {"$lt": 13}}, {"group": "number"})  # 65 %: the widened IVF scan
+    routed = assigner.query(queries, 10, {"nprobe": 4, "filter": broad})
+    assert routed.assign is not None and routed.assign.shape[1] > 4  # ranked deeper than nprobe
+    for searcher in searchers:
+        alone = ShardQuery(queries, 10, {"nprobe": 4, "filter": broad})  # its own quantizer
+        own_d, own_i, _, matched = searcher.answer_filtered(alone)
+        got_d, got_i, _, got_matched = searcher.answer_filtered(routed)
+        assert matched == got_matched > 0
+        assert np.array_equal(got_i, own_i) and np.array_equal(got_d, own_d)
+        assert set(got_i[got_i >= 0].ravel() % GROUPS) <= set(range(13))

@@ -9,6 +9,7 @@ import time
 import faiss
 import numpy as np
 
+from shardserve.index.assigner import EXACT_SHARE, FILTER_WIDEN, filtered_nprobe
 from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from shardserve.index.metadata import MetadataTable
@@ -28,11 +29,6 @@ CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
 # those lists are still in cache. Both pay at 256 rows, neither at 32: `python -m
 # lab.scan_cost` records each order (scan-cost.json).
 LIST_SCAN_ROWS = 64
-# Filtered search planning (answer_filtered): up to this share of a shard's rows matching, IVF scans
-# every list; above it, it probes FILTER_WIDEN x nprobe / share lists. Chosen on Fashion-MNIST's
-# labels (a filter that follows the clusters), graded in tests/test_serving.py and test_filters.py.
-EXACT_SHARE = 0.25
-FILTER_WIDEN = 4.0
 GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (in all, <= its own rows)
 MAX_FILTERED_EF = 4096  # the widest HNSW search a selective filter may ask for
 LIST_ORDER_ROWS = 64
@@ -143,9 +139,9 @@ class ShardSearcher:
         filter): exact, and a filter that follows the data's clusters, such as a class label, leaves
         a query's nearest lists with no match at all, so probing more of them would not be enough.
         Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the same way
-        (capped). The router sends no list assignment under a filter: the lists depend on the
-        selectivity, which only the shard knows (so each shard runs the quantizer itself:
-        lab.filter_plan measures what that costs)."""
+        (capped). A plain IVF shard takes those lists from the front of the router's ranking
+        (CoarseAssigner.query ranks as many as any shard may take): the quantizer runs once per
+        batch, in the router, as unfiltered; without one it runs its own (the same lists)."""
         params = dict(query.params)
         where = params.pop("filter")
         start = time.perf_counter()
@@ -161,8 +157,15 @@ class ShardSearcher:
             distances, ids = self._exact_among(query.matrix, k, where, selected)
             return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
         if ivf is not None:
-            wanted = params.get("nprobe", int(ivf.nprobe))
-            params["nprobe"] = min(int(ivf.nlist), int(np.ceil(FILTER_WIDEN * wanted / share)))
+            probe = filtered_nprobe(params.get("nprobe", int(ivf.nprobe)), share, int(ivf.nlist))
+            params["nprobe"] = probe
+            if (self.ivf is not None and query.assign is not None and query.coarse is not None
+                    and query.assign.shape[1] >= probe):
+                distances, ids = self._scan(np.ascontiguousarray(query.matrix, np.float32),
+                                            np.ascontiguousarray(query.assign[:, :probe], np.int64),
+                                            np.ascontiguousarray(query.coarse[:, :probe], np.float32), k,
+                                            self._selector(where, selected))
+                return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
         elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
             wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
             params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * wanted / share)))
@@ -258,17 +261,18 @@ class ShardSearcher:
         return params
 
     def _scan(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
-              k: int) -> tuple[np.ndarray, np.ndarray]:
+              k: int, sel: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's query-by-query scan of the assigned lists; arrays C-contiguous float32 / int64 /
         float32 (the C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must
-        come from the request, never from mutating the shared index)."""
+        come from the request, never from mutating the shared index). `sel`: only those ids."""
         assert self.ivf is not None  # answer() routes only IVF shards here
         n, nprobe = assign.shape
+        params = self._params(nprobe) if sel is None else faiss.SearchParametersIVF(nprobe=nprobe, sel=sel)
         distances = np.empty((n, k), np.float32)
         ids = np.empty((n, k), np.int64)
         self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),  # type: ignore[attr-defined]
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
-                                      faiss.swig_ptr(ids), False, self._params(nprobe))
+                                      faiss.swig_ptr(ids), False, params)
         return distances, ids
 
 
