@@ -6,7 +6,9 @@ python -m loadtests.shedding --index DIR [--duration 15] [--overload-duration 20
 Starts `shardserve serve DIR` (its own local Ray, the edge with its default admission), then through
 the user's port: closed loop at 8, 32 and 128 clients (never an overload: each client waits for its
 answer), then open loop at 2x the 32-client throughput (an overload: requests arrive faster than
-they are answered). Then Ctrl-C, timed, and what it left running. Goals (`GOAL`, checked in
+they are answered). Each level also records where its answered requests spent their time, from the
+edge's access log (`edge_timings`: queued at the edge, in the router, in total). Then Ctrl-C, timed,
+and what it left running. Goals (`GOAL`, checked in
 `verdict`): 100 % 200 at 8 and 32 clients, >= 99 % at 128; under overload only 200 and 503, the
 503s' p99 under 10 ms, the 200s' p99 within max(3 x the 32-client p99, 50 ms), goodput >= 0.8x the
 32-client throughput. The server starts niced (SERVER_NICE) so that vegeta, on the same 2 cores, is
@@ -24,10 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from loadtests.record import RECORDS, header, save
 from loadtests.vegeta_run import attack, make_targets, write_targets
+from serving.edge import parse_access_line
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
@@ -48,7 +52,9 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
     exe = Path(sys.executable).parent / "shardserve"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     niced = ["nice", "-n", str(server_nice)] if server_nice else []
-    command = [*niced, str(exe), "serve", index, "--port", str(PORT), *(serve_flags or [])]
+    access_log = work / "edge-access.log"
+    command = [*niced, str(exe), "serve", index, "--port", str(PORT), "--access-log", str(access_log),
+               *(serve_flags or [])]
     server = subprocess.Popen(command, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
@@ -63,14 +69,37 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
         queries = load_dataset(read_manifest(Location.parse(index)).dataset.name, num_queries=1000).queries
         targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, params))
         attack(targets, "concurrency", 8, 3, work, "warm")
-        closed = {c: attack(targets, "concurrency", c, duration_s, work, f"c{c}") for c in (8, 32, 128)}
+
+        def level(mode: str, value: int, seconds: float, label: str) -> dict:
+            logged = access_log.stat().st_size if access_log.exists() else 0
+            result = attack(targets, mode, value, seconds, work, label)
+            return {**result, "edge_timings": edge_timings(access_log, logged)}
+
+        closed = {c: level("concurrency", c, duration_s, f"c{c}") for c in (8, 32, 128)}
         rate = round(2 * closed[32]["qps"])
-        overload = attack(targets, "rate", rate, overload_s, work, "2x")
+        overload = level("rate", rate, overload_s, "2x")
     finally:
         stop = ctrl_c(server)
     return {"banner": [line for line in banner if "overload:" in line],
             "levels": [*closed.values(), overload], "ctrl_c": stop,
             "verdict": verdict(closed, overload)}
+
+
+def edge_timings(access_log: Path, offset: int) -> dict:
+    """Where the answered requests of one level spent their time, from the edge's access log lines
+    past `offset`: p50/p99 ms waiting in the edge's queue, in the router, and in total. The total
+    is what the client measured less the network and the client's own delay in reading."""
+    with open(access_log, "rb") as log:
+        log.seek(offset)
+        lines = [parse_access_line(raw.decode(errors="replace")) for raw in log]
+    answered = [line for line in lines if line is not None and line.status == 200]
+    if not answered:
+        return {}
+    timings = {}
+    for name in ("queue_ms", "router_ms", "total_ms"):
+        values = np.array([getattr(line, name) for line in answered], dtype=np.float64)
+        timings[name] = {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+    return {"answered_200": len(answered), **timings}
 
 
 def ctrl_c(server: subprocess.Popen) -> dict:

@@ -61,7 +61,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
-                   edge=not args.no_edge, admission=_admission(args), api_key=_api_key())
+                   edge=not args.no_edge, admission=_admission(args), api_key=_api_key(),
+                   access_log=args.access_log)
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -315,6 +316,8 @@ def parser() -> argparse.ArgumentParser:
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: cores; a swap needs room for two index versions)")
             _edge_options(cmd)
+            cmd.add_argument("--access-log", metavar="FILE", help="the edge appends a line per request "
+                             "(HAProxy's HTTP log format: time queued at the edge, the router's, the total)")
             cmd.add_argument("--no-edge", action="store_true", help="no HAProxy edge in front of Serve "
                              "(overload is then shed by the router, later and slower)")
 

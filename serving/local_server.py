@@ -23,12 +23,14 @@ from shardserve.runtime.ports import free_port
 
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
                    num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
-                   api_key: str | None = None) -> None:
+                   api_key: str | None = None, access_log: str | None = None) -> None:
     """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C.
 
     Arguments:
         admission: the edge's in-flight and queue bounds (serving.edge.Admission; default: its defaults).
         api_key: when set, the edge answers 401 to any request but /v1/health without it.
+        access_log: a file the edge appends a line per request to (HAProxy's HTTP log format, with
+            its timers: time queued at the edge, the router's time, the total).
     """
     from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
@@ -49,7 +51,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard,
                    front_port=front_port)
             a = admission or Admission()
-            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key).start()
+            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key, access_log).start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_queue} queued, beyond that "
                         f"503 at once (router door 127.0.0.1:{front_port}, Serve 127.0.0.1:{serve_port})"

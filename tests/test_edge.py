@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from index_build.job import build_index
-from serving.edge import Admission, EdgeProcess, edge_config, write_edge
+from serving.edge import AccessLine, Admission, EdgeProcess, edge_config, parse_access_line, write_edge
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
 from tests.faults import slow_shards
@@ -62,10 +62,13 @@ def _search(client: httpx.AsyncClient, body: bytes, headers: dict | None = None)
 
 
 @pytest.mark.slow
-def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_app: bytes) -> None:
+def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_app: bytes,
+                                                                         tmp_path: Path) -> None:
     body = slow_app
+    access_log = tmp_path / "access.log"
     edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}",
-                       Admission(max_in_flight=2, max_queue=6, queue_timeout_ms=30_000)).start()
+                       Admission(max_in_flight=2, max_queue=6, queue_timeout_ms=30_000),
+                       access_log=access_log).start()
 
     async def closed_loop(clients: int, each: int) -> list[int]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -100,6 +103,24 @@ def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_a
     finally:
         edge.stop()
     assert edge.process.returncode is not None  # the edge this test started is gone
+    # the access log has a line per request, with what the client saw; the edge's own 503s never
+    # reached the queue or the router
+    lines = [parse_access_line(line) for line in access_log.read_text().splitlines()]
+    searches = [line for line in lines if line is not None][-(24 + 30):]
+    assert sorted(line.status for line in searches) == sorted([200] * 24 + statuses)
+    assert all(line.queue_ms == -1 and line.router_ms == -1 for line in searches if line.status == 503)
+    assert all(line.router_ms >= 0 and line.total_ms >= line.router_ms for line in searches
+               if line.status == 200)
+
+
+def test_access_line_parses_haproxy_http_log_format() -> None:
+    line = ("127.0.0.1:40112 [25/Nov/2026:14:14:53.722] shardserve_edge shardserve/router 0/23/0/25/48 "
+            '200 512 - - ---- 3/3/2/2/0 0/64 "POST /v1/search HTTP/1.1"')
+    assert parse_access_line(line) == AccessLine(200, 23, 25, 48)
+    shed = ('127.0.0.1:40113 [25/Nov/2026:14:14:53.723] shardserve_edge shardserve_edge/<NOSRV> '
+            '0/-1/-1/-1/0 503 160 - - PR-- 3/3/2/0/0 0/0 "POST /v1/search HTTP/1.1"')
+    assert parse_access_line(shed) == AccessLine(503, -1, -1, 0)
+    assert parse_access_line("[NOTICE] (1) : haproxy version is 2.6.12") is None
 
 
 @pytest.mark.slow
