@@ -6,11 +6,11 @@ python -m loadtests.shedding --index DIR [--duration 15] [--overload-duration 20
 Starts `shardserve serve DIR` (its own local Ray, the edge with its default admission), then through
 the user's port: closed loop at 8, 32 and 128 clients (never an overload: each client waits for its
 answer), then open loop at 2x the 32-client throughput (an overload: requests arrive faster than
-they are answered). Each level also records where its answered requests spent their time, from the
-edge's access log (`edge_timings`: queued at the edge, in the router, in total). Then Ctrl-C, timed,
-and what it left running. Goals (`GOAL`, checked in
-`verdict`): 100 % 200 at 8 and 32 clients, >= 99 % at 128; under overload only 200 and 503, the
-503s' p99 under 10 ms, the 200s' p99 within max(3 x the 32-client p99, 50 ms), goodput >= 0.8x the
+they are answered). With --access-log, each level also records where its answered requests spent
+their time, from the edge's access log (`edge_timings`: queued at the edge, in the router, in
+total). Then Ctrl-C, timed, and what it left running. Goals (`GOAL`, checked in `verdict`):
+100 % 200 at 8 and 32 clients, >= 99 % at 128; under overload only 200 and 503, the 503s' p99
+under 10 ms, the 200s' p99 within max(3 x the 32-client p99, 50 ms), goodput >= 0.8x the
 32-client throughput. The server starts niced (SERVER_NICE) so that vegeta, on the same 2 cores, is
 not the one that waits, as a remote client would not. Record: loadtests/records/admission.json.
 """
@@ -48,13 +48,14 @@ GOAL: dict[str, Any] = {"closed_loop_success": {"8": 1.0, "32": 1.0, "128": 0.99
 
 
 def run(index: str, duration_s: float, overload_s: float, work: Path, params: dict,
-        serve_flags: list[str] | None = None, server_nice: int = 0) -> dict:
+        serve_flags: list[str] | None = None, server_nice: int = 0, access_log: bool = False,
+        client_cpu: int | None = None) -> dict:
     exe = Path(sys.executable).parent / "shardserve"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     niced = ["nice", "-n", str(server_nice)] if server_nice else []
-    access_log = work / "edge-access.log"
-    command = [*niced, str(exe), "serve", index, "--port", str(PORT), "--access-log", str(access_log),
-               *(serve_flags or [])]
+    log_path = work / "edge-access.log"
+    logged = ["--access-log", str(log_path)] if access_log else []
+    command = [*niced, str(exe), "serve", index, "--port", str(PORT), *logged, *(serve_flags or [])]
     server = subprocess.Popen(command, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
@@ -63,6 +64,8 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
         from deployments.run import wait_until_healthy
 
         wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=240)
+        if client_cpu is not None:  # vegeta (our child from now on) on that core only; the server anywhere
+            os.sched_setaffinity(0, {client_cpu})
         while server.stdout and not any("Ctrl-C" in line for line in banner):
             banner.append(server.stdout.readline().rstrip())
         url = f"http://127.0.0.1:{PORT}"
@@ -71,9 +74,9 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
         attack(targets, "concurrency", 8, 3, work, "warm")
 
         def level(mode: str, value: int, seconds: float, label: str) -> dict:
-            logged = access_log.stat().st_size if access_log.exists() else 0
+            offset = log_path.stat().st_size if log_path.exists() else 0
             result = attack(targets, mode, value, seconds, work, label)
-            return {**result, "edge_timings": edge_timings(access_log, logged)}
+            return {**result, "edge_timings": edge_timings(log_path, offset) if access_log else {}}
 
         closed = {c: level("concurrency", c, duration_s, f"c{c}") for c in (8, 32, 128)}
         rate = round(2 * closed[32]["qps"])
@@ -167,13 +170,18 @@ def main() -> None:
                      "'--edge-in-flight 32 --edge-queue 96' (the headline record takes none: the defaults)")
     cli.add_argument("--server-nice", type=int, default=SERVER_NICE,
                      help="niceness `shardserve serve` starts at (0: vegeta's)")
+    cli.add_argument("--client-cpu", type=int, help="run vegeta on this core only (the server keeps "
+                     "every core): it cannot take the server's other core, as a remote client cannot")
+    cli.add_argument("--access-log", action="store_true", help="the edge logs each request, and each "
+                     "level records where its answers spent their time (the log costs the edge time)")
     args = cli.parse_args()
     with tempfile.TemporaryDirectory() as work:
         result = run(args.index, args.duration, args.overload_duration, Path(work), {"nprobe": args.nprobe},
-                     args.serve_flags.split(), args.server_nice)
+                     args.serve_flags.split(), args.server_nice, args.access_log, args.client_cpu)
     print(result["verdict"], result["ctrl_c"], flush=True)
     manifest = read_manifest(Location.parse(args.index))
     record = header(args.name, serve_flags=args.serve_flags.split(), server_nice=args.server_nice,
+                    access_log=args.access_log, client_cpu=args.client_cpu,
                     index={"version": manifest.index_version, "factory": manifest.index_factory,
                            "shards": len(manifest.shards), "num_vectors": manifest.num_vectors},
                     goal=GOAL, **result,
