@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import INDEX_INGRESS
 from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
-from shardserve.index.assigner import CoarseAssigner
+from shardserve.index.assigner import CoarseAssigner, FilterShares
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.metadata import combine
@@ -48,6 +48,7 @@ class IndexSet:
     assigner: CoarseAssigner | None  # IVF: the coarse quantizer, run once per batch in the router
     links: ShardLinks | None  # a TCP link per shard replica (None: Serve handle calls only)
     directory: DeploymentHandle  # the version's ingress: where each shard replica listens
+    filter_shares: FilterShares  # each filter's share of every shard's rows: the lists to rank
 
     @classmethod
     async def load(cls, generation: int, index: str, app: str, use_links: bool) -> IndexSet:
@@ -58,7 +59,8 @@ class IndexSet:
         shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,
-                     ShardLinks(len(shards)) if use_links else None, directory)
+                     ShardLinks(len(shards)) if use_links else None, directory,
+                     FilterShares([shard.num_vectors for shard in manifest.shards]))
         await loaded.refresh_links(timeout_s=2.0)
         return loaded
 
@@ -102,10 +104,11 @@ class IndexSet:
             async def prepare(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
                 if len(matrix) <= INLINE_QUANTIZE_ROWS:
                     faiss.omp_set_num_threads(1)  # per thread: this is the loop's thread
-                    return assigner.query(matrix, k, params)
-                return await loop.run_in_executor(executor, assigner.query, matrix, k, params)
+                    return assigner.query(matrix, k, params, shares)
+                return await loop.run_in_executor(executor, assigner.query, matrix, k, params, shares)
+        shares = self.filter_shares
         return search_batch(queries, call, len(self.shards), self.manifest.metric != "l2", timeout_s,
-                            metrics.shard_done, prepare)
+                            metrics.shard_done, prepare, shares.learn)
 
     async def shard_infos(self, timeout_s: float) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*[s.info.remote() for s in self.shards]), timeout_s)

@@ -13,7 +13,7 @@ import pytest
 from index_build.job import build_index
 from serving.evaluate import sharded_search
 from shardserve.data.datasets import load_dataset
-from shardserve.index.assigner import load_assigner
+from shardserve.index.assigner import EXACT_SHARE, FilterShares, filtered_nprobe, load_assigner
 from shardserve.index.indexes import prepare_vectors
 from shardserve.index.metadata import (
     ID,
@@ -290,3 +290,49 @@ def test_filtered_shards_take_their_lists_from_the_routers_ranking(by: str) -> N
         assert matched == got_matched > 0
         assert np.array_equal(got_i, own_i) and np.array_equal(got_d, own_d)
         assert set(got_i[got_i >= 0].ravel() % GROUPS) <= set(range(13))
+
+
+def test_filter_shares_rank_only_the_lists_some_shard_takes() -> None:
+    shares = FilterShares([1000, 1000, 500], kept=2)
+    assert shares.lists("a", 16, 1024) is None  # not learned: the caller ranks the most
+    shares.learn("a", [10, 250, 5])  # every share <= EXACT_SHARE: every shard compares exactly
+    assert shares.lists("a", 16, 1024) == 0
+    shares.learn("b", [600, 100, 300])  # 60 %, 10 %, 60 %
+    widest = filtered_nprobe(16, 0.6, 1024)
+    assert shares.lists("b", 16, 1024) == widest < filtered_nprobe(16, EXACT_SHARE, 1024)
+    shares.learn("c", [400, None, 500])  # a shard did not answer: nothing learned
+    assert shares.lists("c", 16, 1024) is None
+    shares.learn("d", [0, 0, 0])  # kept=2: the first learned ("a") goes
+    assert shares.lists("a", 16, 1024) is None and shares.lists("d", 16, 1024) == 0
+
+
+@pytest.mark.parametrize("by", ["ivf-lists", "rows"])
+def test_a_learned_filter_ranks_fewer_lists_and_answers_the_same(by: str) -> None:
+    """Once the shards have said what a filter matched, the router ranks only what they take: no
+    lists when each compares exactly, the widest share's prefix otherwise. Each shard's answers are
+    those of its own quantizer, exactly, as before."""
+    data = load_dataset("synthetic:6000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base, by=by)
+    queries = prepare_vectors(data.queries[:100], "l2")
+    for searcher in searchers:
+        _with_groups(searcher)
+    shares = FilterShares([int(s.index.ntotal) for s in searchers])
+    kinds = {"group": "number"}
+    for where, lists in ((check_filter({"group": {"$lt": 13}}, kinds), "some"),  # 65 %: widened IVF
+                         (check_filter({"group": {"$in": [3, 4]}}, kinds), "none")):  # 10 %: exact
+        first = assigner.query(queries, 10, {"nprobe": 4, "filter": where}, shares)
+        answers = [s.answer_filtered(first) for s in searchers]
+        shares.learn(where, [matched for *_, matched in answers])
+        learned = assigner.query(queries, 10, {"nprobe": 4, "filter": where}, shares)
+        if lists == "none":
+            assert learned.assign is None
+        else:
+            assert learned.assign is not None and 4 < learned.assign.shape[1] < first.assign.shape[1]
+        for searcher, (d, i, _, matched) in zip(searchers, answers, strict=True):
+            own_d, own_i, _, own_matched = searcher.answer_filtered(
+                ShardQuery(queries, 10, {"nprobe": 4, "filter": where}))  # its own quantizer
+            got_d, got_i, _, got_matched = searcher.answer_filtered(learned)
+            assert matched == own_matched == got_matched  # with rows dealt, a shard may match none
+            assert np.array_equal(got_i, own_i) and np.array_equal(got_d, own_d)
+            assert np.array_equal(i, own_i) and np.array_equal(d, own_d)
+        assert sum(matched for *_, matched in answers) > 0

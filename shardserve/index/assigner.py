@@ -26,6 +26,38 @@ def filtered_nprobe(nprobe: int, share: float, nlist: int) -> int:
     return min(nlist, int(np.ceil(FILTER_WIDEN * nprobe / max(share, EXACT_SHARE))))
 
 
+class FilterShares:
+    """The share of each shard's rows a filter matched, learned from the shards' answers (each
+    reports the rows it matched): with it the router ranks only the lists some shard will take.
+    Every shard comparing exactly (each share <= EXACT_SHARE): no lists, no quantizer. Otherwise the
+    most that a shard's own share asks for (`filtered_nprobe`), not the most any share could.
+    One index version's shards hold fixed rows, so a share, once learned, holds; at most `kept`
+    filters are kept, the one learned first dropped first."""
+
+    def __init__(self, rows_per_shard: list[int], kept: int = 4096):
+        self.rows = [max(int(rows), 1) for rows in rows_per_shard]
+        self.kept = kept
+        self._shares: dict[str, tuple[float, ...]] = {}
+
+    def learn(self, where: str, matched: list[int | None]) -> None:
+        """The rows each shard matched (None: that shard did not answer, nothing is learned)."""
+        counts = [m for m in matched if m is not None]
+        if where in self._shares or len(counts) != len(self.rows):
+            return
+        if len(self._shares) >= self.kept:
+            del self._shares[next(iter(self._shares))]
+        self._shares[where] = tuple(m / rows for m, rows in zip(counts, self.rows, strict=True))
+
+    def lists(self, where: str, nprobe: int, nlist: int) -> int | None:
+        """The lists to rank for `where` at `nprobe`: 0 when every shard compares exactly (or none
+        matches), else the most a shard's share asks for; None when the filter is not yet learned."""
+        shares = self._shares.get(where)
+        if shares is None:
+            return None
+        wide = [filtered_nprobe(nprobe, share, nlist) for share in shares if share > EXACT_SHARE]
+        return max(wide, default=0)
+
+
 class CoarseAssigner:
     """The shared IVF coarse quantizer, run ONCE per batch by the router instead of once per shard.
 
@@ -52,13 +84,20 @@ class CoarseAssigner:
             return None
         return cls.from_trained(index_from_bytes(read_shard_checked(location, manifest.trained)))
 
-    def query(self, matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
+    def query(self, matrix: np.ndarray, k: int, params: dict, shares: FilterShares | None = None
+              ) -> ShardQuery:
         """The batch with its lists assigned (matrix prepared: float32, normalised for cosine),
-        nearest first. Under a filter, as many as any shard may probe (filtered_nprobe at
-        EXACT_SHARE): each takes the prefix its own share of matching rows asks for."""
-        nprobe = min(int(params.get("nprobe", self.default_nprobe)), int(self.ivf.nlist))
+        nearest first. Under a filter, each shard takes the prefix its own share of matching rows
+        asks for: as many as the `shares` learned say the shards take (none: no assignment at all),
+        or, for a filter not learned yet, as many as any shard may probe (filtered_nprobe at
+        EXACT_SHARE)."""
+        nlist = int(self.ivf.nlist)
+        nprobe = min(int(params.get("nprobe", self.default_nprobe)), nlist)
         if "filter" in params:
-            nprobe = filtered_nprobe(nprobe, EXACT_SHARE, int(self.ivf.nlist))
+            learned = None if shares is None else shares.lists(params["filter"], nprobe, nlist)
+            if learned == 0:  # every shard compares the query with its matching rows: no lists
+                return ShardQuery(matrix, k, params)
+            nprobe = filtered_nprobe(nprobe, EXACT_SHARE, nlist) if learned is None else learned
         coarse, assign = self.quantizer.search(matrix, nprobe)
         return ShardQuery(matrix, k, params, assign, coarse)
 

@@ -38,26 +38,29 @@ async def plain_query(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
 async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_shards: int,
                        higher_is_better: bool, timeout_s: float,
                        on_shard_done: Callable[[int, float | None], None] | None = None,
-                       prepare: Prepare = plain_query) -> list[QueryResult]:
-    """Answer every query of the batch, grouping those that can share one scan per shard."""
+                       prepare: Prepare = plain_query,
+                       on_matched: Callable[[str, list[int | None]], None] | None = None,
+                       ) -> list[QueryResult]:
+    """Answer every query of the batch, grouping those that can share one scan per shard.
+    `on_matched(filter, rows)`: after a filtered group, the rows each shard matched (None: no answer)."""
     groups: dict[tuple, list[int]] = {}
     for position, query in enumerate(queries):
         groups.setdefault(query.group_key, []).append(position)
     results: list[QueryResult | None] = [None] * len(queries)
     if len(groups) == 1:  # the steady state: no extra task per batch
         await _search_group(queries, list(range(len(queries))), results, call_shard, num_shards,
-                            higher_is_better, timeout_s, on_shard_done, prepare)
+                            higher_is_better, timeout_s, on_shard_done, prepare, on_matched)
         return results  # type: ignore[return-value]
     await asyncio.gather(*[
         _search_group([queries[p] for p in positions], positions, results, call_shard, num_shards,
-                      higher_is_better, timeout_s, on_shard_done, prepare)
+                      higher_is_better, timeout_s, on_shard_done, prepare, on_matched)
         for positions in groups.values()])
     return results  # type: ignore[return-value]
 
 
 async def _search_group(group: list[ParsedQuery], positions: list[int], results: list,
                         call_shard: ShardCall, num_shards: int, higher_is_better: bool,
-                        timeout_s: float, on_shard_done, prepare: Prepare) -> None:
+                        timeout_s: float, on_shard_done, prepare: Prepare, on_matched) -> None:
     k, params = group[0].k, dict[str, object](group[0].params)
     if group[0].filter is not None:  # the shards evaluate it on their own metadata
         params["filter"] = group[0].filter
@@ -83,6 +86,9 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         error = f"{type(first).__name__}: {first}"[:500] if first is not None else None
     compute_ms = prepare_ms + max((o[2] for o in answered), default=0.0)
     matched = sum(o[3] for o in answered if len(o) > 3)  # rows the filter let through, all shards
+    if on_matched is not None and group[0].filter is not None:
+        on_matched(group[0].filter, [None if isinstance(o, BaseException) or len(o) < 4 else int(o[3])
+                                     for o in outcomes])
     row = 0
     for query, position in zip(group, positions, strict=True):
         rows = slice(row, row + len(query.matrix))
