@@ -55,6 +55,23 @@ def decide(current: int, depth: float, knee_depth: float, min_replicas: int, max
 
 
 KNEE_POLICY = "deployments.autoscaling:knee_policy"
+# A router replica is one event loop (plus a quantizer thread): past ~0.8 of a core its ready
+# queue grows, and that, not the requests it holds, is the router's knee.
+ROUTER_BUSY_TARGET = 0.8
+
+
+def router_autoscaling_config(min_replicas: int = 1, max_replicas: int = 4,
+                              busy_target: float = ROUTER_BUSY_TARGET, upscale_delay_s: float = 3.0,
+                              downscale_delay_s: float = 60.0, metrics_interval_s: float = 1.0,
+                              look_back_period_s: float = 3.0) -> dict:
+    """A Serve autoscaling_config for the router deployment (`AppArgs.router_autoscaling`): the
+    knee policy on the cores its replicas use (`Router.record_autoscaling_stats`), `busy_target`
+    cores per replica. Router replicas on a node share the door's port (SO_REUSEPORT), and the door
+    ends each kept-alive connection after 1,000 requests, so the edge reconnects and a new replica
+    gets its share of the traffic. Keep the router on the edge's node (`router_resources`) on a
+    cluster."""
+    return autoscaling_config(busy_target, min_replicas, max_replicas, upscale_delay_s, downscale_delay_s,
+                              metrics_interval_s, look_back_period_s, knee_policy=True)
 
 
 def with_link_policy(config: dict) -> dict:
@@ -64,6 +81,13 @@ def with_link_policy(config: dict) -> dict:
     if config.get("policy"):
         return config
     return {**config, "policy": {"policy_function": KNEE_POLICY}}
+
+
+def stage_load(ctx) -> float:
+    """What the knee policy compares with the knee: a router's replicas report the cores they use
+    (`router_busy`); a shard deployment's load is its queue depth."""
+    busy = (ctx.aggregated_metrics or {}).get("router_busy")
+    return float(sum(busy.values())) if busy else queue_depth(ctx)
 
 
 def queue_depth(ctx) -> float:
@@ -89,7 +113,8 @@ def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | No
 
 def knee_policy(ctx) -> tuple[int, dict]:
     """Serve custom autoscaling policy (`policy_function: deployments.autoscaling:knee_policy`),
-    per shard deployment: its own queue depth against the knee depth (`target_ongoing_requests`).
+    per deployment: a shard's own queue depth against the knee depth (`target_ongoing_requests`), a
+    router's cores used against its busy target (`router_autoscaling_config`).
 
     While the queue is past the knee the policy asks for at least one more replica, so Serve's
     upscale delay runs without restarting; replicas still starting are never scaled away (measured:
@@ -98,7 +123,7 @@ def knee_policy(ctx) -> tuple[int, dict]:
     The moment a deployment's queue passes the knee is what its scaling reaction is measured from,
     so each crossing is logged (controller log) and kept in the GCS key-value store
     (`knee_events`), where a load test or an operator reads it back."""
-    depth, knee = queue_depth(ctx), float(ctx.config.target_ongoing_requests)
+    depth, knee = stage_load(ctx), float(ctx.config.target_ongoing_requests)
     current = ctx.current_num_replicas
     ceiling = ctx.capacity_adjusted_max_replicas
     target = decide(current, depth, knee, ctx.capacity_adjusted_min_replicas, ceiling)

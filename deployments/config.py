@@ -44,6 +44,10 @@ class AppArgs(BaseModel):
                              "starts in about a second (runtime.warm_pool; 4 covers a burst that scales "
                              "4 shards on one node at once; each ~115 MB, ~1 % of a core idle); 0: none")
     router_replicas: int = Field(1, ge=1)
+    router_autoscaling: dict | None = Field(
+        None, description="Serve autoscaling_config for the router (deployments.autoscaling."
+                          "router_autoscaling_config): it scales on the cores its replicas use, "
+                          "replacing router_replicas when set")
     router_num_cpus: float = Field(0.25, gt=0)
     max_batch_size: int = Field(
         256, ge=1, description="query vectors per router batch (a batch takes everything queued when a "

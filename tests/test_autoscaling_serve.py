@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import orjson
@@ -17,12 +19,44 @@ from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
 PORT = 18321
+T = TypeVar("T")
 
 
 def _running(app: str) -> dict[str, int]:
     from deployments.run import shard_replicas
 
     return shard_replicas(app)
+
+
+def _load_while_watching(url: str, body: bytes, count: Callable[[], T], scaled: Callable[[T], bool],
+                         deadline_s: float = 60) -> tuple[int, list[T]]:
+    """8 closed-loop clients (bounded in time, every answer a 200) while `count()` is read every
+    0.5 s; the load ends once `scaled` says so. Returns the requests sent and what was read."""
+    history: list[T] = []
+
+    async def run() -> int:
+        stop, sent = time.monotonic() + deadline_s, 0
+
+        async def client(http: httpx.AsyncClient) -> None:
+            nonlocal sent
+            while time.monotonic() < stop:
+                response = await http.post(f"{url}/v1/search", content=body)
+                assert response.status_code == 200, response.text
+                sent += 1
+
+        async def watch() -> None:
+            nonlocal stop
+            while time.monotonic() < stop:
+                history.append(await asyncio.to_thread(count))
+                if scaled(history[-1]):
+                    stop = time.monotonic()  # scaled: end the load early
+                await asyncio.sleep(0.5)
+
+        async with httpx.AsyncClient(timeout=30) as http:
+            await asyncio.gather(watch(), *[client(http) for _ in range(8)])
+        return sent
+
+    return asyncio.run(run()), history
 
 
 # Serve's built-in policy sees Serve calls only (transport "serve"); the knee policy also reads the
@@ -45,34 +79,9 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
                  shard_transport="link" if knee_policy else "serve", max_concurrent_batches=4)
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
-    history: list[dict[str, int]] = []
-
-    async def load_until_scaled(deadline_s: float) -> int:
-        """8 closed-loop clients (bounded in time) while watching replica counts every 0.5 s."""
-        stop = time.monotonic() + deadline_s
-        sent = 0
-
-        async def client(http: httpx.AsyncClient) -> None:
-            nonlocal sent
-            while time.monotonic() < stop:
-                response = await http.post(f"{url}/v1/search", content=body)
-                assert response.status_code == 200, response.text
-                sent += 1
-
-        async def watch() -> None:
-            nonlocal stop
-            while time.monotonic() < stop:
-                history.append(await asyncio.to_thread(_running, "scaling"))
-                if history[-1].get("shard-001", 0) >= 2:
-                    stop = time.monotonic()  # scaled: end the load early
-                await asyncio.sleep(0.5)
-
-        async with httpx.AsyncClient(timeout=30) as http:
-            await asyncio.gather(watch(), *[client(http) for _ in range(8)])
-        return sent
-
     try:
-        sent = asyncio.run(load_until_scaled(60))
+        sent, history = _load_while_watching(url, body, lambda: _running("scaling"),
+                                             lambda counts: counts.get("shard-001", 0) >= 2)
         assert sent > 0
         peak = max(h.get("shard-001", 0) for h in history)
         assert peak >= 2, history
@@ -125,6 +134,16 @@ def test_knee_policy_decisions() -> None:
     assert knee_policy(ctx) == (1, {"knee_passed_at": None})  # and one step down
     ctx.target_num_replicas = 3  # ...but not while a replica asked for is still starting
     assert knee_policy(ctx) == (3, {"knee_passed_at": None})
+    # A router's replicas report the cores they used; the requests it holds do not count (behind
+    # the edge it holds K however fast it is): 1.2 cores against a 0.8 target wants 2 replicas.
+    router = SimpleNamespace(current_num_replicas=1, target_num_replicas=1, total_num_requests=40.0,
+                             aggregated_metrics={"router_busy": {"replica-a": 1.2}},
+                             config=SimpleNamespace(target_ongoing_requests=0.8), policy_state={},
+                             capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+                             app_name="a", deployment_name="Router")
+    assert knee_policy(router) == (2, {"knee_passed_at": 1})
+    router.aggregated_metrics = {"router_busy": {"replica-a": 0.3}}
+    assert knee_policy(router) == (1, {"knee_passed_at": None})
 
 
 def test_past_knee_is_a_schmitt_trigger() -> None:
@@ -136,3 +155,39 @@ def test_past_knee_is_a_schmitt_trigger() -> None:
     assert past_knee(current=1, depth=1.9, knee_depth=2, passed_at=None) is None  # not yet in
     assert past_knee(current=2, depth=3.0, knee_depth=2, passed_at=1) is None  # replicas changed
     assert past_knee(current=2, depth=4.2, knee_depth=2, passed_at=1) == 2  # past it again at 2
+
+
+def _routers(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["Router"]
+    return sum(n for state, n in status.replica_states.items() if state == "RUNNING")
+
+
+def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> None:
+    """The router scales on the cores it uses (its knee), not on requests held: under load it
+    passes a low busy target and gains a replica, the crossing is kept, and idle it comes back."""
+    from deployments.autoscaling import knee_events, router_autoscaling_config
+    from deployments.run import deploy, undeploy
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=6000, backend="ray")
+    scaling = router_autoscaling_config(max_replicas=2, busy_target=0.1, upscale_delay_s=0.5,
+                                        downscale_delay_s=2, metrics_interval_s=0.5, look_back_period_s=1)
+    url = deploy(str(index), port=PORT, app_name="busy", route_prefix="/busy", router_autoscaling=scaling,
+                 router_num_cpus=0.1, shard_num_cpus=0.1)
+    body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
+                        option=orjson.OPT_SERIALIZE_NUMPY)
+    try:
+        assert _routers("busy") == 1
+        sent, history = _load_while_watching(url, body, lambda: _routers("busy"), lambda n: n >= 2)
+        assert sent > 0
+        assert max(history) == 2, history
+        events = knee_events("busy", "Router")  # the crossing, in cores used: one replica, past 0.1
+        assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 0.1, events
+        deadline = time.monotonic() + 60  # idle now: back to one
+        while time.monotonic() < deadline and _routers("busy") > 1:
+            time.sleep(1)
+        assert _routers("busy") == 1
+    finally:
+        undeploy("busy")

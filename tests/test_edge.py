@@ -226,3 +226,43 @@ def test_smuggling_forms_through_the_edge_never_get_a_second_answer_and_a_trickl
     assert others == [200] * 20  # each answered while the trickled upload was unfinished
     assert trickled.startswith(b"HTTP/1.1 200") and b'"bytes":20' in trickled
     assert seen.index("/trickle") > seen.index("/other/19")  # the door saw the upload only whole
+
+
+@pytest.mark.parametrize("per_connection", [10, 1000])
+def test_router_replicas_sharing_the_door_share_the_edges_traffic(per_connection: int) -> None:
+    """Two doors on one port (SO_REUSEPORT, as two router replicas on a node) behind the edge, one
+    client on one kept-alive connection: the edge keeps its connection to a door alive until that
+    door ends it (`Connection: close` on its `per_connection`th answer), then opens another, which
+    the kernel may hand to either door. So a replica started later gets traffic; while the
+    connection lasts, every request goes to one door."""
+    from shardserve.transport.http_front import FrontDoor, Reply, Request
+
+    served: dict[str, int] = {"a": 0, "b": 0}
+
+    def handler(name: str):
+        async def answer(request: Request) -> Reply:
+            served[name] += 1
+            return Reply(200, b"{}")
+        return answer
+
+    async def run() -> None:
+        first = FrontDoor(handler("a"), 1024, 30.0, max_requests_per_connection=per_connection)
+        _, port = await first.listen("127.0.0.1", 0)
+        second = FrontDoor(handler("b"), 1024, 30.0, max_requests_per_connection=per_connection)
+        await second.listen("127.0.0.1", port)
+        edge = EdgeProcess(f"127.0.0.1:{port}", f"127.0.0.1:{EDGE_PORT}").start()
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{EDGE_PORT}") as client:
+                for _ in range(400):
+                    assert (await client.get("/x")).status_code == 200
+        finally:
+            edge.stop()
+            first.close()
+            second.close()
+
+    asyncio.run(run())
+    assert served["a"] + served["b"] == 400
+    if per_connection == 1000:  # one connection to the door, never ended: one door served all
+        assert sorted(served.values()) == [0, 400], served
+    else:  # 40 connections, each to either door
+        assert min(served.values()) > 0, served

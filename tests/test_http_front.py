@@ -90,6 +90,23 @@ def test_pipelined_requests_are_answered_in_order() -> None:
     assert answer.rstrip().endswith(b'"bytes":0,"query":"","content_type":""}')
 
 
+def test_a_connections_last_request_is_answered_with_connection_close_and_nothing_after_it() -> None:
+    """The door ends a kept-alive connection after `max_requests_per_connection` requests, saying so
+    in the last answer: a request pipelined behind it is not answered, and the connection closes."""
+    async def run():
+        front = FrontDoor(_echo, 1024, 5.0, max_requests_per_connection=2)
+        _, port = await front.listen("127.0.0.1", 0)
+        three = b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % n for n in range(3))
+        answer = await _raw(port, three)  # reads until the door closes
+        front.close()
+        return answer
+
+    answer = asyncio.run(run())
+    assert answer.count(b"HTTP/1.1 200 OK") == 2 and b'"/2"' not in answer
+    first, second = answer.split(b"HTTP/1.1 200 OK")[1:]
+    assert b"Connection: close" not in first and b"Connection: close" in second
+
+
 @pytest.mark.parametrize(("request_bytes", "status", "says"), [
     (b"POST /v1/search HTTP/1.1\r\nContent-Length: 999999\r\n\r\n", 413, b"exceeds 1024"),
     (b"POST /v1/search HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n" + b"x" * 1024 + b"\r\n1\r\nx",

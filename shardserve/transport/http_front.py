@@ -38,6 +38,11 @@ MAX_HEADERS = 64
 MAX_PIPELINED = 16  # complete requests waiting behind the one being answered; more: the client is hostile
 MAX_CONNECTIONS = 4096
 KEEP_ALIVE_IDLE_S = 75.0  # an idle keep-alive connection closes after this
+# A connection's last request: its answer says `Connection: close`. Router replicas on a node share
+# the door's port (SO_REUSEPORT), and an edge keeps its connections alive: without an end, a replica
+# started later (autoscaling) would get none of them. The close is announced in the answer, so the
+# client never sends on a connection the door is closing. 1,000: a reconnect per 1,000 requests.
+MAX_REQUESTS_PER_CONNECTION = 1000
 LINGER_IDLE_S, LINGER_MAX_S = 2.0, 10.0  # after a refusal: read and drop what the client still sends
 JSON = "application/json"
 
@@ -118,6 +123,7 @@ class _Connection(asyncio.Protocol):
         self.writable = True
         self.timer: asyncio.TimerHandle | None = None
         self.lingering_until = 0.0  # > 0: refused, answered, write side shut; dropping what arrives
+        self.requests = 0  # complete requests read on this connection
         self._reset()
 
     def _reset(self) -> None:
@@ -224,7 +230,9 @@ class _Connection(asyncio.Protocol):
         path, _, query = target.partition("?")
         request = Request("GET" if head_only else method, path, b"".join(self.body), query,
                           self.content_type)
-        self.ready.append((request, self.parser.should_keep_alive(), head_only))
+        self.requests += 1
+        last = self.requests >= self.front.max_requests_per_connection
+        self.ready.append((request, self.parser.should_keep_alive() and not last, head_only))
         self._reset()
 
     # -- answering ----------------------------------------------------------------------------
@@ -313,9 +321,11 @@ class FrontDoor:
     """A listening HTTP server: `handler(request)` answers every complete request."""
 
     def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION):
         self.handler, self.max_body_bytes, self.body_timeout_s = handler, max_body_bytes, body_timeout_s
         self.max_connections = max_connections
+        self.max_requests_per_connection = max_requests_per_connection
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.server: asyncio.Server | None = None
