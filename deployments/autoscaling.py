@@ -83,6 +83,22 @@ def with_link_policy(config: dict) -> dict:
     return {**config, "policy": {"policy_function": KNEE_POLICY}}
 
 
+class ReportsCoresUsed:
+    """A Serve deployment that scales on the cores it uses (the router): each replica reports, as
+    `router_busy`, the cores its process used since its last report (event loop and threads). Not
+    its queue: behind the edge a router holds at most K requests however slow it is, and when the
+    shards are what is slow, a second router would only wait for them too."""
+
+    _cores_since: tuple[float, float] | None = None  # (monotonic s, process CPU s) of the last report
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        now, cpu = time.monotonic(), time.process_time()
+        since, self._cores_since = self._cores_since, (now, cpu)
+        if since is None or now <= since[0]:  # the first report: nothing measured yet
+            return {"router_busy": 0.0}
+        return {"router_busy": (cpu - since[1]) / (now - since[0])}
+
+
 def stage_load(ctx) -> float:
     """What the knee policy compares with the knee: a router's replicas report the cores they use
     (`router_busy`); a shard deployment's load is its queue depth."""

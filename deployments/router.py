@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
+from deployments.autoscaling import ReportsCoresUsed
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
@@ -57,7 +58,7 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
 
 
 @serve.deployment(max_ongoing_requests=512)
-class Router:
+class Router(ReportsCoresUsed):
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
     async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
@@ -74,7 +75,6 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
-        self._busy_since = (time.monotonic(), time.process_time())  # for record_autoscaling_stats
         # Large batches' coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
         most, at_once, overlap_rows = a.batching()
@@ -88,16 +88,6 @@ class Router:
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
             await self.front.listen(a.front_host, a.front_port)
         lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """This replica's load for the router's autoscaling policy (deployments.autoscaling): the
-        cores it used since the last report (its event loop and quantizer thread). Not its queue:
-        behind the edge a router holds at most K requests however slow it is, and when the shards
-        are what is slow, a second router would only wait for them too."""
-        now, cpu = time.monotonic(), time.process_time()
-        since, cpu_then = self._busy_since
-        self._busy_since = (now, cpu)
-        return {"router_busy": (cpu - cpu_then) / (now - since) if now > since else 0.0}
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""

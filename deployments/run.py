@@ -54,6 +54,14 @@ def undeploy(app_name: str = APP_NAME) -> None:
         time.sleep(0.5)
 
 
+def router_replicas(app_name: str = APP_NAME) -> int:
+    """RUNNING replicas of the app's router, from Serve's status."""
+    from ray import serve
+
+    status = serve.status().applications[app_name].deployments["Router"]
+    return sum(n for state, n in status.replica_states.items() if state == "RUNNING")
+
+
 def shard_replicas(app_name: str = APP_NAME) -> dict[str, int]:
     """RUNNING replicas of each shard deployment of the app's index version(s), from Serve's status."""
     from ray import serve

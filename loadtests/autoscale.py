@@ -19,9 +19,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from deployments.autoscaling import ROUTER_BUSY_TARGET
 from loadtests.during import ReplicaWatcher
 from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
@@ -153,6 +155,10 @@ def main() -> None:
                      help="shard calls in flight per replica: over links each call is a batch and a "
                           "replica searches one batch at a time (one FAISS thread), so past 1 batches wait")
     own.add_argument("--max-replicas", type=int, default=3)
+    own.add_argument("--router-max-replicas", type=int, default=2,
+                     help="the router autoscales on the cores it uses, up to this (1: fixed)")
+    own.add_argument("--router-busy", type=float, default=ROUTER_BUSY_TARGET,
+                     help="cores a router replica may use before the policy adds one")
     own.add_argument("--upscale-delay", type=float, default=0.0,
                      help="the depth is already averaged over --look-back: a crossing scales at once")
     own.add_argument("--downscale-delay", type=float, default=8.0)
@@ -179,7 +185,7 @@ def run_own(args: argparse.Namespace) -> None:
     """Own local Ray: deploy `args.index` with autoscaling shards, ramp, stop what we started."""
     from urllib.parse import urlparse
 
-    from deployments.autoscaling import autoscaling_config
+    from deployments.autoscaling import autoscaling_config, router_autoscaling_config
     from deployments.config import AppArgs
     from deployments.run import deploy
     from serving.edge import EdgeProcess
@@ -189,14 +195,18 @@ def run_own(args: argparse.Namespace) -> None:
     settings = autoscaling_config(args.knee_depth, 1, args.max_replicas, args.upscale_delay,
                                   args.downscale_delay, args.metrics_interval, args.look_back,
                                   knee_policy=True)
+    routers = (router_autoscaling_config(1, args.router_max_replicas, args.router_busy, args.upscale_delay,
+                                         args.downscale_delay, args.metrics_interval, args.look_back)
+               if args.router_max_replicas > 1 else None)
     started = ensure_ray(num_cpus=args.num_cpus, serving_node=True)
     if not started:  # e.g. the previous run's Ray, still shutting down: its settings are not ours
         raise SystemExit("error: --index needs its own Ray, and one is already running here "
                          "(RAY_ADDRESS or a local cluster); stop it or run without --index")
     edge = None
     try:
-        chosen = {name: value for name, value in (("serving_nice", args.serving_nice),
-                                                  ("warm_workers", args.warm_workers)) if value is not None}
+        chosen: dict[str, Any] = {name: value for name, value in (("serving_nice", args.serving_nice),
+                                                  ("warm_workers", args.warm_workers),
+                                                  ("router_autoscaling", routers)) if value is not None}
         # As `shardserve serve` runs it: Serve and the router's door on private ports, the edge with
         # its default admission on the user's port (--no-edge: Serve's HTTP on the user's port).
         port = urlparse(args.url).port or 8000
@@ -209,7 +219,8 @@ def run_own(args: argparse.Namespace) -> None:
             edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}").start()
         pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
         admission = None if edge is None else dataclasses.asdict(edge.admission)
-        ramp(args, settings, extra={"warm_pool": pool, "edge_admission": admission})
+        ramp(args, settings, extra={"warm_pool": pool, "edge_admission": admission,
+                                    "router_autoscaling": routers})
     finally:
         if edge is not None:
             edge.stop()
@@ -261,13 +272,15 @@ def wait_for_pool(target: int, timeout_s: float = 120.0, measure_s: float = 10.0
 
 
 def crossings(app: str) -> dict[str, list[dict]]:
-    """The knee policy's recorded crossings for every shard deployment of `app`'s index."""
+    """The knee policy's recorded crossings for every shard deployment of `app`'s index, and for
+    its router (none unless the router autoscales)."""
     from deployments.autoscaling import knee_events
     from deployments.config import index_app_name
     from deployments.run import shard_replicas
 
     index_app = index_app_name(app)
-    return {name: knee_events(index_app, name) for name in shard_replicas(app)}
+    return {**{name: knee_events(index_app, name) for name in shard_replicas(app)},
+            "Router": knee_events(app, "Router")}
 
 
 def startups(app: str, since: float) -> dict[str, list[dict]]:
@@ -284,7 +297,7 @@ def ramp(args: argparse.Namespace, settings: dict | None, extra: dict | None = N
     queries = load_dataset(args.dataset).queries
     lower_priority(HARNESS_NICE)  # the replica watcher polls Serve's status from this process
     phases = [(float(m), float(s)) for m, s in (p.split(":") for p in args.phases.split(","))]
-    with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app, period_s=0.5) as watcher:
+    with tempfile.TemporaryDirectory() as tmp, ReplicaWatcher(args.app, 0.5, router=True) as watcher:
         targets = write_targets(Path(tmp) / "t.jsonl", make_targets(
             queries, args.url, 10, {"nprobe": args.nprobe} if args.nprobe else None, 0, 2000))
         start = time.time()

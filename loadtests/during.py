@@ -65,8 +65,9 @@ class ReplicaWatcher:
     each shard deployment, once per `period_s`, as {"t": wall-clock s, "replicas": {name: n}} (or
     {"t", "error"} when Serve's status was not readable at that instant)."""
 
-    def __init__(self, app: str, period_s: float = 1.0):
-        self.app, self.period_s = app, period_s
+    def __init__(self, app: str, period_s: float = 1.0, router: bool = False):
+        """`router`: the router's replicas too, as "Router"."""
+        self.app, self.period_s, self.router = app, period_s, router
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="replica-watcher", daemon=True)
@@ -80,12 +81,15 @@ class ReplicaWatcher:
         self._thread.join()
 
     def _watch(self) -> None:
-        from deployments.run import shard_replicas
+        from deployments.run import router_replicas, shard_replicas
 
         while not self._stop.is_set():
             started = time.time()
             try:
-                self.samples.append({"t": started, "replicas": shard_replicas(self.app)})
+                replicas = shard_replicas(self.app)
+                if self.router:
+                    replicas["Router"] = router_replicas(self.app)
+                self.samples.append({"t": started, "replicas": replicas})
             except Exception as exc:  # keep watching through transient controller hiccups
                 self.samples.append({"t": started, "error": type(exc).__name__})
             self._stop.wait(max(0.0, self.period_s - (time.time() - started)))
