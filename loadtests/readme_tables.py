@@ -170,7 +170,7 @@ def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
             f"{_cell(pool.get('target'))}); each, measured idle for {_cell(pool.get('measured_s'))} s "
             f"before the ramp: {_cell(pool.get('mean_rss_anon_mb'))} MB of its own memory, "
             f"{_cell(None if share is None else 100 * share)} % of a core.", "",
-            "| shard | knee crossings | first passed the knee (s into the run) | → new replica RUNNING "
+            "| stage | knee crossings | first passed the knee (s into the run) | → new replica RUNNING "
             f"s (goal ≤ {goal_s:g}) | it ran in a warm worker | its constructor s | index load s |",
             "|---|---|---|---|---|---|---|"]
     for name, reaction in record["knee_reactions"].items():
