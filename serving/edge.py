@@ -112,9 +112,6 @@ frontend shardserve_edge
 backend shardserve
     http-reuse always
     errorfile 503 {errorfile}
-    # a request the router closed on before answering (a replica stopping) goes again, once
-    retry-on conn-failure empty-response
-    retries 1
     # (the door ends each kept-alive connection after 1,000 requests, announced with `Connection:
     # close`: router replicas share its port, and a new connection may reach one started since)
     server router {backend} maxconn {a.max_in_flight}
