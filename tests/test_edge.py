@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -101,16 +102,25 @@ def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_a
         answered = [payload for status, _, payload in outcomes if status == 200]
         assert all(len(p["ids"]) == 5 and p["coverage"]["answered"] == 2 for p in answered)
     finally:
+        # the edge logs a request as it ends it, after the client may have read the answer: wait
+        # (bounded) for every search's line before stopping it, or the last ones may never be written
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_logged_searches(access_log)) < 24 + 30:
+            time.sleep(0.1)
         edge.stop()
     assert edge.process.returncode is not None  # the edge this test started is gone
     # the access log has a line per request, with what the client saw; the edge's own 503s never
     # reached the queue or the router
-    lines = [parse_access_line(line) for line in access_log.read_text().splitlines()]
-    searches = [line for line in lines if line is not None][-(24 + 30):]
+    searches = _logged_searches(access_log)
     assert sorted(line.status for line in searches) == sorted([200] * 24 + statuses)
     assert all(line.queue_ms == -1 and line.router_ms == -1 for line in searches if line.status == 503)
     assert all(line.router_ms >= 0 and line.total_ms >= line.router_ms for line in searches
                if line.status == 200)
+
+
+def _logged_searches(access_log: Path) -> list[AccessLine]:
+    lines = access_log.read_text().splitlines() if access_log.exists() else []
+    return [parsed for line in lines if "/v1/search" in line and (parsed := parse_access_line(line))]
 
 
 def test_access_line_parses_haproxy_http_log_format() -> None:
