@@ -65,7 +65,7 @@ def router_autoscaling_config(min_replicas: int = 1, max_replicas: int = 4,
                               downscale_delay_s: float = 60.0, metrics_interval_s: float = 1.0,
                               look_back_period_s: float = 3.0) -> dict:
     """A Serve autoscaling_config for the router deployment (`AppArgs.router_autoscaling`): the
-    knee policy on the cores its replicas use (`Router.record_autoscaling_stats`), `busy_target`
+    knee policy on the cores its replicas use (`ReportsCoresUsed`), `busy_target`
     cores per replica. Router replicas on a node share the door's port (SO_REUSEPORT), and the door
     ends each kept-alive connection after 1,000 requests, so the edge reconnects and a new replica
     gets its share of the traffic. Keep the router on the edge's node (`router_resources`) on a

@@ -73,7 +73,7 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     HAProxy's stdout, in its standard HTTP log format (`parse_access_line` reads its timers)."""
     a = admission or Admission()
     log_global, log_defaults = "", ""
-    if access_log:  # non-blocking writes: HAProxy drops a line rather than wait for the file
+    if access_log:  # a write per request on the edge's thread: off by default (it costs goodput)
         log_global = "    log stdout format raw local0\n"
         log_defaults = "    log global\n    option httplog\n"
     key_rules = ""
