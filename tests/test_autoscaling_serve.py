@@ -157,18 +157,11 @@ def test_past_knee_is_a_schmitt_trigger() -> None:
     assert past_knee(current=2, depth=4.2, knee_depth=2, passed_at=1) == 2  # past it again at 2
 
 
-def _routers(app: str) -> int:
-    from ray import serve
-
-    status = serve.status().applications[app].deployments["Router"]
-    return sum(n for state, n in status.replica_states.items() if state == "RUNNING")
-
-
 def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> None:
     """The router scales on the cores it uses (its knee), not on requests held: under load it
     passes a low busy target and gains a replica, the crossing is kept, and idle it comes back."""
     from deployments.autoscaling import knee_events, router_autoscaling_config
-    from deployments.run import deploy, undeploy
+    from deployments.run import deploy, router_replicas, undeploy
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=6000, backend="ray")
@@ -179,15 +172,15 @@ def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> Non
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)
     try:
-        assert _routers("busy") == 1
-        sent, history = _load_while_watching(url, body, lambda: _routers("busy"), lambda n: n >= 2)
+        assert router_replicas("busy") == 1
+        sent, history = _load_while_watching(url, body, lambda: router_replicas("busy"), lambda n: n >= 2)
         assert sent > 0
         assert max(history) == 2, history
         events = knee_events("busy", "Router")  # the crossing, in cores used: one replica, past 0.1
         assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 0.1, events
         deadline = time.monotonic() + 60  # idle now: back to one
-        while time.monotonic() < deadline and _routers("busy") > 1:
+        while time.monotonic() < deadline and router_replicas("busy") > 1:
             time.sleep(1)
-        assert _routers("busy") == 1
+        assert router_replicas("busy") == 1
     finally:
         undeploy("busy")
