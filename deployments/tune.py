@@ -2,8 +2,10 @@
 
 Reasoning (the numbers are written into the config as comments):
 - Admission is the edge's (serving/edge.py): `K` requests inside the router, enough for full
-  batches past the knee (2 × the knee concurrency C*), and a queue of `Q` = peak throughput × the
-  delay target before new arrivals get 503 at once. The config's header prints the edge flags.
+  batches past the knee (2 × the knee concurrency C*); while the edge is shedding, a queue of `Q`
+  such that what is admitted waits about the delay target, (K + Q) / peak throughput; while it
+  sheds nothing, `B` = max(Q, the default 64) waiting clients. The config's header prints the
+  edge flags.
 - Behind the edge, a router replica works on at most K requests (`max_in_flight`: never fewer than
   the edge admits, or it would refuse waiting clients the edge let through), and Serve queues at
   most C* more before the replica (`router_max_queued_requests`, for Serve's own HTTP path).
@@ -25,16 +27,22 @@ from deployments.autoscaling import autoscaling_config
 from deployments.config import AUTOSCALED_BATCHES, AppArgs, serve_config_yaml
 from shardserve.errors import ShardserveError
 
-DELAY_TARGET_S = 0.05  # how long an admitted request may wait in the edge's queue past capacity
+# The mean time an admitted request spends in front of the shards past capacity (the edge's queue
+# and the router), (K + Q) / peak: its p99 under overload is 2-3x that (admission.json).
+DELAY_TARGET_S = 0.035
+# Waiting clients the edge admits while it sheds nothing, at least (serving.edge.DEFAULT_BURST: the
+# edge sits above this layer; a test keeps the two equal).
+MIN_BURST = 64
 
 
 def edge_from_knee(knee: dict, delay_target_s: float = DELAY_TARGET_S) -> dict:
-    """serving.edge.Admission fields from a knee: K = 2 × the knee concurrency (at least 8), Q = the
-    peak throughput × `delay_target_s` (at least 1)."""
+    """serving.edge.Admission fields from a knee: K = 2 × the knee concurrency (at least 8),
+    Q = peak throughput × `delay_target_s` - K (at least 1), B = max(Q, MIN_BURST)."""
     if knee.get("mode", "concurrency") != "concurrency":
         raise ShardserveError("tune needs a closed-loop (concurrency) sweep: loadtests/sweep.sh -c ...")
-    return {"max_in_flight": max(8, 2 * int(knee["value"])),
-            "max_queue": max(1, math.ceil(float(knee["peak_qps"]) * delay_target_s))}
+    in_flight = max(8, 2 * int(knee["value"]))
+    queue = max(1, math.ceil(float(knee["peak_qps"]) * delay_target_s) - in_flight)
+    return {"max_in_flight": in_flight, "max_burst": max(queue, MIN_BURST), "max_queue": queue}
 
 
 def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
@@ -68,10 +76,11 @@ def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
         raise ShardserveError("pass --index-dir: the record does not name its index directory")
     overrides = settings_from_knee(knee)
     edge = edge_from_knee(knee)
-    flags = f"--edge-in-flight {edge['max_in_flight']} --edge-queue {edge['max_queue']}"
+    flags = (f"--edge-in-flight {edge['max_in_flight']} --edge-burst {edge['max_burst']} "
+             f"--edge-queue {edge['max_queue']}")
     header = (f"# Tuned by `shardserve tune {record_path}`: knee at {knee['mode']} {knee['value']} "
               f"({knee['qps']} QPS, p50 {knee['p50_ms']} ms, p99 {knee['p99_ms']} ms; "
               f"peak {knee['peak_qps']} QPS)\n"
-              f"# Admission at the edge (queue = peak x {DELAY_TARGET_S * 1000:g} ms): "
+              f"# Admission at the edge ((in flight + queue) = peak x {DELAY_TARGET_S * 1000:g} ms): "
               f"`shardserve serve DIR {flags}` or `shardserve edge-config {flags}`\n")
     return header + serve_config_yaml(index, **overrides)

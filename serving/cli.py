@@ -193,9 +193,12 @@ def _edge_config(args: argparse.Namespace) -> None:
 def _admission(args: argparse.Namespace):
     from serving.edge import Admission
 
-    given = {"max_in_flight": args.edge_in_flight, "max_queue": args.edge_queue,
+    given = {"max_in_flight": args.edge_in_flight, "max_burst": args.edge_burst, "max_queue": args.edge_queue,
              "queue_timeout_ms": args.edge_queue_timeout_ms}
-    return Admission(**{key: value for key, value in given.items() if value is not None})
+    try:
+        return Admission(**{key: value for key, value in given.items() if value is not None})
+    except ValueError as exc:
+        raise ShardserveError(f"edge admission: {exc}") from None
 
 
 def _api_key() -> str | None:
@@ -207,12 +210,16 @@ def _api_key() -> str | None:
 
 
 def _edge_options(cmd: argparse.ArgumentParser) -> None:
-    from serving.edge import DEFAULT_IN_FLIGHT, DEFAULT_QUEUE, DEFAULT_QUEUE_TIMEOUT_MS
+    from serving.edge import DEFAULT_BURST, DEFAULT_IN_FLIGHT, DEFAULT_QUEUE, DEFAULT_QUEUE_TIMEOUT_MS
 
     cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests inside the router at once "
                      f"(default {DEFAULT_IN_FLIGHT}; `shardserve tune` writes a measured one)")
-    cmd.add_argument("--edge-queue", type=_at_least(0), help="requests waiting at the edge beyond which a "
-                     f"new one gets 503 at once (default {DEFAULT_QUEUE})")
+    cmd.add_argument("--edge-burst", type=_at_least(0), help="requests that may wait at the edge while it "
+                     "sheds nothing: waiting clients, bursts; one more starts the shedding "
+                     f"(default {DEFAULT_BURST})")
+    cmd.add_argument("--edge-queue", type=_at_least(0), help="requests that may wait at the edge while it "
+                     "is shedding (shed within 1 s); a new one that finds more gets 503 at once "
+                     f"(default {DEFAULT_QUEUE})")
     cmd.add_argument("--edge-queue-timeout-ms", type=_POSITIVE, help="an admitted request still queued "
                      f"after this gets 503 (default {DEFAULT_QUEUE_TIMEOUT_MS})")
 

@@ -6,11 +6,19 @@ closed-loop client (one that waits for each answer) cannot send faster than it i
 32 or 128 of them are a queue the server drains at full throughput, never an overload. Overload is
 requests arriving faster than they are answered, and its signature is a queue that stands and grows.
 
-The rule: at most `max_in_flight` requests (K) are inside the router at once, enough for full
-batches; the rest wait in HAProxy's queue. A request that finds `max_queue` (Q) already waiting
-is answered 503 + Retry-After at once, before it joins the queue. Q = capacity x delay target, so
-what is admitted waits at most about (K + Q) / capacity; `timeout queue` is the backstop when
-capacity drops (a swap, a dead replica). `shardserve tune` writes K and Q from a sweep's knee.
+The rule, two queue lengths: at most `max_in_flight` requests (K) are inside the router at once,
+enough for full batches; the rest wait in HAProxy's queue, first come first served.
+- While the edge has shed nothing in the last second, up to `max_burst` (B) may wait: clients that
+  wait for their answers (K + B of them are never refused) and short bursts.
+- A request that finds B waiting is the sign of overload (requests arriving faster than they are
+  answered): it gets 503 + Retry-After at once, and so does every request, for as long as the edge
+  keeps shedding (a 1 s sliding rate), that finds more than `max_queue` (Q) waiting. The standing
+  queue is cut to Q = capacity x delay target, and what is admitted waits about (K + Q) / capacity.
+- Closed-loop clients cannot start the shedding: N <= K + B of them never find B waiting. Their
+  queue and an overload's look alike by length (both stand); what differs is that an overload
+  overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
+  drops (a swap, a dead replica).
+`shardserve tune` writes K and Q from a sweep's knee.
 
 `shardserve serve` runs one in front of its Serve by default (EdgeProcess); `shardserve edge-config`
 writes the config for clusters, where `haproxy -f` runs it (Debian package `haproxy`).
@@ -32,10 +40,12 @@ OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 
 
 # Defaults of `shardserve serve` when no tuned values are given: K covers the largest batches the
-# router forms at 32 clients with room to spare, Q is ~50 ms of this project's measured capacity on
-# 2 cores (loadtests/records/admission.json holds the run that checks them).
+# router forms at 32 clients with room to spare; B admits 128 waiting clients; Q keeps an overload's
+# admitted wait near that of 80 waiting clients (loadtests/records/admission.json holds the run that
+# checks them).
 DEFAULT_IN_FLIGHT = 64
-DEFAULT_QUEUE = 64
+DEFAULT_BURST = 64
+DEFAULT_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 
@@ -44,17 +54,23 @@ _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123
 class Admission:
     """What the edge admits. Arguments:
     max_in_flight: requests inside the router at once (K).
-    max_queue: requests waiting at the edge beyond which a new one gets 503 at once (Q).
+    max_burst: requests that may wait at the edge while it sheds nothing (B); the next one is shed
+        and starts the shedding.
+    max_queue: requests that may wait at the edge while it is shedding (Q, at most B): a new one
+        that finds more gets 503 at once.
     queue_timeout_ms: the longest an admitted request waits in the queue before a 503 (backstop).
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
+    max_burst: int = DEFAULT_BURST
     max_queue: int = DEFAULT_QUEUE
     queue_timeout_ms: int = DEFAULT_QUEUE_TIMEOUT_MS
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queue < 0 or self.queue_timeout_ms < 1:
             raise ValueError("max_in_flight must be >= 1, max_queue >= 0, queue_timeout_ms >= 1")
+        if self.max_burst < self.max_queue:
+            raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
 
 def check_api_key(key: str) -> str:
@@ -67,10 +83,11 @@ def check_api_key(key: str) -> str:
 def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admission | None = None,
                 errorfile: str | Path = "edge-503.http", api_key: str | None = None,
                 threads: int = 1, max_body_bytes: int = 16 * 1024 * 1024, access_log: bool = False) -> str:
-    """HAProxy config text: `listen` -> `backend` (the router's HTTP door), with queue-length
-    admission and, when `api_key` is set, a 401 for any request but the health check that does not
-    carry it (`Authorization: Bearer KEY` or `api-key: KEY`). `access_log`: one line per request on
-    HAProxy's stdout, in its standard HTTP log format (`parse_access_line` reads its timers)."""
+    """HAProxy config text: `listen` -> `backend` (the router's HTTP door), with the two-length
+    queue admission of the module docstring and, when `api_key` is set, a 401 for any request but
+    the health check that does not carry it (`Authorization: Bearer KEY` or `api-key: KEY`).
+    `access_log`: one line per request on HAProxy's stdout, in its standard HTTP log format
+    (`parse_access_line` reads its timers)."""
     a = admission or Admission()
     log_global, log_defaults = "", ""
     if access_log:  # a write per request on the edge's thread: off by default (it costs goodput)
@@ -106,9 +123,19 @@ defaults
 frontend shardserve_edge
     bind {listen}
     http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {max_body_bytes} }}
-{key_rules}    # more than {a.max_queue} waiting: a standing queue, past capacity: shed this one now, in C
-    {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ queue(shardserve) gt {a.max_queue} }}
+{key_rules}    # Admission, in C: more than {a.max_burst} waiting is an overflow, past capacity; while the
+    # edge has shed in the last second, more than {a.max_queue} waiting is a standing queue: shed it.
+    acl overflow queue(shardserve) gt {a.max_burst}
+    acl standing queue(shardserve) gt {a.max_queue}
+    acl shedding int(0),table_gpc0_rate(shed_meter) gt 0
+    http-request set-var(txn.shed) bool(1) if overflow || standing shedding
+    http-request track-sc0 int(0) table shed_meter if {{ var(txn.shed) -m bool }}
+    http-request sc-inc-gpc0(0) if {{ var(txn.shed) -m bool }}
+    {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.shed) -m bool }}
     default_backend shardserve
+backend shed_meter
+    # one counter: the requests the edge shed, as a rate over the last second
+    stick-table type integer size 1 expire 10s store gpc0_rate(1s)
 backend shardserve
     http-reuse always
     errorfile 503 {errorfile}
@@ -159,22 +186,27 @@ def haproxy_binary() -> str | None:
 class AccessLine:
     """The timers of one access-log line, in ms (-1: the request never got that far, e.g. a 503
     the edge answered itself): Tw waiting in the edge's queue, Tr the router's answer, Ta the
-    whole request as the edge saw it."""
+    whole request as the edge saw it; and `queued_before`, how many requests were waiting in the
+    edge's queue ahead of this one when it joined (HAProxy's backend_queue counts the requests
+    dequeued up to and including this one: 1 for the first in line, 0 when it never queued)."""
 
     status: int
     queue_ms: int
     router_ms: int
     total_ms: int
+    queued_before: int = 0
 
 
 def parse_access_line(line: str) -> AccessLine | None:
-    """HAProxy's standard HTTP log line (`option httplog`): its `TR/Tw/Tc/Tr/Ta` field and the
-    status after it; None for a line of another shape."""
+    """HAProxy's standard HTTP log line (`option httplog`): its `TR/Tw/Tc/Tr/Ta` field, the status
+    after it and the `srv_queue/backend_queue` field; None for a line of another shape."""
     fields = line.split()
     for at, field in enumerate(fields[:-1]):
         timers = field.split("/")
         if len(timers) == 5 and all(t.lstrip("-+").isdigit() for t in timers) and fields[at + 1].isdigit():
-            return AccessLine(int(fields[at + 1]), int(timers[1]), int(timers[3]), int(timers[4]))
+            queues = fields[at + 7].split("/") if at + 7 < len(fields) else []
+            queued = max(0, int(queues[1]) - 1) if len(queues) == 2 and queues[1].isdigit() else 0
+            return AccessLine(int(fields[at + 1]), int(timers[1]), int(timers[3]), int(timers[4]), queued)
     return None
 
 

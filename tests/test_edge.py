@@ -29,14 +29,17 @@ KEY = "test-key-0123456789abcdef"
 
 def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     config = write_edge(tmp_path, "127.0.0.1:8000", "127.0.0.1:8080",
-                        Admission(max_in_flight=64, max_queue=96), api_key=KEY)
+                        Admission(max_in_flight=64, max_burst=96, max_queue=24), api_key=KEY)
     checked = subprocess.run([HAPROXY, "-c", "-f", str(config)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     text = config.read_text()
-    assert "maxconn 64" in text and "queue(shardserve) gt 96" in text and KEY in text
+    assert "maxconn 64" in text and KEY in text
+    assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
     with pytest.raises(ValueError):
         Admission(max_in_flight=0)
+    with pytest.raises(ValueError, match="max_burst"):
+        Admission(max_burst=8, max_queue=16)
     with pytest.raises(ShardserveError, match="API key"):
         edge_config("127.0.0.1:8000", api_key="short")
     with pytest.raises(ShardserveError, match="API key"):
@@ -63,19 +66,22 @@ def _search(client: httpx.AsyncClient, body: bytes, headers: dict | None = None)
 
 
 @pytest.mark.slow
-def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_app: bytes,
-                                                                         tmp_path: Path) -> None:
+def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_app: bytes,
+                                                                          tmp_path: Path) -> None:
+    """K=2 in the router, B=6 may wait while nothing is shed, Q=1 while shedding. Every assertion is
+    an order of events or a queue position from the edge's own log: no wall clock."""
     body = slow_app
     access_log = tmp_path / "access.log"
     edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}",
-                       Admission(max_in_flight=2, max_queue=6, queue_timeout_ms=30_000),
+                       Admission(max_in_flight=2, max_burst=6, max_queue=1, queue_timeout_ms=30_000),
                        access_log=access_log).start()
 
     async def closed_loop(clients: int, each: int) -> list[int]:
         async with httpx.AsyncClient(timeout=30) as client:
-            async def one() -> list[int]:
-                return [(await _search(client, body)).status_code for _ in range(each)]
-            answers = await asyncio.gather(*[one() for _ in range(clients)])
+            async def one(who: int) -> list[int]:
+                return [(await client.post(_url(f"closed-{who}-{i}"), content=body)).status_code
+                        for i in range(each)]
+            answers = await asyncio.gather(*[one(who) for who in range(clients)])
             return [status for statuses in answers for status in statuses]
 
     async def burst() -> list[tuple[int, str | None, dict]]:
@@ -83,11 +89,33 @@ def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_a
         which answers complete is the assertion: no wall clock."""
         done: list[tuple[int, str | None, dict]] = []
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as client:
-            async def one() -> None:
-                response = await _search(client, body)
+            async def one(i: int) -> None:
+                response = await client.post(_url(f"burst-{i}"), content=body)
                 done.append((response.status_code, response.headers.get("retry-after"), response.json()))
-            await asyncio.gather(*[one() for _ in range(30)])
+            await asyncio.gather(*[one(i) for i in range(30)])
         return done
+
+    async def open_loop(requests: int) -> tuple[dict[str, int], set[str]]:
+        """An overload: a request every 20 ms, each sent without waiting for any answer (the slow
+        shard answers ~3 a second, so the queue the overload finds drains to Q=1 only seconds in).
+        Returns each request's status and those sent after the client had read the first 503."""
+        statuses: dict[str, int] = {}
+        after_shed: set[str] = set()
+        shed = asyncio.Event()
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=128)) as client:
+            async def one(tag: str) -> None:
+                statuses[tag] = (await client.post(_url(tag), content=body)).status_code
+                if statuses[tag] == 503:
+                    shed.set()
+            sent = []
+            for i in range(requests):
+                tag = f"open-{i}"
+                if shed.is_set():
+                    after_shed.add(tag)
+                sent.append(asyncio.create_task(one(tag)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*sent)
+        return statuses, after_shed
 
     try:
         # 8 clients that each wait for their answer: a queue of 8 the server drains, never an overload
@@ -101,32 +129,47 @@ def test_edge_queues_closed_loop_clients_and_sheds_a_standing_queue_first(slow_a
         assert all(retry == "1" and payload["error"].startswith("overloaded") for retry, payload in shed)
         answered = [payload for status, _, payload in outcomes if status == 200]
         assert all(len(p["ids"]) == 5 and p["coverage"]["answered"] == 2 for p in answered)
+        overload, after_shed = asyncio.run(open_loop(250))
     finally:
         # the edge logs a request as it ends it, after the client may have read the answer: wait
         # (bounded) for every search's line before stopping it, or the last ones may never be written
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(_logged_searches(access_log)) < 24 + 30:
+        while time.monotonic() < deadline and len(_logged_searches(access_log)) < 24 + 30 + 250:
             time.sleep(0.1)
         edge.stop()
     assert edge.process.returncode is not None  # the edge this test started is gone
     # the access log has a line per request, with what the client saw; the edge's own 503s never
     # reached the queue or the router
     searches = _logged_searches(access_log)
-    assert sorted(line.status for line in searches) == sorted([200] * 24 + statuses)
-    assert all(line.queue_ms == -1 and line.router_ms == -1 for line in searches if line.status == 503)
-    assert all(line.router_ms >= 0 and line.total_ms >= line.router_ms for line in searches
+    assert sorted(line.status for line in searches.values()) == sorted(
+        [200] * 24 + statuses + list(overload.values()))
+    assert all(line.queue_ms == -1 and line.router_ms == -1 for line in searches.values()
+               if line.status == 503)
+    assert all(line.router_ms >= 0 and line.total_ms >= line.router_ms for line in searches.values()
                if line.status == 200)
+    # waiting clients queued beyond Q, unrefused: nothing was being shed
+    assert max(line.queued_before for tag, line in searches.items() if tag.startswith("closed")) > 1
+    # the overload was shed, and once shedding, what the edge admitted found at most Q=1 ahead of it
+    admitted_while_shedding = [searches[tag] for tag in after_shed if overload[tag] == 200]
+    assert 503 in overload.values() and admitted_while_shedding, overload
+    assert all(line.queued_before <= 1 for line in admitted_while_shedding), admitted_while_shedding
 
 
-def _logged_searches(access_log: Path) -> list[AccessLine]:
+def _url(tag: str) -> str:
+    return f"http://127.0.0.1:{EDGE_PORT}/edge/v1/search?tag={tag}"
+
+
+def _logged_searches(access_log: Path) -> dict[str, AccessLine]:
+    """Each logged search by the tag in its URL."""
     lines = access_log.read_text().splitlines() if access_log.exists() else []
-    return [parsed for line in lines if "/v1/search" in line and (parsed := parse_access_line(line))]
+    return {line.split("?tag=")[1].split()[0]: parsed for line in lines
+            if "/v1/search?tag=" in line and (parsed := parse_access_line(line))}
 
 
 def test_access_line_parses_haproxy_http_log_format() -> None:
     line = ("127.0.0.1:40112 [25/Nov/2026:14:14:53.722] shardserve_edge shardserve/router 0/23/0/25/48 "
             '200 512 - - ---- 3/3/2/2/0 0/64 "POST /v1/search HTTP/1.1"')
-    assert parse_access_line(line) == AccessLine(200, 23, 25, 48)
+    assert parse_access_line(line) == AccessLine(200, 23, 25, 48, queued_before=63)
     shed = ('127.0.0.1:40113 [25/Nov/2026:14:14:53.723] shardserve_edge shardserve_edge/<NOSRV> '
             '0/-1/-1/-1/0 503 160 - - PR-- 3/3/2/0/0 0/0 "POST /v1/search HTTP/1.1"')
     assert parse_access_line(shed) == AccessLine(503, -1, -1, 0)

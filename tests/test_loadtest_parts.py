@@ -94,10 +94,17 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     args = AppArgs.model_validate(config["applications"][0]["args"])
     sweep_knee = json.loads((SAMPLE / "sweep-sample.json").read_text())["knee"]
     knee = int(sweep_knee["value"])
-    # the edge admits 2 x the knee concurrency and queues ~50 ms of the peak; the router behind it
+    # the edge admits 2 x the knee concurrency and, shedding, queues so that in flight + queued is
+    # ~35 ms of the peak; 64 waiting clients (or Q) while it sheds nothing; the router behind it
     # takes every request the edge admits (a smaller max_in_flight would refuse waiting clients)
-    edge_in_flight, edge_queue = max(8, 2 * knee), math.ceil(sweep_knee["peak_qps"] * 0.05)
-    assert f"--edge-in-flight {edge_in_flight} --edge-queue {edge_queue}" in text
+    edge_in_flight = max(8, 2 * knee)
+    edge_queue = max(1, math.ceil(sweep_knee["peak_qps"] * 0.035) - edge_in_flight)
+    edge_burst = max(64, edge_queue)
+    from deployments.tune import MIN_BURST
+    from serving.edge import DEFAULT_BURST
+
+    assert MIN_BURST == DEFAULT_BURST
+    assert f"--edge-in-flight {edge_in_flight} --edge-burst {edge_burst} --edge-queue {edge_queue}" in text
     assert args.max_in_flight == edge_in_flight and args.router_max_queued_requests == knee
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
