@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 
 logger = logging.getLogger("ray.serve")
 KNEE_EVENTS_KEY = "knee-passed/{app}/{deployment}"  # GCS key-value (shardserve.runtime.ray_private.kv_get)
 KNEE_EVENTS_KEPT = 50
+RELEASE = 0.5  # past the knee until the depth per replica falls below half the knee depth
 
 
 def autoscaling_config(knee_depth: float, min_replicas: int = 1, max_replicas: int = 4,
@@ -46,11 +48,18 @@ def autoscaling_config(knee_depth: float, min_replicas: int = 1, max_replicas: i
 
 def decide(current: int, depth: float, knee_depth: float, min_replicas: int, max_replicas: int) -> int:
     """Knee-aware replica target: enough replicas that each holds at most `knee_depth` requests
-    (ongoing + queued) — up at once to that, down one replica per step (a burst's tail does not drop
-    capacity it may need again); within [min_replicas, max_replicas]. Serve applies the
-    upscale/downscale delays to each change. Pure: unit-tested on constructed values."""
+    (ongoing + queued) — up at once to that; down one replica per step, and only when one fewer
+    replica would hold at most RELEASE x the knee each (a burst's tail does not drop capacity it
+    may need again, and the load a new replica took does not send it away); within
+    [min_replicas, max_replicas]. Serve applies the upscale/downscale delays to each change. Pure:
+    unit-tested on constructed values."""
     wanted = math.ceil(depth / knee_depth) if depth > 0 else min_replicas
-    target = wanted if wanted >= current else current - 1
+    if wanted >= current:
+        target = wanted
+    elif depth <= (current - 1) * knee_depth * RELEASE:
+        target = current - 1
+    else:  # fewer replicas would each hold more than RELEASE x the knee: the load is still here
+        target = current
     return min(max(target, min_replicas), max_replicas)
 
 
@@ -84,19 +93,26 @@ def with_link_policy(config: dict) -> dict:
 
 
 class ReportsCoresUsed:
-    """A Serve deployment that scales on the cores it uses (the router): each replica reports, as
-    `router_busy`, the cores its process used since its last report (event loop and threads). Not
-    its queue: behind the edge a router holds at most K requests however slow it is, and when the
+    """A Serve deployment that scales on the cores it wants (the router): each replica reports, as
+    `router_busy`, the cores its process used since its last report, plus the cores it waited for
+    in the kernel's run queue (runnable, but the CPU was busy with others), summed over its threads
+    (/proc schedstat). Used alone, a router starved on a shared node never looks busy: pinned to
+    one core with four shards, it used well under 0.8 of it while requests waited in it, and the
+    autoscale ramp saw no stage past its knee (loadtests/autoscale.py --pin-initial). Not its
+    queue: behind the edge a router holds at most K requests however slow it is, and when the
     shards are what is slow, a second router would only wait for them too."""
 
-    _cores_since: tuple[float, float] | None = None  # (monotonic s, process CPU s) of the last report
+    _cores_since: tuple[float, float] | None = None  # (monotonic s, CPU + run-queue s) of the last report
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        now, cpu = time.monotonic(), time.process_time()
-        since, self._cores_since = self._cores_since, (now, cpu)
+        from shardserve.runtime.procfs import sched_times
+
+        on_cpu, waiting, _, _ = sched_times(os.getpid())
+        now, wanted = time.monotonic(), on_cpu + waiting
+        since, self._cores_since = self._cores_since, (now, wanted)
         if since is None or now <= since[0]:  # the first report: nothing measured yet
             return {"router_busy": 0.0}
-        return {"router_busy": (cpu - since[1]) / (now - since[0])}
+        return {"router_busy": (wanted - since[1]) / (now - since[0])}
 
 
 def stage_load(ctx) -> float:
@@ -111,9 +127,6 @@ def queue_depth(ctx) -> float:
     on shard links (each replica's time-averaged `link_in_flight`, ShardDeployment)."""
     link = (ctx.aggregated_metrics or {}).get("link_in_flight", {})
     return float(ctx.total_num_requests) + float(sum(link.values()))
-
-
-RELEASE = 0.5  # past the knee until the depth per replica falls below half the knee depth
 
 
 def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | None) -> int | None:

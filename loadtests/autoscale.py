@@ -8,6 +8,11 @@ the Ray cluster this process can join (RAY_ADDRESS or the local one). Loopback t
 python -m loadtests.autoscale --index DIR --knee-rate 300 [--knee-depth 2 --upscale-delay 0.5 ...]
 starts its own local Ray instead, deploys DIR with those autoscaling settings (knee policy, shard
 links), runs the ramp and stops everything it started. The record keeps the settings.
+
+--pin-initial CORE: spare cores on one machine. Once deployed, every serving replica (router and
+shards) is pinned to CORE, all its threads; replicas the autoscaler starts later come from the
+warm pool unpinned and use every core. The first replicas then have one core, and a new replica
+adds the cores they did not have, as a node added to a cluster would.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -49,17 +55,32 @@ def per_second(results: list[Path], start: float) -> list[dict]:
     for path in results:
         for hit in decode(path):
             second = int(parse_timestamp(hit["timestamp"]) - start)
-            entry = bins.setdefault(second, {"latencies": [], "codes": {}})
+            entry = bins.setdefault(second, {"latencies": [], "codes": {}, "by_code": {}})
             entry["latencies"].append(hit["latency"] / 1e6)
             entry["codes"][str(hit["code"])] = entry["codes"].get(str(hit["code"]), 0) + 1
+            entry["by_code"].setdefault(str(hit["code"]), []).append(hit["latency"] / 1e6)
     rows = []
     for second in sorted(bins):
         lat = np.asarray(bins[second]["latencies"])
         rows.append({"t": second, "sent": int(lat.size), "ok": bins[second]["codes"].get("200", 0),
                      "p50_ms": round(float(np.percentile(lat, 50)), 3),
                      "p99_ms": round(float(np.percentile(lat, 99)), 3),
+                     "p99_ms_by_status": {code: round(float(np.percentile(values, 99)), 3)
+                                          for code, values in bins[second]["by_code"].items()},
                      "status_codes": bins[second]["codes"]})
     return rows
+
+
+def phase_summary(result: Path) -> dict:
+    """One phase's requests by status: count, p50/p99 ms each; `other` counts anything but a 200
+    or a 503 (vegeta's timeouts and connection errors among them)."""
+    latencies: dict[str, list[float]] = {}
+    for hit in decode(result):
+        latencies.setdefault(str(hit["code"]), []).append(hit["latency"] / 1e6)
+    return {"by_status": {code: {"count": len(values), "p50_ms": round(float(np.percentile(values, 50)), 3),
+                                 "p99_ms": round(float(np.percentile(values, 99)), 3)}
+                          for code, values in sorted(latencies.items())},
+            "other": sum(len(values) for code, values in latencies.items() if code not in ("200", "503"))}
 
 
 def reaction_times(samples: list[dict], start: float, burst_at_s: float) -> dict[str, float | None]:
@@ -168,6 +189,8 @@ def main() -> None:
                      help="logical CPUs of the Ray it starts: enough that every shard's extra replicas "
                           "fit (at shard_num_cpus 0.25), whatever the cores")
     own.add_argument("--serving-nice", type=int, default=None, help="AppArgs.serving_nice (default: its own)")
+    own.add_argument("--pin-initial", type=int, metavar="CORE", help="pin the replicas deployed first to "
+                     "this core; the ones autoscaling adds use every core (spare cores)")
     own.add_argument("--no-edge", action="store_true", help="drive Serve's HTTP directly, no admission edge")
     own.add_argument("--warm-workers", type=int, default=None, help="AppArgs.warm_workers (default: its own)")
     args = cli.parse_args()
@@ -219,13 +242,32 @@ def run_own(args: argparse.Namespace) -> None:
             edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}").start()
         pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
         admission = None if edge is None else dataclasses.asdict(edge.admission)
+        pinned = None if args.pin_initial is None else pin_replicas(args.pin_initial)
         ramp(args, settings, extra={"warm_pool": pool, "edge_admission": admission,
-                                    "router_autoscaling": routers})
+                                    "router_autoscaling": routers, "pinned_initial": pinned})
     finally:
         if edge is not None:
             edge.stop()
         if started:
             shutdown_ray()
+
+
+def pin_replicas(core: int) -> dict:
+    """Pin every running Serve replica process, each of its threads, to `core` (see the module
+    docstring); what was pinned, by process title."""
+    from shardserve.runtime.procfs import cmdline, pids_matching
+
+    pinned: dict[str, int] = {}
+    for pid in pids_matching(b"ray::ServeReplica"):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), {core})
+            except (ProcessLookupError, PermissionError):
+                continue
+        title = cmdline(pid).split(b"\0")[0].decode(errors="replace")
+        pinned[title] = pid
+    print(f"pinned to core {core}: {sorted(pinned)}", flush=True)
+    return {"core": core, "replicas": pinned}
 
 
 def pooled_on_this_node() -> list[int]:
@@ -312,6 +354,7 @@ def ramp(args: argparse.Namespace, settings: dict | None, extra: dict | None = N
             results.append(out)
         time.sleep(5)  # the replicas after the load, too
         seconds_rows = per_second(results, start)
+        summaries = [phase_summary(result) for result in results]
     samples = watcher.samples
     record = header(args.name, index=index_info(args.url), knee_rate=args.knee_rate,
                     nprobe=args.nprobe, shard_autoscaling=settings,
@@ -324,6 +367,8 @@ def ramp(args: argparse.Namespace, settings: dict | None, extra: dict | None = N
     burst = next((number for number, (m, _) in enumerate(phases) if m > 1.0), None)
     if burst is not None:
         record["burst_at_s"] = sum(s for _, s in phases[:burst])
+        record["burst_requests"] = summaries[burst]
+        print(f"burst: {record['burst_requests']}")
         record["reaction_s"] = reaction_times(samples, start, record["burst_at_s"])
         print(f"scale-up (s after the burst began): {record['reaction_s']}")
     record["knee_events"] = crossings(args.app)

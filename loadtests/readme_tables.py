@@ -186,6 +186,14 @@ def autoscale_table(record: dict, goal_s: float = 5.0) -> str:
     return "\n".join(rows)
 
 
+def burst_line(record: dict) -> str:
+    """The burst phase's requests by status (autoscale records that keep `burst_requests`)."""
+    burst = record["burst_requests"]
+    parts = [f"{row['count']:,} × {code} (p50 {_cell(row['p50_ms'])} ms, p99 {_cell(row['p99_ms'])} ms)"
+             for code, row in burst["by_status"].items()]
+    return f"During the burst: {', '.join(parts)}; anything else (timeouts, errors): {burst['other']}."
+
+
 def shard_start_table(record: dict) -> str:
     rows = [f"| {record['index']['shards']} shards × {record['replicas_per_shard']} replicas, started at "
             "once | replicas | IVF lists mapped | process age when ready s | CPU s | index load s | own "
@@ -389,6 +397,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
     admission = json.loads((records / "admission.json").read_text())
     bench_filter = json.loads((records / "bench-filter.json").read_text())
     autoscale = json.loads((records / "autoscale.json").read_text())
+    spare_core = json.loads((records / "autoscale-spare-core.json").read_text())
     shard_start = json.loads((records / "shard-start.json").read_text())
     scan_cost = json.loads((records / "scan-cost.json").read_text())
     scale = json.loads((records / "bench-scale.json").read_text())
@@ -411,6 +420,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "admission": admission_table(admission), "headline": headline_table(bench, admission),
             "bench-filter": filter_table(bench_filter),
             "autoscale": autoscale_table(autoscale),
+            "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
             "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
             "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
             "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),

@@ -114,6 +114,12 @@ def test_knee_policy_decisions() -> None:
     assert decide(current=4, depth=0, knee_depth=2, min_replicas=1, max_replicas=8) == 3  # one step down
     assert decide(current=1, depth=0, knee_depth=2, min_replicas=1, max_replicas=8) == 1  # floor
     assert decide(current=3, depth=6, knee_depth=2, min_replicas=1, max_replicas=8) == 3  # steady
+    # the burst a new replica absorbed is still here: 2 replicas at 0.9 of a knee of 1 between
+    # them; one would hold 0.9, past half the knee: keep both (it flapped: down while loaded)
+    assert decide(current=2, depth=0.9, knee_depth=1, min_replicas=1, max_replicas=3) == 2
+    assert decide(current=2, depth=0.5, knee_depth=1, min_replicas=1, max_replicas=3) == 1  # gone
+    assert decide(current=4, depth=3.5, knee_depth=2, min_replicas=1, max_replicas=8) == 4  # 3 x 1.17
+    assert decide(current=4, depth=3, knee_depth=2, min_replicas=1, max_replicas=8) == 3  # 3 x 1
 
     from types import SimpleNamespace
 
@@ -131,10 +137,13 @@ def test_knee_policy_decisions() -> None:
     ctx.policy_state, ctx.aggregated_metrics = {"knee_passed_at": 2}, {}
     assert knee_policy(ctx) == (3, {"knee_passed_at": 2})
     ctx.total_num_requests = 2.0  # 1 per replica: below half the knee depth, released
-    assert knee_policy(ctx) == (1, {"knee_passed_at": None})  # and one step down
+    # but one replica would hold 2, past half the knee (1.5): the load is still here, keep both
+    assert knee_policy(ctx) == (2, {"knee_passed_at": None})
+    ctx.total_num_requests = 1.0  # one replica would hold 1: one step down
+    assert knee_policy(ctx) == (1, {"knee_passed_at": None})
     ctx.target_num_replicas = 3  # ...but not while a replica asked for is still starting
     assert knee_policy(ctx) == (3, {"knee_passed_at": None})
-    # A router's replicas report the cores they used; the requests it holds do not count (behind
+    # A router's replicas report the cores they used or waited for; the requests it holds do not count (behind
     # the edge it holds K however fast it is): 1.2 cores against a 0.8 target wants 2 replicas.
     router = SimpleNamespace(current_num_replicas=1, target_num_replicas=1, total_num_requests=40.0,
                              aggregated_metrics={"router_busy": {"replica-a": 1.2}},
@@ -165,7 +174,8 @@ def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> Non
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=6000, backend="ray")
-    scaling = router_autoscaling_config(max_replicas=2, busy_target=0.1, upscale_delay_s=0.5,
+    # (target 0.3: two idle replicas, Ray's own threads included, want ~0.08 cores: under half of it)
+    scaling = router_autoscaling_config(max_replicas=2, busy_target=0.3, upscale_delay_s=0.5,
                                         downscale_delay_s=2, metrics_interval_s=0.5, look_back_period_s=1)
     url = deploy(str(index), port=PORT, app_name="busy", route_prefix="/busy", router_autoscaling=scaling,
                  router_num_cpus=0.1, shard_num_cpus=0.1)
@@ -176,8 +186,8 @@ def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> Non
         sent, history = _load_while_watching(url, body, lambda: router_replicas("busy"), lambda n: n >= 2)
         assert sent > 0
         assert max(history) == 2, history
-        events = knee_events("busy", "Router")  # the crossing, in cores used: one replica, past 0.1
-        assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 0.1, events
+        events = knee_events("busy", "Router")  # the crossing, in cores wanted: one replica, past 0.3
+        assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 0.3, events
         deadline = time.monotonic() + 60  # idle now: back to one
         while time.monotonic() < deadline and router_replicas("busy") > 1:
             time.sleep(1)
