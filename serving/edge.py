@@ -19,8 +19,9 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
   drops (a swap, a dead replica).
 `shardserve tune` writes K, B and Q from a sweep's knee (K + Q = capacity x delay target).
-Measured (loadtests/records/edge-shedding-queue-ab.json): against one length (B = Q = 64), the
-admitted requests' wait at the edge under 2x overload fell from p50 28 ms to 4 ms.
+Against one length (B = Q), the edge's share of what admitted requests wait under overload falls
+several-fold: `python -m loadtests.shedding --index DIR --access-log --serve-flags '--edge-queue 64'`
+against the same without the flag, recorded in loadtests/records/edge-shedding-queue-ab.json.
 
 `shardserve serve` runs one in front of its Serve by default (EdgeProcess); `shardserve edge-config`
 writes the config for clusters, where `haproxy -f` runs it (Debian package `haproxy`).
