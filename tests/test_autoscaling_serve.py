@@ -186,8 +186,9 @@ def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> Non
         sent, history = _load_while_watching(url, body, lambda: router_replicas("busy"), lambda n: n >= 2)
         assert sent > 0
         assert max(history) == 2, history
-        events = knee_events("busy", "Router")  # the crossing, in cores wanted: one replica, past 0.3
-        assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 0.3, events
+        # the crossing, in cores wanted: one replica, past 0.3 (kept rounded to 0.01: at least 0.3)
+        events = knee_events("busy", "Router")
+        assert events and events[0]["replicas"] == 1 and events[0]["depth"] >= 0.3, events
         deadline = time.monotonic() + 60  # idle now: back to one
         while time.monotonic() < deadline and router_replicas("busy") > 1:
             time.sleep(1)
