@@ -191,9 +191,12 @@ def _edge_config(args: argparse.Namespace) -> None:
 
 
 def _admission(args: argparse.Namespace):
-    from serving.edge import Admission
+    from serving.edge import DEFAULT_BURST, Admission
 
-    given = {"max_in_flight": args.edge_in_flight, "max_burst": args.edge_burst, "max_queue": args.edge_queue,
+    burst = args.edge_burst
+    if burst is None and args.edge_queue is not None:  # a queue alone still admits the default's clients
+        burst = max(DEFAULT_BURST, args.edge_queue)
+    given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
              "queue_timeout_ms": args.edge_queue_timeout_ms}
     try:
         return Admission(**{key: value for key, value in given.items() if value is not None})
@@ -216,7 +219,7 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
                      f"(default {DEFAULT_IN_FLIGHT}; `shardserve tune` writes a measured one)")
     cmd.add_argument("--edge-burst", type=_at_least(0), help="requests that may wait at the edge while it "
                      "sheds nothing: waiting clients, bursts; one more starts the shedding "
-                     f"(default {DEFAULT_BURST})")
+                     f"(default {DEFAULT_BURST}, or --edge-queue if larger)")
     cmd.add_argument("--edge-queue", type=_at_least(0), help="requests that may wait at the edge while it "
                      "is shedding (shed within 1 s); a new one that finds more gets 503 at once "
                      f"(default {DEFAULT_QUEUE})")

@@ -319,3 +319,21 @@ def test_router_replicas_sharing_the_door_share_the_edges_traffic(per_connection
         assert sorted(served.values()) == [0, 400], served
     else:  # 40 connections, each to either door
         assert min(served.values()) > 0, served
+
+
+def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: Path) -> None:
+    """`--edge-queue` alone raises the burst with it (an older one-length command keeps working);
+    a burst below the queue is one line and exit 2, with nothing written."""
+    import sys
+
+    exe = Path(sys.executable).parent / "shardserve"
+    wide = subprocess.run([str(exe), "edge-config", "--edge-queue", "96", "--dir", str(tmp_path / "a")],
+                          capture_output=True, text=True)
+    assert wide.returncode == 0, wide.stderr
+    text = (tmp_path / "a" / "edge-haproxy.cfg").read_text()
+    assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 64" not in text
+    bad = subprocess.run([str(exe), "edge-config", "--edge-burst", "8", "--edge-queue", "16",
+                          "--dir", str(tmp_path / "b")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "shardserve: error: edge admission: max_burst (8) must be >= max_queue (16)"]
+    assert not (tmp_path / "b").exists()
