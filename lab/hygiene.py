@@ -18,9 +18,12 @@ The knobs (issue: process hygiene):
 - HAProxy threads: Serve's HAProxy ingress at Ray's default of 4 threads vs 2 (the cores) vs 1;
 - OpenMP wait policy: with one FAISS thread per shard replica (our default) OpenMP never forks a
   team, so the policy only matters with `faiss_threads` 2: default (spin, then sleep) vs PASSIVE;
-- Serve's controller loop: every 0.1 s (Ray's default) vs every 0.5 s (the controller is the
-  largest idle process of the stack; autoscaling and health decisions then come up to 0.4 s later).
-Record: loadtests/records/hygiene.json.
+- Serve's controller loop: every 0.1 s (Ray's default) vs 0.25 s vs 0.5 s (the controller is the
+  largest idle process of the stack; autoscaling and health decisions then come up to 0.15 or 0.4 s
+  later). Recorded with `--variants default,serve-control-loop-0.25s,serve-control-loop-0.5s --name
+  control-loop-ab` before 0.25 s became the default (SERVING_NODE_ENV): `default` there is 0.1 s; since
+  then it is 0.25 s, and `serve-control-loop-0.1s` is Ray's default.
+Record: loadtests/records/hygiene.json, loadtests/records/control-loop-ab.json.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ VARIANTS = {
     "faiss-2-threads-omp-passive": Variant(env={"OMP_WAIT_POLICY": "PASSIVE"},
                                            overrides={"faiss_threads": 2}, levels=("front", "batch256")),
     "serve-control-loop-0.5s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}),
+    "serve-control-loop-0.25s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}),
+    "serve-control-loop-0.1s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}),
 }
 RAY_PROCESSES = [(b"gcs_server", "GCS"), (b"raylet", "raylet"),
                  (b"ray::DashboardAgent", "dashboard agent"), (b"dashboard/dashboard.py", "dashboard head"),
