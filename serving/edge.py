@@ -50,6 +50,7 @@ DEFAULT_IN_FLIGHT = 64
 DEFAULT_BURST = 64
 DEFAULT_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
+HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 
 
@@ -99,8 +100,7 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     key_rules = ""
     if api_key is not None:
         check_api_key(api_key)
-        key_rules = f"""    acl health path_end /v1/health
-    acl read method GET HEAD
+        key_rules = f"""    acl read method GET HEAD
     acl keyed req.hdr(api-key) -m str {api_key}
     acl keyed req.hdr(authorization) -m str "Bearer {api_key}"
     {_returns(401, _UNAUTHORIZED, "WWW-Authenticate Bearer")} if !keyed !health || !keyed !read
@@ -126,19 +126,27 @@ defaults
 frontend shardserve_edge
     bind {listen}
     http-request deny deny_status 413 if {{ req.hdr_val(content-length) gt {max_body_bytes} }}
+    acl health path_end /v1/health /v1/health/
 {key_rules}    # Admission, in C: more than {a.max_burst} waiting is an overflow, past capacity; while the
     # edge has shed in the last second, more than {a.max_queue} waiting is a standing queue: shed it.
     acl overflow queue(shardserve) gt {a.max_burst}
     acl standing queue(shardserve) gt {a.max_queue}
     acl shedding int(0),table_gpc0_rate(shed_meter) gt 0
-    http-request set-var(txn.shed) bool(1) if overflow || standing shedding
+    http-request set-var(txn.shed) bool(1) if !health overflow || !health standing shedding
     http-request track-sc0 int(0) table shed_meter if {{ var(txn.shed) -m bool }}
     http-request sc-inc-gpc0(0) if {{ var(txn.shed) -m bool }}
     {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.shed) -m bool }}
+    # a load balancer's health check is never queued behind searches nor shed with them: an
+    # overloaded node that a health check saw as down would push its load onto the others
+    use_backend shardserve_health if health
     default_backend shardserve
 backend shed_meter
     # one counter: the requests the edge shed, as a rate over the last second
     stick-table type integer size 1 expire 10s store gpc0_rate(1s)
+backend shardserve_health
+    http-reuse always
+    errorfile 503 {errorfile}
+    server router {backend} maxconn {HEALTH_IN_FLIGHT}
 backend shardserve
     http-reuse always
     errorfile 503 {errorfile}

@@ -35,6 +35,7 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     text = config.read_text()
     assert "maxconn 64" in text and KEY in text
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
+    assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
     with pytest.raises(ValueError):
         Admission(max_in_flight=0)
@@ -95,28 +96,36 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
             await asyncio.gather(*[one(i) for i in range(30)])
         return done
 
-    async def open_loop(requests: int) -> tuple[dict[str, int], set[str]]:
+    async def open_loop(requests: int) -> tuple[dict[str, int], set[str], list[int]]:
         """An overload: a request every 20 ms, each sent without waiting for any answer (the slow
         shard answers ~3 a second, so the queue the overload finds drains to Q=1 only seconds in).
-        Returns each request's status and those sent after the client had read the first 503."""
+        Returns each request's status, those sent after the client had read the first 503, and the
+        statuses of the health checks sent among them once shedding (every 10th request's slot)."""
         statuses: dict[str, int] = {}
         after_shed: set[str] = set()
+        health: list[int] = []
         shed = asyncio.Event()
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=128)) as client:
             async def one(tag: str) -> None:
                 statuses[tag] = (await client.post(_url(tag), content=body)).status_code
                 if statuses[tag] == 503:
                     shed.set()
+
+            async def check() -> None:
+                health.append((await client.get(f"http://127.0.0.1:{EDGE_PORT}/edge/v1/health")).status_code)
             sent = []
             for i in range(requests):
                 tag = f"open-{i}"
                 if shed.is_set():
                     after_shed.add(tag)
+                    if i % 10 == 0:
+                        sent.append(asyncio.create_task(check()))
                 sent.append(asyncio.create_task(one(tag)))
                 await asyncio.sleep(0.02)
             await asyncio.gather(*sent)
-        return statuses, after_shed
+        return statuses, after_shed, health
 
+    health: list[int] = []
     try:
         # 8 clients that each wait for their answer: a queue of 8 the server drains, never an overload
         assert asyncio.run(closed_loop(8, 3)) == [200] * 24
@@ -129,12 +138,13 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
         assert all(retry == "1" and payload["error"].startswith("overloaded") for retry, payload in shed)
         answered = [payload for status, _, payload in outcomes if status == 200]
         assert all(len(p["ids"]) == 5 and p["coverage"]["answered"] == 2 for p in answered)
-        overload, after_shed = asyncio.run(open_loop(250))
+        overload, after_shed, health = asyncio.run(open_loop(250))
     finally:
         # the edge logs a request as it ends it, after the client may have read the answer: wait
         # (bounded) for every search's line before stopping it, or the last ones may never be written
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(_logged_searches(access_log)) < 24 + 30 + 250:
+        while time.monotonic() < deadline and (len(_logged_searches(access_log)) < 24 + 30 + 250
+                                               or _logged(access_log, "/v1/health") < len(health)):
             time.sleep(0.1)
         edge.stop()
     assert edge.process.returncode is not None  # the edge this test started is gone
@@ -153,10 +163,19 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
     admitted_while_shedding = [searches[tag] for tag in after_shed if overload[tag] == 200]
     assert 503 in overload.values() and admitted_while_shedding, overload
     assert all(line.queued_before <= 1 for line in admitted_while_shedding), admitted_while_shedding
+    # health checks sent while the edge shed searches: answered, on their own backend, never queued
+    # behind the searches (a load balancer would otherwise take the overloaded node out)
+    assert health and health == [200] * len(health), health
+    checks = [line for line in access_log.read_text().splitlines() if "/v1/health" in line]
+    assert len(checks) == len(health) and all(" shardserve_health/router " in line for line in checks)
 
 
 def _url(tag: str) -> str:
     return f"http://127.0.0.1:{EDGE_PORT}/edge/v1/search?tag={tag}"
+
+
+def _logged(access_log: Path, path: str) -> int:
+    return sum(path in line for line in access_log.read_text().splitlines()) if access_log.exists() else 0
 
 
 def _logged_searches(access_log: Path) -> dict[str, AccessLine]:
