@@ -74,7 +74,7 @@ def router_autoscaling_config(min_replicas: int = 1, max_replicas: int = 4,
                               downscale_delay_s: float = 60.0, metrics_interval_s: float = 1.0,
                               look_back_period_s: float = 3.0) -> dict:
     """A Serve autoscaling_config for the router deployment (`AppArgs.router_autoscaling`): the
-    knee policy on the cores its replicas use (`ReportsCoresUsed`), `busy_target`
+    knee policy on the cores its replicas want (`ReportsCoresWanted`), `busy_target`
     cores per replica. Router replicas on a node share the door's port (SO_REUSEPORT), and the door
     ends each kept-alive connection after 1,000 requests, so the edge reconnects and a new replica
     gets its share of the traffic. Keep the router on the edge's node (`router_resources`) on a
@@ -92,7 +92,7 @@ def with_link_policy(config: dict) -> dict:
     return {**config, "policy": {"policy_function": KNEE_POLICY}}
 
 
-class ReportsCoresUsed:
+class ReportsCoresWanted:
     """A Serve deployment that scales on the cores it wants (the router): each replica reports, as
     `router_busy`, the cores its process used since its last report, plus the cores it waited for
     in the kernel's run queue (runnable, but the CPU was busy with others), summed over its threads
@@ -116,8 +116,8 @@ class ReportsCoresUsed:
 
 
 def stage_load(ctx) -> float:
-    """What the knee policy compares with the knee: a router's replicas report the cores they use
-    (`router_busy`); a shard deployment's load is its queue depth."""
+    """What the knee policy compares with the knee: a router's replicas report the cores they want
+    (`router_busy`: used plus waited for); a shard deployment's load is its queue depth."""
     busy = (ctx.aggregated_metrics or {}).get("router_busy")
     return float(sum(busy.values())) if busy else queue_depth(ctx)
 
@@ -143,7 +143,7 @@ def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | No
 def knee_policy(ctx) -> tuple[int, dict]:
     """Serve custom autoscaling policy (`policy_function: deployments.autoscaling:knee_policy`),
     per deployment: a shard's own queue depth against the knee depth (`target_ongoing_requests`), a
-    router's cores used against its busy target (`router_autoscaling_config`).
+    router's cores wanted (used + run-queue wait) against its busy target (`router_autoscaling_config`).
 
     While the queue is past the knee the policy asks for at least one more replica, so Serve's
     upscale delay runs without restarting; replicas still starting are never scaled away (measured:

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.autoscaling import ReportsCoresUsed
+from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
@@ -58,7 +58,7 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
 
 
 @serve.deployment(max_ongoing_requests=512)
-class Router(ReportsCoresUsed):
+class Router(ReportsCoresWanted):
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
 
     async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
