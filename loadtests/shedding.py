@@ -49,7 +49,7 @@ GOAL: dict[str, Any] = {"closed_loop_success": {"8": 1.0, "32": 1.0, "128": 0.99
 
 def run(index: str, duration_s: float, overload_s: float, work: Path, params: dict,
         serve_flags: list[str] | None = None, server_nice: int = 0, access_log: bool = False,
-        client_cpu: int | None = None) -> dict:
+        client_cpu: int | None = None, edge_nice: int | None = None) -> dict:
     exe = Path(sys.executable).parent / "shardserve"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     niced = ["nice", "-n", str(server_nice)] if server_nice else []
@@ -64,6 +64,8 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
         from deployments.run import wait_until_healthy
 
         wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=240)
+        if edge_nice is not None:
+            renice_edge(server.pid, edge_nice)
         if client_cpu is not None:  # vegeta (our child from now on) on that core only; the server anywhere
             os.sched_setaffinity(0, {client_cpu})
         while server.stdout and not any("Ctrl-C" in line for line in banner):
@@ -86,6 +88,25 @@ def run(index: str, duration_s: float, overload_s: float, work: Path, params: di
     return {"banner": [line for line in banner if "overload:" in line],
             "levels": [*closed.values(), overload], "ctrl_c": stop,
             "verdict": verdict(closed, overload)}
+
+
+def renice_edge(session: int, nice: int) -> None:
+    """The edge HAProxy of the server's session at `nice` (a lower one than the server's needs root
+    or CAP_SYS_NICE): in production the edge runs at the server's niceness and the replicas at 19,
+    so it answers before them; here the server is niced below vegeta, and the edge with it."""
+    edges = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"
+             and _in_session(p.pid, session)]
+    if not edges:
+        raise SystemExit("no edge haproxy in the server's session")
+    for pid in edges:
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
+def _in_session(pid: int, session: int) -> bool:
+    try:
+        return os.getsid(pid) == session
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def edge_timings(access_log: Path, offset: int) -> dict:
@@ -127,14 +148,8 @@ def ctrl_c(server: subprocess.Popen) -> dict:
 
 
 def _session(sid: int) -> list[str]:
-    found = []
-    for process in psutil.process_iter(["pid", "name"]):
-        try:
-            if os.getsid(process.pid) == sid:
-                found.append(process.info["name"])
-        except (ProcessLookupError, PermissionError):
-            continue
-    return found
+    return [process.info["name"] for process in psutil.process_iter(["pid", "name"])
+            if _in_session(process.pid, sid)]
 
 
 def verdict(closed: dict[int, dict], overload: dict) -> dict:
@@ -172,16 +187,19 @@ def main() -> None:
                      help="niceness `shardserve serve` starts at (0: vegeta's)")
     cli.add_argument("--client-cpu", type=int, help="run vegeta on this core only (the server keeps "
                      "every core): it cannot take the server's other core, as a remote client cannot")
+    cli.add_argument("--edge-nice", type=int, help="renice the edge HAProxy to this once the server "
+                     "is up (e.g. 0, vegeta's: the edge above the replicas, as in production)")
     cli.add_argument("--access-log", action="store_true", help="the edge logs each request, and each "
                      "level records where its answers spent their time (the log costs the edge time)")
     args = cli.parse_args()
     with tempfile.TemporaryDirectory() as work:
         result = run(args.index, args.duration, args.overload_duration, Path(work), {"nprobe": args.nprobe},
-                     args.serve_flags.split(), args.server_nice, args.access_log, args.client_cpu)
+                     args.serve_flags.split(), args.server_nice, args.access_log, args.client_cpu,
+                     args.edge_nice)
     print(result["verdict"], result["ctrl_c"], flush=True)
     manifest = read_manifest(Location.parse(args.index))
     record = header(args.name, serve_flags=args.serve_flags.split(), server_nice=args.server_nice,
-                    access_log=args.access_log, client_cpu=args.client_cpu,
+                    edge_nice=args.edge_nice, access_log=args.access_log, client_cpu=args.client_cpu,
                     index={"version": manifest.index_version, "factory": manifest.index_factory,
                            "shards": len(manifest.shards), "num_vectors": manifest.num_vectors},
                     goal=GOAL, **result,
