@@ -18,6 +18,8 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   queue and an overload's look alike by length (both stand); what differs is that an overload
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
   drops (a swap, a dead replica).
+- `/v1/health` is outside the rule, on a backend of its own (HEALTH_IN_FLIGHT in the router at
+  most): a load balancer's check is never queued behind searches nor shed with them.
 `shardserve tune` writes K, B and Q from a sweep's knee (K + Q = capacity x delay target).
 Against one length (B = Q), the edge's share of what admitted requests wait under overload falls
 several-fold: `python -m loadtests.shedding --index DIR --access-log --serve-flags '--edge-queue 64'`
