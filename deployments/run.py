@@ -11,9 +11,13 @@ APP_NAME = "shardserve"
 
 
 def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
-           route_prefix: str = "/", wait: bool = True, shard_class: type | None = None, **overrides) -> str:
+           route_prefix: str = "/", wait: bool = True, shard_class: type | None = None,
+           serve_http: bool = True, **overrides) -> str:
     """Deploy the app on the connected Ray (starting Serve if needed); return its base URL.
-    `shard_class` replaces the shard deployment's class (see build_index_app)."""
+    `shard_class` replaces the shard deployment's class (see build_index_app).
+    `serve_http=False` (with a `front_port`): Serve starts no HTTP proxy of its own, and the URL is
+    the router's door, on `front_host`. For a Serve this process starts in front of an edge that
+    reaches the door: Serve's proxy would be two idle processes and a port nothing uses."""
     from ray import serve
 
     from deployments.app import build_app
@@ -25,11 +29,18 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
 
     # Both apps bind to the version published now: a rebuild in place never reaches them.
     args = AppArgs(index=pinned_location(_absolute(index)), **overrides).model_dump()
-    serve.start(http_options={"host": host, "port": port})
+    if serve_http:
+        serve.start(http_options={"host": host, "port": port})
+    elif overrides.get("front_port") is None:
+        raise ValueError("serve_http=False needs a front_port: the router's door is then its only HTTP")
+    else:
+        serve.start(proxy_location="Disabled")
     forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
     run_app(index_app(args, shard_class), index_app_name(app_name), None, blocking=wait)
-    run_app(build_app(args), app_name, route_prefix, blocking=wait)
+    run_app(build_app(args), app_name, route_prefix if serve_http else None, blocking=wait)
+    if not serve_http:
+        host, port, route_prefix = args["front_host"], args["front_port"], "/"  # the door: no prefix
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     if wait:
         wait_until_healthy(url)

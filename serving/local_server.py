@@ -47,15 +47,13 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     front: EdgeProcess | None = None
     try:
         if use_edge:
-            serve_port, front_port = free_port(), free_port()
-            deploy(index, "127.0.0.1", serve_port, replicas_per_shard=replicas_per_shard,
-                   front_port=front_port)
+            front_port = free_port()  # the router's door; Serve runs no HTTP proxy of its own here
+            deploy(index, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port)
             a = admission or Admission()
             front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key, access_log).start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_burst} queued ({a.max_queue} "
-                        f"while shedding), beyond that 503 at once (router door 127.0.0.1:{front_port}, "
-                        f"Serve 127.0.0.1:{serve_port})"
+                        f"while shedding), beyond that 503 at once (router door 127.0.0.1:{front_port})"
                         + ("; API key required" if api_key else ""))
         else:
             url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
