@@ -72,7 +72,7 @@ class Router(ReportsCoresWanted):
         except Exception as exc:
             logger.warning("index pointer not reachable (%s): serving the configured index", exc)
             self.active = await IndexSet.load(0, a.index, index_app_name(context.app_name), self.use_links)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(context.app_name)
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         # Large batches' coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
@@ -81,9 +81,9 @@ class Router(ReportsCoresWanted):
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
                                        overlap_min_size=overlap_rows)
-        follow = [self._follow_pointer(),
-                  *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
-        self._tasks = [asyncio.get_running_loop().create_task(job) for job in follow]
+        jobs = [self._follow_pointer(), self.metrics.export_histograms(),
+                *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
+        self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]
         self.front = FrontDoor(self.respond, a.max_body_bytes, a.body_timeout_s)  # own HTTP door
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
             await self.front.listen(a.front_host, a.front_port)

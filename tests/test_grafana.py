@@ -33,18 +33,33 @@ def _queried_metrics() -> set[str]:
             for name in re.findall(r"\bray_[a-z_]+", target["expr"])}
 
 
-def _exported_metrics() -> set[str]:
+def _exported_samples() -> list:
     import ray
     from prometheus_client.parser import text_string_to_metric_families
 
-    names: set[str] = set()
+    samples = []
     for node in ray.nodes():
         if node["Alive"]:
             text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
                              timeout=10).text
-            names |= {sample.name for family in text_string_to_metric_families(text)
-                      for sample in family.samples}
-    return names
+            samples += [sample for family in text_string_to_metric_families(text)
+                        for sample in family.samples]
+    return samples
+
+
+def _exported_metrics() -> set[str]:
+    return {sample.name for sample in _exported_samples()}
+
+
+def _request_histogram(samples: list, app: str) -> tuple[float, list[tuple[float, float]]]:
+    """(requests counted, [(le, cumulative count)] by le) of an app's request-latency series."""
+    samples = [s for s in samples if s.labels.get("application") == app]
+    count = sum(s.value for s in samples if s.name == "ray_shardserve_request_latency_ms_count")
+    buckets: dict[float, float] = {}
+    for s in samples:
+        if s.name == "ray_shardserve_request_latency_ms_bucket":
+            buckets[float(s.labels["le"])] = buckets.get(float(s.labels["le"]), 0.0) + s.value
+    return count, sorted(buckets.items())
 
 
 def test_dashboard_is_valid_grafana_json() -> None:
@@ -76,11 +91,22 @@ def test_every_dashboard_query_names_an_exported_metric(ray_cluster, tmp_path: P
     wanted = _queried_metrics()
     try:
         missing: set[str] = wanted
+        sent = 0
         deadline = time.monotonic() + 90  # Ray exports application metrics every few seconds
         while missing and time.monotonic() < deadline:
             assert asyncio.run(traffic()) <= {200, 503}
+            sent += 8
             time.sleep(3)
             missing = wanted - _exported_metrics()
         assert not missing, f"the dashboard queries metrics nobody exports: {sorted(missing)}"
+        # The request histogram (deployments.metrics.ExportedHistogram) counts every search the
+        # router answered, once: its totals reach Ray's export within seconds of the last request.
+        count, buckets = _request_histogram(_exported_samples(), "grafana")
+        while count != sent and time.monotonic() < deadline + 60:
+            time.sleep(2)
+            count, buckets = _request_histogram(_exported_samples(), "grafana")
+        assert count == sent, (count, sent)
+        cumulative = [n for _, n in buckets]
+        assert cumulative == sorted(cumulative) and buckets[-1] == (float("inf"), sent), buckets
     finally:
         undeploy("grafana")
