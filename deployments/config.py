@@ -7,7 +7,7 @@ import os
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
@@ -18,10 +18,6 @@ AUTOSCALED_BATCHES = 2
 # past 32 rows the router's quantizer runs in a thread and shards scan off their event loop, so
 # two such batches overlap for real; smaller ones run one after another.
 OVERLAP_MIN_ROWS = 32
-# The warm pool (AppArgs.warm_workers): 4 covers a burst that scales 4 shards on one node at once;
-# with fixed replicas nothing scales up, and 1 keeps a crashed replica's restart fast. Each idle
-# worker costs ~1 % of a core and ~115 MB for as long as it waits (loadtests/records/bench.json).
-WARM_WORKERS_AUTOSCALED, WARM_WORKERS_FIXED = 4, 1
 
 
 class AppArgs(BaseModel):
@@ -42,12 +38,11 @@ class AppArgs(BaseModel):
                                      "starts workers at 15), so a replica that is starting "
                                      "(autoscaling, a restart) gets more CPU than each busy one on "
                                      "a saturated node; <= 15 leaves them as Ray started them")
-    warm_workers: int | None = Field(
-        None, ge=0, description="idle Ray workers each node with a shard replica keeps started, with the "
-                                "serving code imported, so a new replica there (scale-up, restart) "
-                                "starts in about a second (runtime.warm_pool; each ~115 MB, ~1 % of a "
-                                "core idle). Unset: WARM_WORKERS_AUTOSCALED when shards or routers "
-                                "autoscale, else WARM_WORKERS_FIXED; 0: none")
+    warm_workers: int = Field(
+        4, ge=0, description="idle Ray workers each node with a shard replica keeps started, with the "
+                             "serving code imported, so a new replica there (scale-up, restart) "
+                             "starts in about a second (runtime.warm_pool; 4 covers a burst that scales "
+                             "4 shards on one node at once; each ~115 MB, ~1 % of a core idle); 0: none")
     router_replicas: int = Field(1, ge=1)
     router_autoscaling: dict | None = Field(
         None, description="Serve autoscaling_config for the router (deployments.autoscaling."
@@ -112,13 +107,6 @@ class AppArgs(BaseModel):
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
-
-    @model_validator(mode="after")
-    def _resolve_warm_workers(self) -> AppArgs:
-        if self.warm_workers is None:
-            self.warm_workers = (WARM_WORKERS_AUTOSCALED if self.shard_autoscaling or self.router_autoscaling
-                                 else WARM_WORKERS_FIXED)
-        return self
 
     def batching(self) -> tuple[int, int, int]:
         """(batches in flight at most, how many start whatever their size, queued vectors that let

@@ -116,8 +116,8 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
             ray_actor_options=actor_options, logging_config={"enable_access_log": False},
         ).bind(app_args.index, position, faiss_threads=app_args.faiss_threads, link_secret=secret,
                index_version=manifest.index_version, nice=app_args.serving_nice, mmap=app_args.shard_mmap,
-               warm_workers=app_args.warm_workers or 0, max_k=app_args.max_k,
-               max_rows=app_args.max_vectors + app_args.max_batch_size, max_frame=app_args.max_body_bytes)
+               warm_workers=app_args.warm_workers, max_rows=app_args.max_vectors + app_args.max_batch_size,
+               max_k=app_args.max_k, max_frame=app_args.max_body_bytes)
         for position, entry in enumerate(manifest.shards)
     ]
     return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret)  # type: ignore[attr-defined]

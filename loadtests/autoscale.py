@@ -240,7 +240,7 @@ def run_own(args: argparse.Namespace) -> None:
             deploy(args.index, port=free_port(), app_name=args.app, shard_autoscaling=settings,
                    front_port=front, **chosen)
             edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}").start()
-        pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers or 0)
+        pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
         admission = None if edge is None else dataclasses.asdict(edge.admission)
         pinned = None if args.pin_initial is None else pin_replicas(args.pin_initial)
         ramp(args, settings, extra={"warm_pool": pool, "edge_admission": admission,

@@ -186,7 +186,7 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                                     **overrides)
                 url = front
             bench.warm_up(url)
-            bench.steady(label, 0 if index is None else AppArgs(index=index, **overrides).warm_workers or 0)
+            bench.steady(label, 0 if index is None else AppArgs(index=index, **overrides).warm_workers)
             bench.run(url, label, 1)
             bench.run(url, label, 32)
             if label in ("shardserve-4shard", "shardserve-1shard"):

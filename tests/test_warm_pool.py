@@ -22,19 +22,6 @@ from shardserve.runtime.warm_pool import (
 )
 
 
-def test_the_pool_is_sized_for_what_can_scale_up() -> None:
-    """Four idle workers where replicas autoscale (a burst scales several shards at once); one with
-    fixed replicas, where only a restart needs one; an explicit value, 0 included, is kept."""
-    from deployments.config import WARM_WORKERS_AUTOSCALED, WARM_WORKERS_FIXED, AppArgs
-
-    assert AppArgs(index="i").warm_workers == WARM_WORKERS_FIXED == 1
-    assert AppArgs(index="i", shard_autoscaling={"max_replicas": 2}).warm_workers == WARM_WORKERS_AUTOSCALED
-    assert AppArgs(index="i", router_autoscaling={"max_replicas": 2}).warm_workers == WARM_WORKERS_AUTOSCALED
-    assert AppArgs(index="i", warm_workers=0, shard_autoscaling={"max_replicas": 2}).warm_workers == 0
-    # a Serve config carries the resolved value
-    assert AppArgs.model_validate(AppArgs(index="i").model_dump()).warm_workers == 1
-
-
 def test_refill_waits_for_its_time_and_spare_cpu_and_adds_one_at_a_time() -> None:
     def decide(pooled=1, not_before=5.0, now=10.0, idle=1.5):
         return workers_to_start(pooled, 4, now, not_before, idle_cores=idle, min_idle_cores=0.5)
