@@ -349,7 +349,7 @@ LIST_SCAN = BLAS_QUANTIZER + ", shards scan 64+ rows list by list"
 # From here the c=32 / c=1 ratios are measured through the edge as `shardserve serve` runs it.
 DEFAULT_SERVE = LIST_SCAN + "; ratios through the default edge, authenticated links, llhttp door"
 CONTROL_LOOP = DEFAULT_SERVE + ", Serve's controller loop every 0.25 s"
-HISTOGRAM_TOTALS = CONTROL_LOOP + "; histograms exported as totals, 1 warm worker with fixed replicas"
+HISTOGRAM_TOTALS = CONTROL_LOOP + "; histograms exported as totals, 1 warm worker (since reverted to 4)"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
