@@ -18,6 +18,8 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     `serve_http=False` (with a `front_port`): Serve starts no HTTP proxy of its own, and the URL is
     the router's door, on `front_host`. For a Serve this process starts in front of an edge that
     reaches the door: Serve's proxy would be two idle processes and a port nothing uses."""
+    if not serve_http and overrides.get("front_port") is None:
+        raise ValueError("serve_http=False needs a front_port: the router's door is then its only HTTP")
     from ray import serve
 
     from deployments.app import build_app
@@ -31,8 +33,6 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     args = AppArgs(index=pinned_location(_absolute(index)), **overrides).model_dump()
     if serve_http:
         serve.start(http_options={"host": host, "port": port})
-    elif overrides.get("front_port") is None:
-        raise ValueError("serve_http=False needs a front_port: the router's door is then its only HTTP")
     else:
         serve.start(proxy_location="Disabled")
     forget_pointer(app_name)  # a fresh deployment starts from its configured index

@@ -99,3 +99,26 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
             interrupt(process, timeout_s=0.1)
         undeploy("shardserve")
         undeploy("bystander")
+
+
+def test_deploy_without_serve_http_answers_on_the_router_door_only(ray_cluster, tmp_path: Path) -> None:
+    """`shardserve serve`'s deploy behind its edge (serve_http=False): it needs the door's port, and
+    the URL it waits on and returns is the router's door."""
+    from deployments.run import deploy, undeploy
+    from shardserve.runtime.ports import free_port
+
+    with pytest.raises(ValueError, match="front_port"):
+        deploy(str(tmp_path / "unused"), serve_http=False)
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    door = free_port()
+    try:
+        url = deploy(str(index), app_name="doorOnly", serve_http=False, front_port=door,
+                     shard_num_cpus=0.1, router_num_cpus=0.1)
+        assert url == f"http://127.0.0.1:{door}"
+        body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 3},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        response = httpx.post(f"{url}/v1/search", content=body, timeout=30)
+        assert response.status_code == 200 and len(response.json()["ids"]) == 3, response.text
+    finally:
+        undeploy("doorOnly")
