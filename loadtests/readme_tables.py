@@ -350,7 +350,7 @@ LIST_SCAN = BLAS_QUANTIZER + ", shards scan 64+ rows list by list"
 DEFAULT_SERVE = LIST_SCAN + "; ratios through the default edge, authenticated links, llhttp door"
 CONTROL_LOOP = DEFAULT_SERVE + ", Serve's controller loop every 0.25 s"
 HISTOGRAM_TOTALS = CONTROL_LOOP + "; histograms exported as totals, 1 warm worker (since reverted to 4)"
-NO_SERVE_PROXY = CONTROL_LOOP + "; histograms exported as totals, 4 warm workers"
+HISTOGRAM_TOTALS_4_WARM = CONTROL_LOOP + "; histograms exported as totals, 4 warm workers"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
@@ -362,7 +362,7 @@ BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-17.json", LIST_SCAN), ("bench-run-18.json", LIST_SCAN),
               ("bench-run-19.json", DEFAULT_SERVE), ("bench-run-20.json", CONTROL_LOOP),
               ("bench-run-21.json", CONTROL_LOOP), ("bench-run-22.json", HISTOGRAM_TOTALS),
-              ("bench-run-23.json", HISTOGRAM_TOTALS), ("bench.json", NO_SERVE_PROXY))
+              ("bench-run-23.json", HISTOGRAM_TOTALS), ("bench.json", HISTOGRAM_TOTALS_4_WARM))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",

@@ -101,7 +101,7 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
         undeploy("bystander")
 
 
-def test_deploy_without_serve_http_answers_on_the_router_door_only(ray_cluster, tmp_path: Path) -> None:
+def test_deploy_without_serve_http_needs_and_returns_the_router_door(ray_cluster, tmp_path: Path) -> None:
     """`shardserve serve`'s deploy behind its edge (serve_http=False): it needs the door's port, and
     the URL it waits on and returns is the router's door."""
     from deployments.run import deploy, undeploy
