@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from loadtests.record import RECORDS
-from shardserve.runtime.procfs import SELF_CLASS
+from shardserve.runtime.procfs import SELF_CLASS, SERVE_COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 def pages() -> list[Path]:
     """Every page that may hold generated blocks: README.md and docs/*.md."""
     return [README, *sorted((ROOT / "docs").glob("*.md"))]
-CLASSES = ["ingress (HAProxy)", "router", "shards", "other Serve replicas", "Ray system",
+CLASSES = ["ingress (HAProxy)", "router", "shards", "other Serve replicas", "Ray system", SERVE_COMMAND,
            "baseline (uvicorn)", "total (servers)", "load generator", SELF_CLASS]
 MACHINE = [("busy_percent", "machine busy, % of its cores"), ("idle_percent", "machine idle, % of its cores"),
            ("busy_unaccounted_percent", "busy in no process above, %")]
@@ -91,20 +91,18 @@ def profile_table(record: dict, top: int = 10) -> str:
 
 
 def headline_table(bench: dict, admission: dict) -> str:
-    """README's few figures: the default `shardserve serve` next to a uvicorn + FAISS monolith on
-    the same index and queries (bench), and under each kind of load (admission)."""
-    def level(label: str, clients: int) -> dict:
-        return next(lv for lv in bench["levels"] if lv["label"] == label and lv["value"] == clients)
-
-    ours, theirs = level("shardserve-4shard-edge", 32), level("baseline-uvicorn", 32)
-    ours_1, theirs_1 = level("shardserve-4shard-edge", 1), level("baseline-uvicorn", 1)
-    cpu = "total (servers)"
-    rows = [f"| {bench['machine']['cores']} cores, 4-shard Fashion-MNIST IVF1024 (nprobe 16) | "
-            "`shardserve serve` | uvicorn + FAISS, a worker per core |", "|---|---|---|",
-            f"| 32 clients: requests/s | {_cell(ours['qps'])} | {_cell(theirs['qps'])} |",
-            f"| 32 clients: server CPU ms per request | {_cell(ours['cpu_ms_per_request'][cpu])} | "
-            f"{_cell(theirs['cpu_ms_per_request'][cpu])} |",
-            f"| 1 client: p50 ms | {_cell(ours_1['p50_ms'])} | {_cell(theirs_1['p50_ms'])} |"]
+    """README's few figures: the `shardserve serve` command next to a uvicorn + FAISS monolith on
+    the same index and queries, alternating (bench's headline), and under each kind of load
+    (admission)."""
+    ours, theirs = bench["headline"]["headline-served"], bench["headline"]["headline-uvicorn"]
+    rows = [f"| {bench['machine']['cores']} cores, 4-shard Fashion-MNIST IVF1024 (nprobe 16), "
+            f"{ours['rounds']} alternating rounds | `shardserve serve` | "
+            "uvicorn + FAISS, a worker per core |",
+            "|---|---|---|",
+            f"| 32 clients: requests/s | {_cell(ours['qps_c32'])} | {_cell(theirs['qps_c32'])} |",
+            f"| 32 clients: server CPU ms per request | {_cell(ours['cpu_ms_per_request_c32'])} | "
+            f"{_cell(theirs['cpu_ms_per_request_c32'])} |",
+            f"| 1 client: p50 ms | {_cell(ours['p50_ms_c1'])} | {_cell(theirs['p50_ms_c1'])} |"]
     closed = [lv for lv in admission["levels"] if lv["mode"] == "concurrency"]
     over = next(lv for lv in admission["levels"] if lv["mode"] == "rate")
     v = admission["verdict"]

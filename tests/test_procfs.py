@@ -13,11 +13,13 @@ import pytest
 from loadtests.vegeta_run import machine_share
 from shardserve.runtime.procfs import (
     SELF_CLASS,
+    SERVE_COMMAND,
     CpuMeter,
     age_seconds,
     machine_cpu_seconds,
     memory_mb,
     pids_with_environment,
+    process_class,
     sched_times,
 )
 
@@ -123,3 +125,12 @@ def test_pids_with_environment_finds_a_child_by_what_it_inherited_never_this_pro
         os.environ.pop("SHARDSERVE_TEST_TOKEN", None)
         child.kill()
         child.wait()
+
+
+def test_the_serve_command_is_a_class_of_its_own_and_other_commands_are_not() -> None:
+    served = process_class(b"/venv/bin/python3\0/venv/bin/shardserve\0serve\0indexes/x")
+    assert served == SERVE_COMMAND
+    assert process_class(b"python3\0-m\0serving.cli\0serve\0indexes/x") == SERVE_COMMAND
+    assert process_class(b"/venv/bin/python3\0/venv/bin/shardserve\0build\0--out\0x") is None
+    assert process_class(b"python3\0-m\0serving.cli\0swap\0indexes/x") is None
+    assert process_class(b"python3\0serve.py\0serve") is None

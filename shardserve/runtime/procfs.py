@@ -175,6 +175,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+SERVE_COMMAND = "shardserve serve (its command)"  # it started the node's Ray and watches the edge
+
+
+def _is_serve_command(argv: list[bytes]) -> bool:
+    """`shardserve serve …` or `python -m serving.cli serve …`."""
+    for at, word in enumerate(argv[:3]):
+        if word.endswith(b"/shardserve") or word == b"shardserve" or word == b"serving.cli":
+            return argv[at + 1:at + 2] == [b"serve"]
+    return False
+
+
 def process_class(command: bytes) -> str | None:
     """Which part of a serving stack a process is, from its command line (None: not ours)."""
     if b"vegeta" in command.split(b"\0", 1)[0]:
@@ -188,6 +199,8 @@ def process_class(command: bytes) -> str | None:
         if deployment == b"Router":
             return "router"
         return "other Serve replicas"
+    if _is_serve_command(command.split(b"\0")[:4]):
+        return SERVE_COMMAND
     if command.startswith(b"ray::") or b"/ray/" in command or b"raylet" in command \
             or b"gcs_server" in command:
         return "Ray system"
