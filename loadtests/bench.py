@@ -296,9 +296,10 @@ def run_serve(bench: Bench, index_4: str, index_1: str) -> None:
                 bench.run(serve_http, f"{label}-serve-http", 1)
                 bench.run(serve_http, f"{label}-serve-http", 32)
         finally:
-            serve.shutdown()
-            if started:
+            if started:  # ending our own Ray ends its apps; serve.shutdown() first waited 30 s
                 shutdown_ray()
+            else:
+                serve.shutdown()
 
 
 def _level(levels: list[dict], label: str, concurrency: int) -> dict:
