@@ -38,8 +38,6 @@ class AppArgs(BaseModel):
                                      "starts workers at 15), so a replica that is starting "
                                      "(autoscaling, a restart) gets more CPU than each busy one on "
                                      "a saturated node; <= 15 leaves them as Ray started them")
-    router_nice: int | None = Field(
-        None, ge=0, le=19, description="the router replicas' own nice value (default: serving_nice)")
     warm_workers: int = Field(
         4, ge=0, description="idle Ray workers each node with a shard replica keeps started, with the "
                              "serving code imported, so a new replica there (scale-up, restart) "

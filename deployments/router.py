@@ -87,8 +87,7 @@ class Router(ReportsCoresWanted):
         self.front = FrontDoor(self.respond, a.max_body_bytes, a.body_timeout_s)  # own HTTP door
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
             await self.front.listen(a.front_host, a.front_port)
-        lower_priority(a.serving_nice if a.router_nice is None else a.router_nice)  # a replica
-        # starting beside this one gets the CPU first
+        lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""
