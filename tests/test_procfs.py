@@ -134,3 +134,9 @@ def test_the_serve_command_is_a_class_of_its_own_and_other_commands_are_not() ->
     assert process_class(b"/venv/bin/python3\0/venv/bin/shardserve\0build\0--out\0x") is None
     assert process_class(b"python3\0-m\0serving.cli\0swap\0indexes/x") is None
     assert process_class(b"python3\0serve.py\0serve") is None
+
+
+def test_the_dashboards_module_processes_are_rays() -> None:
+    # what /proc shows for the dashboard's modules: setproctitle's title, the interpreter after it
+    title = b"ray-dashboard-NodeHead-0 (/venv/bin/python3 -B -c from multiprocessing.forkserver import main)"
+    assert process_class(title) == "Ray system"

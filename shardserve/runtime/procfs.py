@@ -201,7 +201,7 @@ def process_class(command: bytes) -> str | None:
         return "other Serve replicas"
     if _is_serve_command(command.split(b"\0")[:4]):
         return SERVE_COMMAND
-    if command.startswith(b"ray::") or b"/ray/" in command or b"raylet" in command \
+    if command.startswith((b"ray::", b"ray-dashboard-")) or b"/ray/" in command or b"raylet" in command \
             or b"gcs_server" in command:
         return "Ray system"
     return None
