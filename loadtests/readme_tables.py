@@ -363,7 +363,7 @@ BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-19.json", DEFAULT_SERVE), ("bench-run-20.json", CONTROL_LOOP),
               ("bench-run-21.json", CONTROL_LOOP), ("bench-run-22.json", HISTOGRAM_TOTALS),
               ("bench-run-23.json", HISTOGRAM_TOTALS), ("bench-run-24.json", HISTOGRAM_TOTALS_4_WARM),
-              ("bench.json", SERVE_COMMAND_ALTERNATING))
+              ("bench-run-25.json", SERVE_COMMAND_ALTERNATING), ("bench.json", SERVE_COMMAND_ALTERNATING))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
