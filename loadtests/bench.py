@@ -318,11 +318,10 @@ def ratios(levels: list[dict], limit: dict, served: dict) -> dict:
     baseline_npy = _level(levels, "baseline-uvicorn-npy", 32)
     batch_npy = _level(levels, "shardserve-4shard-batch256-npy", 2)
 
-    server_cpu = _server_cpu
     return {
         **served["ratios"],
         "qps_c32_direct_vs_uvicorn": round(ours["qps"] / baseline["qps"], 3),
-        "cpu_per_request_c32_direct_vs_uvicorn": round(server_cpu(ours) / server_cpu(baseline), 3),
+        "cpu_per_request_c32_direct_vs_uvicorn": round(_server_cpu(ours) / _server_cpu(baseline), 3),
         "qps_c32_vs_serve_noop": round(ours["qps"] / _level(levels, "serve-noop", 32)["qps"], 3),
         "c1_p50_minus_compute_p50_ms": round(one["p50_ms"] - (one["compute_p50_ms"] or 0.0), 3),
         "c1_1shard_p50_minus_compute_p50_ms": round(
@@ -330,17 +329,17 @@ def ratios(levels: list[dict], limit: dict, served: dict) -> dict:
         "batch256_vs_inprocess_batched": round(batch["queries_per_s"] / limit["batched256_qps"], 3),
         "batch256_npy_vs_inprocess_batched": round(batch_npy["queries_per_s"] / limit["batched256_qps"], 3),
         "qps_c32_npy_vs_uvicorn_npy": round(ours_npy["qps"] / baseline_npy["qps"], 3),
-        "cpu_per_request_c32_npy_vs_uvicorn_npy": round(server_cpu(ours_npy) / server_cpu(baseline_npy), 3),
+        "cpu_per_request_c32_npy_vs_uvicorn_npy": round(_server_cpu(ours_npy) / _server_cpu(baseline_npy), 3),
         "qps_c32_links_vs_serve_calls": round(
             ours["qps"] / _level(levels, "shardserve-4shard-serve-calls", 32)["qps"], 3),
         "cpu_per_request_c32_links_vs_serve_calls": round(
-            server_cpu(ours) / server_cpu(_level(levels, "shardserve-4shard-serve-calls", 32)), 3),
+            _server_cpu(ours) / _server_cpu(_level(levels, "shardserve-4shard-serve-calls", 32)), 3),
         "c1_p50_serve_calls_minus_links_ms": round(
             _level(levels, "shardserve-4shard-serve-calls", 1)["p50_ms"] - one["p50_ms"], 3),
         "qps_c32_front_vs_serve_http": round(
             ours["qps"] / _level(levels, "shardserve-4shard-serve-http", 32)["qps"], 3),
         "cpu_per_request_c32_front_vs_serve_http": round(
-            server_cpu(ours) / server_cpu(_level(levels, "shardserve-4shard-serve-http", 32)), 3),
+            _server_cpu(ours) / _server_cpu(_level(levels, "shardserve-4shard-serve-http", 32)), 3),
         "c1_p50_serve_http_minus_front_ms": round(
             _level(levels, "shardserve-4shard-serve-http", 1)["p50_ms"] - one["p50_ms"], 3),
     }

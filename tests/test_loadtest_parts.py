@@ -203,3 +203,32 @@ def test_knee_reactions_say_whether_the_new_replica_ran_in_a_warm_worker() -> No
     reactions = knee_reactions(samples, crossings, since=100.0, started=started)
     assert reactions["a"]["warm_worker"] is True and reactions["a"]["constructor_s"] == 0.2
     assert reactions["b"]["warm_worker"] is False and reactions["b"]["reaction_s"] == 4.0
+
+
+def test_the_bench_headline_pools_its_alternating_rounds_side_by_side() -> None:
+    from loadtests.bench import headline
+
+    def level(label: str, clients: int, qps: float, cpu: float, requests: int, p50: float) -> dict:
+        return {"label": label, "value": clients, "qps": qps, "requests": requests, "p50_ms": p50,
+                "p99_ms": 2 * p50, "success_ratio": 1.0, "cpu_ms_per_request": {"total (servers)": cpu}}
+
+    levels = [  # round 0: the monolith first; round 1: the serve command first
+        level("headline-uvicorn-0", 1, 1000, 0.7, 8000, 0.70),
+        level("headline-uvicorn-0", 32, 2000, 0.60, 16000, 15),
+        level("headline-served-0", 1, 500, 2.0, 4000, 1.50),
+        level("headline-served-0", 32, 1800, 0.80, 14400, 17),
+        level("headline-served-1", 1, 600, 2.0, 4800, 1.30),
+        level("headline-served-1", 32, 2400, 0.70, 19200, 13),
+        level("headline-uvicorn-1", 1, 1100, 0.7, 8800, 0.60),
+        level("headline-uvicorn-1", 32, 3000, 0.50, 24000, 10)]
+    summary = headline(levels)
+    served, monolith = summary["headline-served"], summary["headline-uvicorn"]
+    assert served["rounds"] == monolith["rounds"] == 2
+    assert served["qps_c32"] == 2100 and monolith["qps_c32"] == 2500  # mean over the rounds
+    # CPU per request over every request of a side, not a mean of the rounds' ratios
+    assert served["cpu_ms_per_request_c32"] == round((0.80 * 14400 + 0.70 * 19200) / 33600, 3)
+    assert served["p50_ms_c1"] == 1.4 and monolith["p50_ms_c1"] == 0.65
+    # each round against its own monolith, paired by round
+    assert [r["qps_c32_vs_uvicorn"] for r in summary["per_round"]] == [0.9, 0.8]
+    assert summary["ratios"]["qps_c32_vs_uvicorn"] == 0.84
+    assert summary["ratios"]["c1_p50_minus_uvicorn_c1_p50_ms"] == 0.75
