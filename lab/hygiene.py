@@ -64,6 +64,9 @@ VARIANTS = {
     "serve-control-loop-0.5s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}),
     "serve-control-loop-0.25s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}),
     "serve-control-loop-0.1s": Variant(env={"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}),
+    # Ray's log monitor lists the session's log files on every 0.1 s pass while there are fewer than
+    # this threshold of them; at 0 it lists them every LOG_NAME_UPDATE_INTERVAL_S (0.5 s) instead.
+    "log-monitor-list-0.5s": Variant(env={"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}),
 }
 RAY_PROCESSES = [(b"gcs_server", "GCS"), (b"raylet", "raylet"),
                  (b"ray::DashboardAgent", "dashboard agent"), (b"dashboard/dashboard.py", "dashboard head"),
