@@ -137,6 +137,7 @@ def test_the_serve_command_is_a_class_of_its_own_and_other_commands_are_not() ->
 
 
 def test_the_dashboards_module_processes_are_rays() -> None:
-    # what /proc shows for the dashboard's modules: setproctitle's title, the interpreter after it
-    title = b"ray-dashboard-NodeHead-0 (/venv/bin/python3 -B -c from multiprocessing.forkserver import main)"
+    # what /proc/PID/cmdline holds for the dashboard's modules: setproctitle's title, then the
+    # interpreter's own arguments, NUL-separated (no "/ray/" in any of them)
+    title = b"ray-dashboard-NodeHead-0\0(/venv/bin/python3\0-B\0-c\0from multiprocessing.forkserver import"
     assert process_class(title) == "Ray system"
