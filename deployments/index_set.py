@@ -49,7 +49,6 @@ class IndexSet:
     links: ShardLinks | None  # a TCP link per shard replica (None: Serve handle calls only)
     directory: DeploymentHandle  # the version's ingress: where each shard replica listens
     filter_shares: FilterShares  # each filter's share of every shard's rows: the lists to rank
-    owners: np.ndarray | None  # each IVF list's shard (manifest.list_owners): who to ask for a row
 
     @classmethod
     async def load(cls, generation: int, index: str, app: str, use_links: bool) -> IndexSet:
@@ -61,8 +60,7 @@ class IndexSet:
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,
                      ShardLinks(len(shards)) if use_links else None, directory,
-                     FilterShares([shard.num_vectors for shard in manifest.shards]),
-                     list_owners(manifest, assigner))
+                     FilterShares([shard.num_vectors for shard in manifest.shards]))
         await loaded.refresh_links(timeout_s=2.0)
         return loaded
 
@@ -110,7 +108,7 @@ class IndexSet:
                 return await loop.run_in_executor(executor, assigner.query, matrix, k, params, shares)
         shares = self.filter_shares
         return search_batch(queries, call, len(self.shards), self.manifest.metric != "l2", timeout_s,
-                            metrics.shard_done, prepare, shares.learn, self.owners)
+                            metrics.shard_done, prepare, shares.learn)
 
     async def shard_infos(self, timeout_s: float) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*[s.info.remote() for s in self.shards]), timeout_s)
@@ -141,14 +139,6 @@ class IndexSet:
         manifest = read_manifest(location)
         return (manifest, CoarseAssigner.load(location, manifest),
                 frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
-
-
-def list_owners(manifest: Manifest, assigner: CoarseAssigner | None) -> np.ndarray | None:
-    """Each IVF list's shard, when the manifest records one per list of the router's quantizer
-    (else None: every shard is asked for every row, as for indexes built before it was recorded)."""
-    if manifest.list_owners is None or assigner is None or len(manifest.list_owners) != assigner.ivf.nlist:
-        return None
-    return np.asarray(manifest.list_owners, np.int64)
 
 
 async def follow_links(active: Callable[[], IndexSet], gauge) -> None:

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 
 from serving.evaluate import sharded_search
-from shardserve.data.datasets import load_dataset
-from shardserve.index.indexes import prepare_vectors, train_empty_index
-from shardserve.index.partition import Partition
 from shardserve.query.api import ParsedQuery
 from shardserve.query.fanout import hedged, search_batch, search_grouped
 from shardserve.transport.shard_wire import ShardQuery
-from tests.shared import sharded_and_unsharded, shards
+from tests.shared import shards
 
 
 def _caller(searchers, slow: set[int] = frozenset(), delay: float = 0.0):
@@ -115,37 +111,3 @@ def test_hedged_call_is_not_sent_twice_when_answered_in_time_and_fails_only_if_b
 
     with pytest.raises(ConnectionError):
         asyncio.run(hedged(broken, 0.01)(0, None))
-
-
-def test_each_row_goes_only_to_the_shards_that_own_its_probed_lists() -> None:
-    """With the lists' owners known, a shard gets just the rows that probe its lists, one that owns
-    none of them is not asked, and the merged answers equal the unsharded index's."""
-    data = load_dataset("synthetic:6000x16")
-    searchers, unsharded, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
-    vectors = prepare_vectors(data.base, "l2")
-    owners = Partition.plan(train_empty_index("IVF64,Flat", "l2", vectors, seed=3), vectors, 4).owners
-    assert owners is not None  # the same seeded plan sharded_and_unsharded dealt by
-    asked: list[tuple[int, int]] = []
-
-    async def call(shard: int, query: ShardQuery):
-        asked.append((shard, len(query.matrix)))
-        return searchers[shard].answer(query)
-
-    async def prepare(matrix, k, params):
-        return assigner.query(matrix, k, params)
-
-    queries = np.ascontiguousarray(data.queries[:40], np.float32)
-    one = [ParsedQuery(matrix=queries[:1], k=5, params=(("nprobe", 2),), single=True, require_full=True)]
-    (single,) = asyncio.run(search_batch(one, call, 4, False, 5.0, prepare=prepare, owners=owners))
-    probed = {int(owners[lst]) for lst in assigner.query(queries[:1], 5, {"nprobe": 2}).assign[0]}
-    assert sorted(shard for shard, _ in asked) == sorted(probed) and len(probed) < 4
-    assert single.answered == single.shards == 4  # a shard not asked had nothing to add
-    assert single.ids.tolist() == unsharded.answer(assigner.query(queries[:1], 5, {"nprobe": 2}))[1].tolist()
-
-    asked.clear()
-    batch = [ParsedQuery(matrix=queries, k=5, params=(("nprobe", 4),), single=False, require_full=True)]
-    (result,) = asyncio.run(search_batch(batch, call, 4, False, 5.0, prepare=prepare, owners=owners))
-    expected = unsharded.answer(assigner.query(queries, 5, {"nprobe": 4}))
-    assert result.ids.tolist() == expected[1].tolist()
-    assert np.allclose(result.distances, expected[0])
-    assert sum(rows for _, rows in asked) < 4 * len(queries)  # fewer rows sent than to every shard

@@ -8,7 +8,7 @@ import posixpath
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shardserve.errors import ShardserveError
 from shardserve.index.storage import Location, sha256_hex
@@ -71,19 +71,9 @@ class Manifest(_Strict):
     trained: ShardEntry | None = None
     # Per shard, its rows' metadata columns (shardserve.index.metadata), when the build was given some.
     metadata: list[MetadataEntry] | None = None
-    # IVF indexes dealt by list (shardserve.index.partition): list l lives in shard list_owners[l], and
-    # the router sends each query only to the shards that own a list it probes. None: every shard is
-    # asked (rows dealt i mod S, or a build from before the lists were recorded).
-    list_owners: list[int] | None = None
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str
-
-    @model_validator(mode="after")
-    def _owners_name_shards(self) -> Manifest:
-        if self.list_owners is not None and not all(0 <= o < len(self.shards) for o in self.list_owners):
-            raise ValueError(f"list_owners: every list's shard must be in 0..{len(self.shards) - 1}")
-        return self
 
     @staticmethod
     def content_version(shards: list[ShardEntry], factory: str, metric: str,

@@ -6,12 +6,10 @@ the hardware prefetcher has not hidden yet (served side by side: loadtests/recor
 `python -m lab.scan_cost` for FAISS alone). A list lives in exactly one shard, so the set of vectors a
 query compares against is the unsharded index's, as before; merged answers stay equal.
 
-Which lists go together: neighbours (`local_owners`), so that a query's probed lists fall on one or
-two of the shards, not on all of them, and the router asks only those. Shards are balanced by vector
-count: the trained quantizer assigns the training sample (the same seeded sample every build of the
-same data and params draws) to size the lists. Only indexes whose lists the router assigns itself
-(plain IVF: shardserve.query.searcher's CoarseAssigner) are dealt by list; every other index keeps
-rows mod S.
+Lists are balanced by vector count: the trained quantizer assigns the training sample (the same
+seeded sample every build of the same data and params draws), the largest list goes to the lightest
+shard first. Only indexes whose lists the router assigns itself (plain IVF: shardserve.query.searcher's
+CoarseAssigner) are dealt by list; every other index keeps rows mod S.
 
 Trade-off, stated in README: a shard that misses its deadline drops whole lists (the queries near
 them lose most of their neighbours) where a row-dealt shard drops a quarter of every list.
@@ -29,40 +27,19 @@ from shardserve.index.indexes import index_from_bytes
 BY_LISTS, BY_ROWS = "ivf-lists", "rows"
 
 
-def local_owners(centroids: np.ndarray, list_sizes: np.ndarray, shards: int) -> np.ndarray:
-    """Per list, its shard: neighbouring lists on the same shard, shards equal in vectors.
-
-    The lists are split in two along the principal axis of their centroids (weighted by vectors per
-    list) at the point that gives each side its share of the vectors (a group of n shards splits n//2
-    : n - n//2), and each side again, until there are `shards` groups. A query probes the lists
-    nearest to it, so its probes fall on few shards and the router asks only those
-    (shardserve.query.fanout.route_rows). Every shard gets at least one list; the loads differ by
-    about one list. Deterministic for the same inputs (the axis's sign is fixed)."""
-    sizes = np.asarray(list_sizes, np.float64)
-    if sizes.sum() <= 0:  # a sample too small to size the lists: count lists instead
-        sizes = np.ones(len(sizes))
-    points_all = np.asarray(centroids, np.float64)
-    owners = np.empty(len(sizes), np.int32)
-
-    def split(lists: np.ndarray, first: int, count: int) -> None:
-        if count == 1:
-            owners[lists] = first
-            return
-        weights = sizes[lists]
-        points = points_all[lists] - np.average(points_all[lists], axis=0, weights=weights + 1e-12)
-        _, _, axes = np.linalg.svd(points * np.sqrt(weights)[:, None], full_matrices=False)
-        axis = axes[0] * np.sign(axes[0][np.argmax(np.abs(axes[0]))])
-        order = lists[np.argsort(points @ axis, kind="stable")]
-        left = count // 2
-        cumulative = np.cumsum(sizes[order])
-        cut = int(np.searchsorted(cumulative, cumulative[-1] * left / count)) + 1
-        cut = min(max(cut, left), len(order) - (count - left))  # at least one list per shard
-        split(order[:cut], first, left)
-        split(order[cut:], first + left, count - left)
-
-    if len(sizes) < shards:
-        raise ValueError(f"{len(sizes)} lists cannot be dealt to {shards} shards")
-    split(np.arange(len(sizes)), 0, shards)
+def balanced_owners(list_sizes: np.ndarray, shards: int) -> np.ndarray:
+    """Per list, its shard: largest list first onto the shard holding the fewest vectors so far
+    (ties: fewer lists, then the lower shard; lists in size order, then id order): deterministic,
+    and greedy's bound, the largest load within 4/3 of the best possible. Lists the sample left
+    empty still spread over the shards (the data may hold a few vectors in them)."""
+    load = np.zeros(shards, np.int64)
+    count = np.zeros(shards, np.int64)
+    owners = np.empty(len(list_sizes), np.int32)
+    for lst in np.argsort(-np.asarray(list_sizes, np.int64), kind="stable"):
+        shard = min(range(shards), key=lambda s: (load[s], count[s], s))
+        owners[lst] = shard
+        load[shard] += int(list_sizes[lst])
+        count[shard] += 1
     return owners
 
 
@@ -86,8 +63,7 @@ class Partition:
         if assigner is None or shards == 1:
             return cls(shards)
         sizes = np.bincount(_nearest_list(assigner, sample), minlength=assigner.ivf.nlist)
-        centroids = assigner.quantizer.reconstruct_n(0, assigner.ivf.nlist)
-        return cls(shards, local_owners(centroids, sizes, shards))
+        return cls(shards, balanced_owners(sizes, shards))
 
     def shard_of(self, positions: np.ndarray, vectors: np.ndarray | None = None,
                  assigner: CoarseAssigner | None = None) -> np.ndarray:

@@ -1,11 +1,8 @@
 """Fan a batch of queries out to every shard and merge: the router's core, plain asyncio + numpy.
 
-One call per shard per (k, params) group of the batch; the shard that misses the deadline is left out
-and counted in coverage. When the router knows which shard owns each IVF list (`owners`: the
-manifest's `list_owners`), a shard gets only the rows that probe one of its lists, and a shard that
-owns none of the batch's probes is not asked at all: it has nothing to add. The lists are dealt by
-neighbourhood (shardserve.index.partition), so at nprobe 16 a query reaches 1-2 of 4 shards, not 4.
-Testable with in-process searchers, no Ray needed.
+One call per shard per (k, params) group of the batch, the same encoded query bytes to every shard;
+the shard that misses the deadline is left out and counted in coverage. Testable with in-process
+searchers, no Ray needed.
 """
 
 from __future__ import annotations
@@ -38,44 +35,32 @@ async def plain_query(matrix: np.ndarray, k: int, params: dict) -> ShardQuery:
     return ShardQuery(matrix, k, params)
 
 
-def route_rows(assign: np.ndarray, owners: np.ndarray, num_shards: int) -> list[np.ndarray]:
-    """Per shard, the rows (ascending) that probe at least one list it owns; `assign` holds each
-    row's probed lists (-1: none, when nprobe exceeds the lists that hold vectors)."""
-    probed = assign >= 0
-    shard_of = np.where(probed, owners[np.where(probed, assign, 0)], num_shards)  # num_shards: none
-    hit = np.zeros((len(assign), num_shards + 1), bool)
-    hit[np.arange(len(assign))[:, None], shard_of] = True
-    return [np.flatnonzero(hit[:, shard]) for shard in range(num_shards)]
-
-
 async def search_batch(queries: list[ParsedQuery], call_shard: ShardCall, num_shards: int,
                        higher_is_better: bool, timeout_s: float,
                        on_shard_done: Callable[[int, float | None], None] | None = None,
                        prepare: Prepare = plain_query,
                        on_matched: Callable[[str, list[int | None]], None] | None = None,
-                       owners: np.ndarray | None = None) -> list[QueryResult]:
+                       ) -> list[QueryResult]:
     """Answer every query of the batch, grouping those that can share one scan per shard.
-    `on_matched(filter, rows)`: after a filtered group, the rows each shard matched (None: no answer).
-    `owners`: each IVF list's shard, to ask only the shards a row's probes reach (see module doc)."""
+    `on_matched(filter, rows)`: after a filtered group, the rows each shard matched (None: no answer)."""
     groups: dict[tuple, list[int]] = {}
     for position, query in enumerate(queries):
         groups.setdefault(query.group_key, []).append(position)
     results: list[QueryResult | None] = [None] * len(queries)
     if len(groups) == 1:  # the steady state: no extra task per batch
         await _search_group(queries, list(range(len(queries))), results, call_shard, num_shards,
-                            higher_is_better, timeout_s, on_shard_done, prepare, on_matched, owners)
+                            higher_is_better, timeout_s, on_shard_done, prepare, on_matched)
         return results  # type: ignore[return-value]
     await asyncio.gather(*[
         _search_group([queries[p] for p in positions], positions, results, call_shard, num_shards,
-                      higher_is_better, timeout_s, on_shard_done, prepare, on_matched, owners)
+                      higher_is_better, timeout_s, on_shard_done, prepare, on_matched)
         for positions in groups.values()])
     return results  # type: ignore[return-value]
 
 
 async def _search_group(group: list[ParsedQuery], positions: list[int], results: list,
                         call_shard: ShardCall, num_shards: int, higher_is_better: bool,
-                        timeout_s: float, on_shard_done, prepare: Prepare, on_matched,
-                        owners: np.ndarray | None) -> None:
+                        timeout_s: float, on_shard_done, prepare: Prepare, on_matched) -> None:
     k, params = group[0].k, dict[str, object](group[0].params)
     if group[0].filter is not None:  # the shards evaluate it on their own metadata
         params["filter"] = group[0].filter
@@ -83,23 +68,18 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
     started = time.perf_counter()
     shard_query = await prepare(matrix, k, params)
     prepare_ms = (time.perf_counter() - started) * 1000.0
-    routes = None  # a filtered query's shards each take their own prefix of its lists: ask them all
-    if owners is not None and shard_query.assign is not None and "filter" not in params:
-        routes = route_rows(shard_query.assign, owners, num_shards)
-    fill = -np.inf if higher_is_better else np.inf
-    outcomes = await _call_every_shard(call_shard, shard_query, num_shards, timeout_s, routes, fill)
+    outcomes = await _call_every_shard(call_shard, shard_query, num_shards, timeout_s)
     fanout_ms = (time.perf_counter() - started) * 1000.0
-    answered = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
-    not_asked = sum(o is None for o in outcomes)  # owns none of the probed lists: nothing to add
+    answered = [o for o in outcomes if not isinstance(o, BaseException)]
     if on_shard_done is not None:
         for shard, outcome in enumerate(outcomes):
-            if outcome is not None:
-                on_shard_done(shard, None if isinstance(outcome, BaseException) else outcome[2])
+            on_shard_done(shard, None if isinstance(outcome, BaseException) else outcome[2])
     error = None
     if answered:
         distances, ids = merge_topk([o[0] for o in answered], [o[1] for o in answered], k,
                                     higher_is_better)
     else:
+        fill = -np.inf if higher_is_better else np.inf
         distances = np.full((len(matrix), k), fill, np.float32)
         ids = np.full((len(matrix), k), -1, np.int64)
         first = next((o for o in outcomes if isinstance(o, BaseException)), None)
@@ -113,50 +93,23 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
     for query, position in zip(group, positions, strict=True):
         rows = slice(row, row + len(query.matrix))
         row += len(query.matrix)
-        results[position] = QueryResult(distances[rows], ids[rows], len(answered) + not_asked, num_shards,
+        results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
                                         compute_ms, fanout_ms, len(matrix), error, matched)
 
 
-async def _call_every_shard(call_shard: ShardCall, query: ShardQuery, num_shards: int, timeout_s: float,
-                            routes: list[np.ndarray] | None = None, fill: float = np.inf) -> list:
-    """Per shard, its answer (over every row of `query`), an exception, or None when `routes` gave it
-    no row; one deadline for the whole fan-out (one timer, not a `wait_for` wrapper per call), and
-    calls still running at the deadline are cancelled. A shard given some of the rows answers for
-    those; the others are filled as FAISS fills a missing neighbour (`fill`, id -1)."""
-    rows_of: dict[int, np.ndarray | None] = {}
-    tasks: dict[int, asyncio.Future] = {}
-    for shard in range(num_shards):
-        rows = None if routes is None or len(routes[shard]) == len(query.matrix) else routes[shard]
-        if rows is not None and len(rows) == 0:
-            continue
-        rows_of[shard] = rows
-        tasks[shard] = asyncio.ensure_future(call_shard(shard, query if rows is None else query.subset(rows)))
+async def _call_every_shard(call_shard: ShardCall, query: ShardQuery, num_shards: int,
+                            timeout_s: float) -> list:
+    """Every shard's answer or exception, under one deadline for the whole fan-out (one timer, not a
+    `wait_for` wrapper per call); calls still running at the deadline are cancelled."""
+    tasks = [asyncio.ensure_future(call_shard(shard, query)) for shard in range(num_shards)]
     try:
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=timeout_s)
+        await asyncio.wait(tasks, timeout=timeout_s)
     finally:  # also when the batch itself is cancelled
-        for task in tasks.values():
+        for task in tasks:
             if not task.done():
                 task.cancel()
-    outcomes: list = [None] * num_shards
-    for shard, task in tasks.items():
-        if not task.done() or task.cancelled():
-            outcomes[shard] = TimeoutError(f"no answer within {timeout_s:g} s")
-        elif (error := task.exception()) is not None:
-            outcomes[shard] = error
-        else:
-            rows, answer = rows_of[shard], task.result()
-            outcomes[shard] = answer if rows is None else _widen(answer, rows, len(query.matrix), fill)
-    return outcomes
-
-
-def _widen(answer: tuple, rows: np.ndarray, n: int, fill: float) -> tuple:
-    """A shard's answer for `rows` of an n-row batch, as n rows (the others: no neighbour found)."""
-    distances, ids = answer[0], answer[1]
-    wide_distances = np.full((n, distances.shape[1]), fill, distances.dtype)
-    wide_ids = np.full((n, ids.shape[1]), -1, ids.dtype)
-    wide_distances[rows], wide_ids[rows] = distances, ids
-    return (wide_distances, wide_ids, *answer[2:])
+    return [task.exception() or task.result() if task.done() and not task.cancelled()
+            else TimeoutError(f"no answer within {timeout_s:g} s") for task in tasks]
 
 
 async def search_grouped(items: list[tuple[Group, Query]],

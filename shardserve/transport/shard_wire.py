@@ -73,12 +73,6 @@ class ShardQuery:
             self._encoded = b"".join(parts)
         return self._encoded
 
-    def subset(self, rows: np.ndarray) -> ShardQuery:
-        """The same query for some of its rows (a shard that owns lists only these rows probe)."""
-        return ShardQuery(self.matrix[rows], self.k, self.params,
-                          None if self.assign is None else self.assign[rows],
-                          None if self.coarse is None else self.coarse[rows])
-
     @staticmethod
     def rows(blob: bytes) -> int:
         """Query rows of an encoded batch, read from its header alone (0 for a short blob)."""
