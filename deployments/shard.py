@@ -13,6 +13,7 @@ import faiss
 import ray
 from ray import serve
 
+from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import INDEX_INGRESS
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from shardserve.index.manifest import read_version
@@ -29,7 +30,7 @@ logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
-class ShardDeployment:
+class ShardDeployment(ReportsCoresWanted):
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (shardserve.transport.shard_link) or a Serve handle call, both through `search`."""
 
@@ -120,8 +121,10 @@ class ShardDeployment:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Link traffic does not pass through Serve's request counters: report its mean in-flight
-        count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth."""
-        return {"link_in_flight": self.link_in_flight.mean_and_reset()}
+        count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth;
+        and the cores it wants per FAISS thread, for calls that wait for the CPU instead."""
+        return {"link_in_flight": self.link_in_flight.mean_and_reset(),
+                "shard_busy": self.cores_wanted() / self.faiss_threads}
 
     def __del__(self):
         if self._announcer is not None:
