@@ -2,10 +2,8 @@
 
 Each shard deployment scales on its OWN queue depth (ongoing + queued calls per replica): a query is
 as slow as its slowest shard, so the shard that is behind gets replicas first, not all shards alike
-(tests/test_autoscaling_serve.py shows the slow shard scaling alone). With the knee policy, also on
-the cores its replicas want: a shard whose calls wait in the kernel's run queue is behind too. The
-target depth per replica is the depth at the latency knee that `shardserve tune` measured: past it,
-latency is queueing.
+(tests/test_autoscaling_serve.py shows the slow shard scaling alone). The target depth per replica is
+the depth at the latency knee that `shardserve tune` measured: past it, latency is queueing.
 Up fast (`upscale_delay_s`), down slowly (`downscale_delay_s`), within [min_replicas, max_replicas].
 
 Two policies, chosen in the config: Serve's built-in queue-depth policy (default), or `knee_policy`
@@ -69,9 +67,6 @@ KNEE_POLICY = "deployments.autoscaling:knee_policy"
 # A router replica is one event loop (plus a quantizer thread): past ~0.8 of a core its ready
 # queue grows, and that, not the requests it holds, is the router's knee.
 ROUTER_BUSY_TARGET = 0.8
-# A shard replica scans on its FAISS threads (one by default): past ~0.8 of a core per thread
-# wanted, its calls wait for the CPU, not for Serve.
-SHARD_BUSY_TARGET = 0.8
 
 
 def router_autoscaling_config(min_replicas: int = 1, max_replicas: int = 4,
@@ -98,49 +93,33 @@ def with_link_policy(config: dict) -> dict:
 
 
 class ReportsCoresWanted:
-    """A Serve deployment whose replicas report the cores they want: the cores the process used since
-    its last report, plus the cores it waited for in the kernel's run queue (runnable, but the CPU
-    was busy with others), summed over its threads (/proc schedstat). The router reports it as
-    `router_busy` and scales on it alone; a shard reports it per FAISS thread as `shard_busy`, beside
-    its queue depth. Used alone, a replica starved on a shared node never looks busy: pinned to one
-    core with four shards, the router used well under 0.8 of it while requests waited in it, and the
-    autoscale ramp saw no stage past its knee (loadtests/autoscale.py --pin-initial). Not the
-    router's queue: behind the edge a router holds at most K requests however slow it is, and when
-    the shards are what is slow, a second router would only wait for them too."""
+    """A Serve deployment that scales on the cores it wants (the router): each replica reports, as
+    `router_busy`, the cores its process used since its last report, plus the cores it waited for
+    in the kernel's run queue (runnable, but the CPU was busy with others), summed over its threads
+    (/proc schedstat). Used alone, a router starved on a shared node never looks busy: pinned to
+    one core with four shards, it used well under 0.8 of it while requests waited in it, and the
+    autoscale ramp saw no stage past its knee (loadtests/autoscale.py --pin-initial). Not its
+    queue: behind the edge a router holds at most K requests however slow it is, and when the
+    shards are what is slow, a second router would only wait for them too."""
 
     _cores_since: tuple[float, float] | None = None  # (monotonic s, CPU + run-queue s) of the last report
 
-    def cores_wanted(self) -> float:
-        """Cores used plus waited for since the last call (0.0 the first time: nothing measured)."""
+    def record_autoscaling_stats(self) -> dict[str, float]:
         from shardserve.runtime.procfs import sched_times
 
         on_cpu, waiting, _, _ = sched_times(os.getpid())
         now, wanted = time.monotonic(), on_cpu + waiting
         since, self._cores_since = self._cores_since, (now, wanted)
-        if since is None or now <= since[0]:
-            return 0.0
-        return (wanted - since[1]) / (now - since[0])
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"router_busy": self.cores_wanted()}
+        if since is None or now <= since[0]:  # the first report: nothing measured yet
+            return {"router_busy": 0.0}
+        return {"router_busy": (wanted - since[1]) / (now - since[0])}
 
 
-def stage_load(ctx) -> tuple[float, float, str]:
-    """(load, knee, signal) the knee policy judges a deployment by: a router's replicas by the cores
-    they want (`router_busy`, used plus waited for) against its busy target; a shard deployment by
-    its queue depth against the knee depth, or by the cores its replicas want per FAISS thread
-    (`shard_busy`) against SHARD_BUSY_TARGET, whichever is further past its knee. A shard whose
-    calls queue in the kernel's run queue, not in Serve's (one batch in flight from each router,
-    its node's cores saturated), is past its knee as much as one whose calls queue in Serve."""
-    metrics = ctx.aggregated_metrics or {}
-    knee = float(ctx.config.target_ongoing_requests)
-    if busy := metrics.get("router_busy"):
-        return float(sum(busy.values())), knee, "cores"
-    depth = queue_depth(ctx)
-    shard_busy = float(sum((metrics.get("shard_busy") or {}).values()))
-    if shard_busy / SHARD_BUSY_TARGET > depth / knee:
-        return shard_busy, SHARD_BUSY_TARGET, "cores"
-    return depth, knee, "queue"
+def stage_load(ctx) -> float:
+    """What the knee policy compares with the knee: a router's replicas report the cores they want
+    (`router_busy`: used plus waited for); a shard deployment's load is its queue depth."""
+    busy = (ctx.aggregated_metrics or {}).get("router_busy")
+    return float(sum(busy.values())) if busy else queue_depth(ctx)
 
 
 def queue_depth(ctx) -> float:
@@ -163,9 +142,8 @@ def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | No
 
 def knee_policy(ctx) -> tuple[int, dict]:
     """Serve custom autoscaling policy (`policy_function: deployments.autoscaling:knee_policy`),
-    per deployment: a shard's own queue depth against the knee depth (`target_ongoing_requests`) or its
-    cores wanted against SHARD_BUSY_TARGET, a router's cores wanted (used + run-queue wait) against its
-    busy target (`router_autoscaling_config`): `stage_load`.
+    per deployment: a shard's own queue depth against the knee depth (`target_ongoing_requests`), a
+    router's cores wanted (used + run-queue wait) against its busy target (`router_autoscaling_config`).
 
     While the queue is past the knee the policy asks for at least one more replica, so Serve's
     upscale delay runs without restarting; replicas still starting are never scaled away (measured:
@@ -174,7 +152,7 @@ def knee_policy(ctx) -> tuple[int, dict]:
     The moment a deployment's queue passes the knee is what its scaling reaction is measured from,
     so each crossing is logged (controller log) and kept in the GCS key-value store
     (`knee_events`), where a load test or an operator reads it back."""
-    depth, knee, signal = stage_load(ctx)
+    depth, knee = stage_load(ctx), float(ctx.config.target_ongoing_requests)
     current = ctx.current_num_replicas
     ceiling = ctx.capacity_adjusted_max_replicas
     target = decide(current, depth, knee, ctx.capacity_adjusted_min_replicas, ceiling)
@@ -183,7 +161,7 @@ def knee_policy(ctx) -> tuple[int, dict]:
     if passed_at is not None:
         target = max(target, min(current + 1, ceiling))
         if before != passed_at:
-            event = {"t": time.time(), "depth": round(depth, 2), "knee_depth": knee, "signal": signal,
+            event = {"t": time.time(), "depth": round(depth, 2), "knee_depth": knee,
                      "replicas": current, "target": target}
             logger.info("knee passed: %s %s", ctx.deployment_name, event)
             _keep_event(ctx.app_name, ctx.deployment_name, event)

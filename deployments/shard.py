@@ -13,7 +13,6 @@ import faiss
 import ray
 from ray import serve
 
-from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import INDEX_INGRESS
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from shardserve.index.manifest import read_version
@@ -30,7 +29,7 @@ logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5)
-class ShardDeployment(ReportsCoresWanted):
+class ShardDeployment:
     """Thin: loads a ShardSearcher (sha256-checked), answers router batches over its shard link
     (shardserve.transport.shard_link) or a Serve handle call, both through `search`."""
 
@@ -121,10 +120,8 @@ class ShardDeployment(ReportsCoresWanted):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Link traffic does not pass through Serve's request counters: report its mean in-flight
-        count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth;
-        and the cores it wants per FAISS thread, for calls that wait for the CPU instead."""
-        return {"link_in_flight": self.link_in_flight.mean_and_reset(),
-                "shard_busy": self.cores_wanted() / self.faiss_threads}
+        count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth."""
+        return {"link_in_flight": self.link_in_flight.mean_and_reset()}
 
     def __del__(self):
         if self._announcer is not None:

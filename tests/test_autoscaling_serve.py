@@ -153,20 +153,6 @@ def test_knee_policy_decisions() -> None:
     assert knee_policy(router) == (2, {"knee_passed_at": 1})
     router.aggregated_metrics = {"router_busy": {"replica-a": 0.3}}
     assert knee_policy(router) == (1, {"knee_passed_at": None})
-    # A shard whose calls wait for the CPU, not in Serve (one batch in flight, its node saturated):
-    # a queue depth under the knee, but 0.95 cores wanted against 0.8 also wants 2 replicas; idle
-    # cores and an empty queue, one.
-    shard = SimpleNamespace(current_num_replicas=1, target_num_replicas=1, total_num_requests=0.0,
-                            aggregated_metrics={"link_in_flight": {"replica-a": 0.6},
-                                                "shard_busy": {"replica-a": 0.95}},
-                            config=SimpleNamespace(target_ongoing_requests=1.0), policy_state={},
-                            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3,
-                            app_name="a", deployment_name="shard-001")
-    assert knee_policy(shard) == (2, {"knee_passed_at": 1})
-    shard.aggregated_metrics = {"link_in_flight": {"replica-a": 0.6}, "shard_busy": {"replica-a": 0.3}}
-    assert knee_policy(shard) == (1, {"knee_passed_at": None})
-    shard.aggregated_metrics = {"link_in_flight": {"replica-a": 2.5}, "shard_busy": {"replica-a": 0.3}}
-    assert knee_policy(shard) == (3, {"knee_passed_at": 1})  # the queue is further past its knee
 
 
 def test_past_knee_is_a_schmitt_trigger() -> None:
