@@ -172,7 +172,10 @@ def run_baseline(bench: Bench, index: str) -> None:
 @contextlib.contextmanager
 def served(index: str, log: Path) -> Iterator[str]:
     """`shardserve serve INDEX` exactly as a user starts it (only the port differs from the default),
-    healthy; stopped with Ctrl-C (SIGINT to its session) afterwards."""
+    healthy; stopped with Ctrl-C afterwards, as the admission run stops it (loadtests.shedding.ctrl_c:
+    SIGINT to its session, then its processes given time to leave)."""
+    from deployments.run import wait_until_healthy
+    from loadtests.shedding import ctrl_c
     from shardserve.runtime.ray_private import local_cluster_running
 
     if local_cluster_running():
@@ -184,15 +187,10 @@ def served(index: str, log: Path) -> Iterator[str]:
                                     "--port", str(EDGE_PORT)], stdout=sink, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
-        _wait_http(url + "/v1/health", timeout_s=300)
+        wait_until_healthy(url, timeout_s=300)
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+        ctrl_c(process)
 
 
 def run_headline(bench: Bench, index: str, rounds: int) -> None:
