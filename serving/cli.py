@@ -197,7 +197,7 @@ def _admission(args: argparse.Namespace):
     if burst is None and args.edge_queue is not None:  # a queue alone still admits the default's clients
         burst = max(DEFAULT_BURST, args.edge_queue)
     given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
-             "queue_timeout_ms": args.edge_queue_timeout_ms}
+             "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms}
     try:
         return Admission(**{key: value for key, value in given.items() if value is not None})
     except ValueError as exc:
@@ -213,7 +213,13 @@ def _api_key() -> str | None:
 
 
 def _edge_options(cmd: argparse.ArgumentParser) -> None:
-    from serving.edge import DEFAULT_BURST, DEFAULT_IN_FLIGHT, DEFAULT_QUEUE, DEFAULT_QUEUE_TIMEOUT_MS
+    from serving.edge import (
+        DEFAULT_BURST,
+        DEFAULT_DELAY_MS,
+        DEFAULT_IN_FLIGHT,
+        DEFAULT_QUEUE,
+        DEFAULT_QUEUE_TIMEOUT_MS,
+    )
 
     cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests inside the router at once "
                      f"(default {DEFAULT_IN_FLIGHT}; `shardserve tune` writes a measured one)")
@@ -225,6 +231,9 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
                      f"(default {DEFAULT_QUEUE})")
     cmd.add_argument("--edge-queue-timeout-ms", type=_POSITIVE, help="an admitted request still queued "
                      f"after this gets 503 (default {DEFAULT_QUEUE_TIMEOUT_MS})")
+    cmd.add_argument("--edge-delay-ms", type=_at_least(0), help="while shedding, a new request that finds "
+                     "more inside (router + queue) than the router answers in this long, and more than "
+                     f"--edge-queue, gets 503 at once (default {DEFAULT_DELAY_MS}; 0: the counts alone)")
 
 
 def _tune(args: argparse.Namespace) -> None:

@@ -12,8 +12,12 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   wait for their answers (K + B of them are never refused) and short bursts.
 - A request that finds B waiting is the sign of overload (requests arriving faster than they are
   answered): it gets 503 + Retry-After at once, and so does every request, for as long as the edge
-  keeps shedding (a 1 s sliding rate), that finds more than `max_queue` (Q) waiting. The standing
-  queue is cut to Q, and what is admitted waits about (K + Q) / capacity.
+  keeps shedding (a 1 s sliding rate), that finds more than `max_queue` (Q) waiting, or more
+  requests inside (in the router and waiting) than the router answered in the last `delay_ms` (D)
+  at the rate it has been answering them, but never fewer than Q. So what is admitted while
+  shedding waits about D whatever a query costs, where the counts K and Q alone held it to
+  (K + Q) / capacity: longer as each query costs more. The rate is HAProxy's own (`be_sess_rate`:
+  requests sent to the router in the last second, which while shedding is the rate it answers).
 - Closed-loop clients cannot start the shedding: N <= K + B of them never find B waiting. Their
   queue and an overload's look alike by length (both stand); what differs is that an overload
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
@@ -52,6 +56,10 @@ DEFAULT_IN_FLIGHT = 64
 DEFAULT_BURST = 64
 DEFAULT_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
+# While shedding, what is inside is cut to the router's last second of answers x D, the delay target
+# `shardserve tune` sizes K + Q with (deployments.tune.DELAY_TARGET_S: a test keeps the two equal):
+# at the default nprobe's ~2,000 req/s that is 70, about K + Q; a costlier query gets the same wait.
+DEFAULT_DELAY_MS = 35
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 
@@ -65,16 +73,19 @@ class Admission:
     max_queue: requests that may wait at the edge while it is shedding (Q, at most B): a new one
         that finds more gets 503 at once.
     queue_timeout_ms: the longest an admitted request waits in the queue before a 503 (backstop).
+    delay_ms: while shedding, more requests inside (router + queue) than the router's answer rate x
+        this (but at least max_queue) get 503 too (D); 0: the counts alone.
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
     max_burst: int = DEFAULT_BURST
     max_queue: int = DEFAULT_QUEUE
     queue_timeout_ms: int = DEFAULT_QUEUE_TIMEOUT_MS
+    delay_ms: int = DEFAULT_DELAY_MS
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.max_queue < 0 or self.queue_timeout_ms < 1:
-            raise ValueError("max_in_flight must be >= 1, max_queue >= 0, queue_timeout_ms >= 1")
+        if min(self.max_in_flight, self.queue_timeout_ms) < 1 or min(self.max_queue, self.delay_ms) < 0:
+            raise ValueError("max_in_flight and queue_timeout_ms must be >= 1, max_queue and delay_ms >= 0")
         if self.max_burst < self.max_queue:
             raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
@@ -95,6 +106,8 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     `access_log`: one line per request on HAProxy's stdout, in its standard HTTP log format
     (`parse_access_line` reads its timers)."""
     a = admission or Admission()
+    shed_when = "!health overflow || !health standing shedding" + (
+        " || !health shedding crowded late" if a.delay_ms else "")
     log_global, log_defaults = "", ""
     if access_log:  # a write per request on the edge's thread: off by default (it costs goodput)
         log_global = "    log stdout format raw local0\n"
@@ -134,7 +147,7 @@ frontend shardserve_edge
     acl overflow queue(shardserve) gt {a.max_burst}
     acl standing queue(shardserve) gt {a.max_queue}
     acl shedding int(0),table_gpc0_rate(shed_meter) gt 0
-    http-request set-var(txn.shed) bool(1) if !health overflow || !health standing shedding
+{_late_rules(a)}    http-request set-var(txn.shed) bool(1) if {shed_when}
     http-request track-sc0 int(0) table shed_meter if {{ var(txn.shed) -m bool }}
     http-request sc-inc-gpc0(0) if {{ var(txn.shed) -m bool }}
     {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.shed) -m bool }}
@@ -155,6 +168,21 @@ backend shardserve
     # (the door ends each kept-alive connection after 1,000 requests, announced with `Connection:
     # close`: router replicas share its port, and a new connection may reach one started since)
     server router {backend} maxconn {a.max_in_flight}
+"""
+
+
+def _late_rules(a: Admission) -> str:
+    """While shedding: `crowded`, more than Q inside (router + queue); `late`, more inside than the
+    router answered in the last D ms at the last second's rate. Computed only while shedding."""
+    if not a.delay_ms:
+        return ""
+    return f"""    # while shedding, more inside (router + queue) than the router answers in {a.delay_ms} ms
+    # at its last second's rate, and more than {a.max_queue}, is late: the admitted wait ~{a.delay_ms} ms
+    http-request set-var(txn.waiting) queue(shardserve) if shedding
+    http-request set-var(txn.inside) srv_conn(shardserve/router),add(txn.waiting) if shedding
+    http-request set-var(txn.room) be_sess_rate(shardserve),mul({a.delay_ms}),div(1000) if shedding
+    acl crowded var(txn.inside) -m int gt {a.max_queue}
+    acl late var(txn.inside),sub(txn.room) -m int gt 0
 """
 
 

@@ -35,6 +35,9 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     text = config.read_text()
     assert "maxconn 64" in text and KEY in text
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
+    # while shedding, the requests inside are cut to the router's answer rate x the delay target
+    assert "be_sess_rate(shardserve),mul(35),div(1000)" in text and "shedding crowded late" in text
+    assert "be_sess_rate" not in edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
     with pytest.raises(ValueError):
@@ -69,12 +72,14 @@ def _search(client: httpx.AsyncClient, body: bytes, headers: dict | None = None)
 @pytest.mark.slow
 def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_app: bytes,
                                                                           tmp_path: Path) -> None:
-    """K=2 in the router, B=6 may wait while nothing is shed, Q=1 while shedding. Every assertion is
-    an order of events or a queue position from the edge's own log: no wall clock."""
+    """K=2 in the router, B=6 may wait while nothing is shed; while shedding, Q=3 may wait and no
+    more than Q may be inside (router + queue), since the slow shard answers ~3 a second: far fewer
+    than the delay target's worth (35 ms). Every assertion is an order of events or a queue position
+    from the edge's own log: no wall clock."""
     body = slow_app
     access_log = tmp_path / "access.log"
     edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}",
-                       Admission(max_in_flight=2, max_burst=6, max_queue=1, queue_timeout_ms=30_000),
+                       Admission(max_in_flight=2, max_burst=6, max_queue=3, queue_timeout_ms=30_000),
                        access_log=access_log).start()
 
     async def closed_loop(clients: int, each: int) -> list[int]:
@@ -98,7 +103,7 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
 
     async def open_loop(requests: int) -> tuple[dict[str, int], set[str], list[int]]:
         """An overload: a request every 20 ms, each sent without waiting for any answer (the slow
-        shard answers ~3 a second, so the queue the overload finds drains to Q=1 only seconds in).
+        shard answers ~3 a second, so the queue the overload finds drains to Q only seconds in).
         Returns each request's status, those sent after the client had read the first 503, and the
         statuses of the health checks sent among them once shedding (every 10th request's slot)."""
         statuses: dict[str, int] = {}
@@ -158,8 +163,9 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
     assert all(line.router_ms >= 0 and line.total_ms >= line.router_ms for line in searches.values()
                if line.status == 200)
     # waiting clients queued beyond Q, unrefused: nothing was being shed
-    assert max(line.queued_before for tag, line in searches.items() if tag.startswith("closed")) > 1
-    # the overload was shed, and once shedding, what the edge admitted found at most Q=1 ahead of it
+    assert max(line.queued_before for tag, line in searches.items() if tag.startswith("closed")) > 3
+    # the overload was shed, and once shedding, what the edge admitted found at most Q=3 inside: K=2
+    # in the router and at most 1 ahead of it in the queue (the counts alone would have let 3 wait)
     admitted_while_shedding = [searches[tag] for tag in after_shed if overload[tag] == 200]
     assert 503 in overload.values() and admitted_while_shedding, overload
     assert all(line.queued_before <= 1 for line in admitted_while_shedding), admitted_while_shedding
