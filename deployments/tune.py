@@ -77,7 +77,7 @@ def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
     overrides = settings_from_knee(knee)
     edge = edge_from_knee(knee)
     flags = (f"--edge-in-flight {edge['max_in_flight']} --edge-burst {edge['max_burst']} "
-             f"--edge-queue {edge['max_queue']} --edge-delay-ms {round(DELAY_TARGET_S * 1000)}")
+             f"--edge-queue {edge['max_queue']} --edge-delay-ms {round(2 * DELAY_TARGET_S * 1000)}")
     header = (f"# Tuned by `shardserve tune {record_path}`: knee at {knee['mode']} {knee['value']} "
               f"({knee['qps']} QPS, p50 {knee['p50_ms']} ms, p99 {knee['p99_ms']} ms; "
               f"peak {knee['peak_qps']} QPS)\n"

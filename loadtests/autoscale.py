@@ -192,6 +192,8 @@ def main() -> None:
     own.add_argument("--pin-initial", type=int, metavar="CORE", help="pin the replicas deployed first to "
                      "this core; the ones autoscaling adds use every core (spare cores)")
     own.add_argument("--no-edge", action="store_true", help="drive Serve's HTTP directly, no admission edge")
+    own.add_argument("--edge-delay-ms", type=int, default=None,
+                     help="the edge's delay target while shedding (default: its own; 0: the counts alone)")
     own.add_argument("--warm-workers", type=int, default=None, help="AppArgs.warm_workers (default: its own)")
     args = cli.parse_args()
     assert_loopback(args.url)
@@ -211,7 +213,7 @@ def run_own(args: argparse.Namespace) -> None:
     from deployments.autoscaling import autoscaling_config, router_autoscaling_config
     from deployments.config import AppArgs
     from deployments.run import deploy
-    from serving.edge import EdgeProcess
+    from serving.edge import Admission, EdgeProcess
     from shardserve.runtime.ports import free_port
     from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
 
@@ -239,7 +241,8 @@ def run_own(args: argparse.Namespace) -> None:
             front = free_port()
             deploy(args.index, port=free_port(), app_name=args.app, shard_autoscaling=settings,
                    front_port=front, **chosen)
-            edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}").start()
+            admitted = Admission() if args.edge_delay_ms is None else Admission(delay_ms=args.edge_delay_ms)
+            edge = EdgeProcess(f"127.0.0.1:{front}", f"127.0.0.1:{port}", admitted).start()
         pool = wait_for_pool(AppArgs(index=args.index, **chosen).warm_workers)
         admission = None if edge is None else dataclasses.asdict(edge.admission)
         pinned = None if args.pin_initial is None else pin_replicas(args.pin_initial)

@@ -56,10 +56,12 @@ DEFAULT_IN_FLIGHT = 64
 DEFAULT_BURST = 64
 DEFAULT_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
-# While shedding, what is inside is cut to the router's last second of answers x D, the delay target
-# `shardserve tune` sizes K + Q with (deployments.tune.DELAY_TARGET_S: a test keeps the two equal):
-# at the default nprobe's ~2,000 req/s that is 70, about K + Q; a costlier query gets the same wait.
-DEFAULT_DELAY_MS = 35
+# While shedding, what is inside is cut to the router's last second of answers x D: twice the delay
+# target `shardserve tune` sizes K + Q with (deployments.tune.DELAY_TARGET_S; a test keeps them so).
+# At the default nprobe (~2,000 req/s) that is ~140, so K + Q = 80 binds as before; a costlier query,
+# whose answers come slower, gets D where the counts alone let its wait grow. At D = 35 ms, nprobe
+# 128 lost a third of its goodput to batches too small (admission-delay-nprobe128.json).
+DEFAULT_DELAY_MS = 70
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
 _KEY_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
 

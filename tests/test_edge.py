@@ -36,7 +36,7 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     assert "maxconn 64" in text and KEY in text
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
     # while shedding, the requests inside are cut to the router's answer rate x the delay target
-    assert "be_sess_rate(shardserve),mul(35),div(1000)" in text and "shedding crowded late" in text
+    assert "be_sess_rate(shardserve),mul(70),div(1000)" in text and "shedding crowded late" in text
     assert "be_sess_rate" not in edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
@@ -74,7 +74,7 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
                                                                           tmp_path: Path) -> None:
     """K=2 in the router, B=6 may wait while nothing is shed; while shedding, Q=3 may wait and no
     more than Q may be inside (router + queue), since the slow shard answers ~3 a second: far fewer
-    than the delay target's worth (35 ms). Every assertion is an order of events or a queue position
+    than the delay target's worth (70 ms). Every assertion is an order of events or a queue position
     from the edge's own log: no wall clock."""
     body = slow_app
     access_log = tmp_path / "access.log"

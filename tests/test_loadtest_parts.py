@@ -103,9 +103,9 @@ def test_tune_turns_the_committed_knee_into_a_valid_serve_config(tmp_path: Path)
     from deployments.tune import DELAY_TARGET_S, MIN_BURST
     from serving.edge import DEFAULT_BURST, DEFAULT_DELAY_MS
 
-    assert MIN_BURST == DEFAULT_BURST and round(DELAY_TARGET_S * 1000) == DEFAULT_DELAY_MS
+    assert MIN_BURST == DEFAULT_BURST and round(2 * DELAY_TARGET_S * 1000) == DEFAULT_DELAY_MS
     assert (f"--edge-in-flight {edge_in_flight} --edge-burst {edge_burst} --edge-queue {edge_queue} "
-            f"--edge-delay-ms 35") in text
+            f"--edge-delay-ms 70") in text
     assert args.max_in_flight == edge_in_flight and args.router_max_queued_requests == knee
     assert args.router_max_ongoing_requests >= args.max_in_flight
     assert args.shard_autoscaling["max_replicas"] >= args.shard_autoscaling["min_replicas"] == 1
