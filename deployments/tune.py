@@ -4,8 +4,9 @@ Reasoning (the numbers are written into the config as comments):
 - Admission is the edge's (serving/edge.py): `K` requests inside the router, enough for full
   batches past the knee (2 × the knee concurrency C*); while the edge is shedding, a queue of `Q`
   such that what is admitted waits about the delay target, (K + Q) / peak throughput; while it
-  sheds nothing, `B` = max(Q, the default 64) waiting clients. The config's header prints the
-  edge flags.
+  sheds nothing, `B` = max(Q, the default 64) waiting clients; and while shedding, no more inside
+  than the router answers in twice the delay target (`--edge-delay-ms`, serving/edge.py), which
+  caps the wait when queries cost more than the sweep's. The config's header prints the edge flags.
 - Behind the edge, a router replica works on at most K requests (`max_in_flight`: never fewer than
   the edge admits, or it would refuse waiting clients the edge let through), and Serve queues at
   most C* more before the replica (`router_max_queued_requests`, for Serve's own HTTP path).

@@ -15,9 +15,9 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   keeps shedding (a 1 s sliding rate), that finds more than `max_queue` (Q) waiting, or more
   requests inside (in the router and waiting) than the router answered in the last `delay_ms` (D)
   at the rate it has been answering them, but never fewer than Q. So what is admitted while
-  shedding waits about D whatever a query costs, where the counts K and Q alone held it to
-  (K + Q) / capacity: longer as each query costs more. The rate is HAProxy's own (`be_sess_rate`:
-  requests sent to the router in the last second, which while shedding is the rate it answers).
+  shedding waits about the shorter of (K + Q) / capacity and D: the counts alone let the wait grow
+  as each query costs more, D caps it. The rate is HAProxy's own (`be_sess_rate`: requests sent to
+  the router in the last second, which while shedding is the rate it answers).
 - Closed-loop clients cannot start the shedding: N <= K + B of them never find B waiting. Their
   queue and an overload's look alike by length (both stand); what differs is that an overload
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
