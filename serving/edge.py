@@ -175,14 +175,16 @@ backend shardserve
 
 def _late_rules(a: Admission) -> str:
     """While shedding: `crowded`, more than Q inside (router + queue); `late`, more inside than the
-    router answered in the last D ms at the last second's rate. Computed only while shedding."""
+    router answered in the last D ms at the last second's rate. Computed only while shedding (the
+    shed meter is read once per request for it)."""
     if not a.delay_ms:
         return ""
     return f"""    # while shedding, more inside (router + queue) than the router answers in {a.delay_ms} ms
     # at its last second's rate, and more than {a.max_queue}, is late: the admitted wait ~{a.delay_ms} ms
     http-request set-var(txn.waiting) queue(shardserve) if shedding
-    http-request set-var(txn.inside) srv_conn(shardserve/router),add(txn.waiting) if shedding
-    http-request set-var(txn.room) be_sess_rate(shardserve),mul({a.delay_ms}),div(1000) if shedding
+    acl measured var(txn.waiting) -m found
+    http-request set-var(txn.inside) srv_conn(shardserve/router),add(txn.waiting) if measured
+    http-request set-var(txn.room) be_sess_rate(shardserve),mul({a.delay_ms}),div(1000) if measured
     acl crowded var(txn.inside) -m int gt {a.max_queue}
     acl late var(txn.inside),sub(txn.room) -m int gt 0
 """
