@@ -351,6 +351,7 @@ HISTOGRAM_TOTALS = CONTROL_LOOP + "; histograms exported as totals, 1 warm worke
 HISTOGRAM_TOTALS_4_WARM = CONTROL_LOOP + "; histograms exported as totals, 4 warm workers"
 # From here the headline ratios are the `shardserve serve` command itself, alternating with uvicorn.
 SERVE_COMMAND_ALTERNATING = HISTOGRAM_TOTALS_4_WARM + "; headline: the serve command, 2 alternating rounds"
+EDGE_DELAY_RULE = SERVE_COMMAND_ALTERNATING + "; the edge's delay rule while shedding"
 BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
               ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
@@ -363,7 +364,8 @@ BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
               ("bench-run-19.json", DEFAULT_SERVE), ("bench-run-20.json", CONTROL_LOOP),
               ("bench-run-21.json", CONTROL_LOOP), ("bench-run-22.json", HISTOGRAM_TOTALS),
               ("bench-run-23.json", HISTOGRAM_TOTALS), ("bench-run-24.json", HISTOGRAM_TOTALS_4_WARM),
-              ("bench-run-25.json", SERVE_COMMAND_ALTERNATING), ("bench.json", SERVE_COMMAND_ALTERNATING))
+              ("bench-run-25.json", SERVE_COMMAND_ALTERNATING),
+              ("bench-run-26.json", SERVE_COMMAND_ALTERNATING), ("bench.json", EDGE_DELAY_RULE))
 RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
               "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
               "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
