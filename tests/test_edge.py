@@ -357,6 +357,11 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     assert wide.returncode == 0, wide.stderr
     text = (tmp_path / "a" / "edge-haproxy.cfg").read_text()
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 64" not in text
+    assert "mul(70)" in text  # the default delay target while shedding
+    counts = subprocess.run([str(exe), "edge-config", "--edge-delay-ms", "0", "--dir", str(tmp_path / "c")],
+                            capture_output=True, text=True)
+    assert counts.returncode == 0, counts.stderr
+    assert "be_sess_rate" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
     bad = subprocess.run([str(exe), "edge-config", "--edge-burst", "8", "--edge-queue", "16",
                           "--dir", str(tmp_path / "b")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
