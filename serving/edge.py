@@ -175,13 +175,15 @@ backend shardserve
 
 def _late_rules(a: Admission) -> str:
     """While shedding: `crowded`, more than Q inside (router + queue); `late`, more inside than the
-    router answered in the last D ms at the last second's rate. Computed only while shedding (the
-    shed meter is read once per request for it)."""
+    router answered in the last D ms at the last second's rate. Computed only while shedding, and
+    the shed meter is read only when the router holds at least min(K, Q): fewer in the router means
+    no queue (HAProxy queues only at K) and so at most Q inside, never crowded."""
     if not a.delay_ms:
         return ""
     return f"""    # while shedding, more inside (router + queue) than the router answers in {a.delay_ms} ms
     # at its last second's rate, and more than {a.max_queue}, is late: the admitted wait ~{a.delay_ms} ms
-    http-request set-var(txn.waiting) queue(shardserve) if shedding
+    acl busy srv_conn(shardserve/router) ge {min(a.max_in_flight, a.max_queue)}
+    http-request set-var(txn.waiting) queue(shardserve) if busy shedding
     acl measured var(txn.waiting) -m found
     http-request set-var(txn.inside) srv_conn(shardserve/router),add(txn.waiting) if measured
     http-request set-var(txn.room) be_sess_rate(shardserve),mul({a.delay_ms}),div(1000) if measured
