@@ -1,6 +1,7 @@
 """Request parsing and validation (plain code, no server): every bad field names itself."""
 
 import io
+from collections.abc import AsyncIterator
 
 import numpy as np
 import orjson
@@ -186,6 +187,9 @@ def test_npy_bodies_parse_to_what_the_same_json_parses_to() -> None:
     (_npy(np.full(8, 1e300)), "", "vector", "NaN/Inf"),
     (_npy(np.ones(8, np.float32)), "k=0", "k", "k must be an integer"),
     (_npy(np.ones(8, np.float32)), "k=ten", "k", "k must be an integer"),
+    (_npy(np.ones(8, np.float32)), "k=%C2%B2", "k", "k must be an integer"),  # "²".isdigit() is true
+    (_npy(np.ones(8, np.float32)), "nprobe=%D9%A3", "params.nprobe", "integer"),  # an Arabic-Indic 3
+    (_npy(np.ones(8, np.float32)), "k=" + "9" * 5000, "k", "k must be an integer"),
     (_npy(np.ones(8, np.float32)), "nprobe=-1", "params.nprobe", "integer"),
     (_npy(np.ones(8, np.float32)), "colour=red", "colour", "unknown query option"),
     (_npy(np.ones(8, np.float32)), "require_full=maybe", "require_full", "true or false"),
@@ -207,3 +211,21 @@ def test_the_openapi_document_describes_npy_bodies() -> None:
     search = openapi_document()["paths"]["/v1/search"]["post"]
     assert {"application/json", "application/x-npy"} <= set(search["requestBody"]["content"])
     assert {p["name"] for p in search["parameters"]} >= {"k", "nprobe", "include", "require_full"}
+
+
+@pytest.mark.parametrize("declared", ["\u00b2", "\u0663", "1" * 5000])
+def test_a_content_length_of_non_ascii_digits_is_no_500(declared: str) -> None:
+    """Only ASCII digits are a length: anything else is read as no length (the body is counted)."""
+    import asyncio
+
+    from shardserve.query.parse import receive_body
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    if declared.isascii():
+        with pytest.raises(ApiError) as caught:
+            asyncio.run(receive_body(chunks(), declared, 1024, 1.0))
+        assert caught.value.status == 413
+    else:
+        assert asyncio.run(receive_body(chunks(), declared, 1024, 1.0)) == b"{}"

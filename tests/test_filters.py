@@ -53,7 +53,7 @@ def _random_filter(rng: np.random.Generator, depth: int = 0) -> dict:
     if depth < 2 and rng.random() < 0.4:
         return {str(rng.choice(["$and", "$or"])): [_random_filter(rng, depth + 1) for _ in range(2)]}
     column = str(rng.choice(["label", "lang", "ok", "score"]))
-    values = {"label": lambda: int(rng.integers(-1, 12)), "lang": lambda: str(rng.choice(list("abcdz"))),
+    values = {"label": lambda: int(rng.integers(0, 12)), "lang": lambda: str(rng.choice(list("abcdz"))),
               "ok": lambda: bool(rng.random() < 0.5), "score": lambda: float(rng.integers(0, 4))}[column]
     ops = ["$eq", "$ne"] + ([] if column == "ok" else ["$in", "$nin", "$gt", "$lte"])
     op = str(rng.choice(ops))
@@ -100,7 +100,10 @@ def _nested(depth: int) -> dict:
 
 @pytest.mark.parametrize(("where", "says"), [
     ({"lable": 1}, "unknown column 'lable'"),
-    ({"label": "3"}, "filter.label needs a number"),
+    ({"label": "3"}, "filter.label needs an integer (uint8 column)"),
+    ({"label": 256}, "outside the uint8 column's range"),
+    ({"label": 1.5}, "needs an integer"),
+    ({"label": True}, "needs an integer"),
     ({"lang": 3}, "filter.lang needs a string"),
     ({"label": {"$regex": 1}}, "unknown operator '$regex'"),
     ({"$not": {"label": 1}}, "unknown operator '$not'"),
@@ -109,7 +112,8 @@ def _nested(depth: int) -> dict:
     ({"label": {"$in": list(range(MAX_IN + 1))}}, f"1 to {MAX_IN} values"),
     ({"label": {"$in": []}}, f"1 to {MAX_IN} values"),
     (_nested(MAX_DEPTH + 1), f"nested deeper than {MAX_DEPTH}"),
-    ({"$id": 1.5}, "integer id"),
+    ({"$id": 1.5}, "filter.$id needs an integer (int64 column)"),
+    ({"$id": 2**63}, "outside the int64 column"),
     ({}, "non-empty object"),
     ({"$and": []}, "non-empty list"),
     ([{"label": 1}], "non-empty object"),

@@ -43,7 +43,8 @@ class DatasetInfo(_Strict):
     vector_column: str | None = None
     id_column: str | None = None
     metadata_columns: list[str] = []  # returned on request (`include`), stored per shard
-    # the filterable ones and what a filter value must be: "number", "string" or "bool"
+    # the filterable ones and what a filter value must be: "number" (floats), "string", "bool" or an
+    # integer type ("int64", "uint8", ...: metadata.INTEGER_KINDS; an older build wrote "number")
     metadata_kinds: dict[str, str] = {}
 
     def columns(self) -> dict[str, Any]:

@@ -28,6 +28,10 @@ from shardserve.index.manifest import MetadataEntry, ShardEntry
 from shardserve.index.storage import Location, sha256_hex
 
 ID = "id"
+# A filter value on an integer column must fit the column's type (the router refuses it otherwise).
+INTEGER_KINDS = {f"int{bits}": (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) for bits in (8, 16, 32, 64)} | {
+    f"uint{bits}": (0, (1 << bits) - 1) for bits in (8, 16, 32, 64)}
+EXACT_FLOAT = 2**53  # float64 holds every integer up to here, and not all beyond
 POSTING_VALUES = 4096  # a column with more distinct values than this is scanned, not inverted
 
 
@@ -63,10 +67,11 @@ def write_metadata(location: Location, shard: int, ids: np.ndarray, table: pa.Ta
 
 
 def posting_key(value: object) -> str:
-    """The one spelling a value's posting list is stored and found under: numbers as float64 (as a
-    filter compares them), strings and booleans as JSON, a missing value as null."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = float(value)
+    """The one spelling a value's posting list is stored and found under: integers as integers
+    (exact at any size), an integral float as the integer it is, strings and booleans as JSON, a
+    missing value as null."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= EXACT_FLOAT:
+        value = int(value)
     return orjson.dumps(value).decode()
 
 
@@ -101,13 +106,18 @@ class Postings:
     """One shard's posting lists: the rows holding each value of its categorical columns."""
 
     def __init__(self, table: pa.Table):
-        self.columns = set(table.column("column").to_pylist())
         offsets = table.column("rows").combine_chunks()
         flat = offsets.flatten().to_numpy()
         bounds = offsets.offsets.to_numpy()
-        self.lists = {(column, key): flat[bounds[i]:bounds[i + 1]]
-                      for i, (column, key) in enumerate(zip(table.column("column").to_pylist(),
-                                                            table.column("key").to_pylist(), strict=True))}
+        self.lists: dict[tuple[str, str], np.ndarray] = {}
+        inexact: set[str] = set()
+        for i, (column, key) in enumerate(zip(table.column("column").to_pylist(),
+                                              table.column("key").to_pylist(), strict=True)):
+            stored = orjson.loads(key)
+            if isinstance(stored, float) and not (stored.is_integer() and abs(stored) <= EXACT_FLOAT):
+                inexact.add(column)  # an older build keyed integers as float64: past 2^53, scan instead
+            self.lists[(column, posting_key(stored))] = flat[bounds[i]:bounds[i + 1]]
+        self.columns = set(table.column("column").to_pylist()) - inexact
 
     def rows(self, column: str, value: object) -> np.ndarray:
         """The rows whose `column` equals `value` (none: a value no row holds)."""
@@ -115,12 +125,15 @@ class Postings:
 
 
 def column_kinds(schema: pa.Schema) -> dict[str, str]:
-    """"number", "string" or "bool" per metadata column (what a filter value must be)."""
+    """What a filter value must be, per metadata column: "bool", "string", "number" (a float
+    column), or the integer column's type ("int64", "uint8", ... in INTEGER_KINDS)."""
     kinds = {}
     for field in schema:
         if pa.types.is_boolean(field.type):
             kinds[field.name] = "bool"
-        elif pa.types.is_integer(field.type) or pa.types.is_floating(field.type):
+        elif pa.types.is_integer(field.type):
+            kinds[field.name] = str(field.type)
+        elif pa.types.is_floating(field.type):
             kinds[field.name] = "number"
         elif pa.types.is_string(field.type) or pa.types.is_large_string(field.type):
             kinds[field.name] = "string"

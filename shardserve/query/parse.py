@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import math
 from collections.abc import AsyncIterator, Collection
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
@@ -19,6 +20,7 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
+from shardserve.index.assigner import EXACT_SHARE, FILTER_WIDEN
 from shardserve.index.indexes import prepare_vectors
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import KNOWN_PARAMS, ApiError, Limits, ParsedQuery
@@ -45,7 +47,7 @@ async def receive_body(chunks: AsyncIterator[bytes], declared: str | None, limit
                        timeout_s: float) -> bytes:
     """413 past `limit` (declared in Content-Length, or counted while streaming), 408 past
     `timeout_s`: a slow or endless upload costs the server neither memory nor a query slot."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and _digits(declared) and (len(declared) > 18 or int(declared) > limit):
         raise ApiError(413, "body", f"body of {declared} bytes exceeds {limit}")
     try:  # asyncio.timeout: a timer, not a task per request as wait_for would create
         async with asyncio.timeout(timeout_s):
@@ -64,7 +66,8 @@ def parse_query(request: Request, manifest: Manifest, supported: Collection[str]
                                   limits.max_vectors, manifest.metric)
     else:
         query = parse_search_request(request.body, manifest.dim, limits.max_k, limits.max_vectors,
-                                     manifest.metric, manifest.dataset.metadata_kinds)
+                                     manifest.metric, manifest.dataset.metadata_kinds,
+                                     max(shard.num_vectors for shard in manifest.shards))
     check_work(query, limits.max_work)
     for name, _ in query.params:
         if name not in supported:
@@ -81,9 +84,11 @@ def parse_query(request: Request, manifest: Manifest, supported: Collection[str]
 
 
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
-                         metric: str = "l2", kinds: dict[str, str] | None = None) -> ParsedQuery:
+                         metric: str = "l2", kinds: dict[str, str] | None = None,
+                         shard_rows: int = 0) -> ParsedQuery:
     """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault.
-    `kinds`: the index's filterable metadata columns (query.filters), for a `filter`."""
+    `kinds`: the index's filterable metadata columns (query.filters), for a `filter`; `shard_rows`:
+    the largest shard's rows, what each comparison of a filter passes over."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -108,7 +113,8 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
     require_full = payload.get("require_full", False)
     if not isinstance(require_full, bool):
         raise ApiError(422, "require_full", "require_full must be true or false")
-    where = None if payload.get("filter") is None else check_filter(payload["filter"], kinds or {})
+    where = None if payload.get("filter") is None else check_filter(payload["filter"], kinds or {},
+                                                                           shard_rows)
     return ParsedQuery(matrix=matrix, k=k, params=_params(payload.get("params")), single=single,
                        require_full=require_full, include=_include(payload.get("include")), filter=where)
 
@@ -159,9 +165,14 @@ def parse_npy_request(body: bytes, query_string: str, dim: int, max_k: int, max_
                        include=_include(include))
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes "²" and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _query_int(values: list[str], field: str, low: int, high: int) -> int:
     text = values[-1]
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not _digits(text) or len(text) > 9 or not low <= int(text) <= high:
         raise ApiError(422, field, f"{field} must be an integer in [{low}, {high}], got {text!r}")
     return int(text)
 
@@ -301,16 +312,20 @@ def _checked(matrix: np.ndarray, field: str, dim: int, metric: str) -> np.ndarra
 
 
 def check_work(query: ParsedQuery, max_work: int) -> None:
-    """Bound what one request may ask of the shards: query vectors x probes (nprobe / efSearch).
+    """Bound what one request may ask of the shards: query vectors x probes (nprobe / efSearch),
+    a filter's probes counted as widened as far as its plan may widen them (FILTER_WIDEN x probes /
+    EXACT_SHARE: the shards only learn how selective it is once they scan).
 
     FAISS cannot be stopped once it scans, so a request past its deadline would keep the shards
     busy for everyone after it: refuse it up front instead.
     """
     probes = max((number for _, number in query.params), default=1)
-    work = len(query.matrix) * probes
+    widened = math.ceil(FILTER_WIDEN * probes / EXACT_SHARE) if query.filter is not None else probes
+    work = len(query.matrix) * widened
     if work > max_work:
-        raise ApiError(422, "params", f"request too expensive: {len(query.matrix)} vectors x {probes} "
-                                      f"probes = {work} > max_work {max_work}; send fewer vectors "
+        how = f"{probes} probes" + (f" widened to {widened} by the filter" if widened > probes else "")
+        raise ApiError(422, "params", f"request too expensive: {len(query.matrix)} vectors x {how} "
+                                      f"= {work} > max_work {max_work}; send fewer vectors "
                                       "per request or a smaller nprobe/efSearch")
 
 

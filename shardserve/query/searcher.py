@@ -4,6 +4,7 @@ replica (shard or router) wraps, and in-process eval uses the same way."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import faiss
@@ -14,6 +15,7 @@ from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_p
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from shardserve.index.metadata import MetadataTable
 from shardserve.index.storage import Location
+from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filters import matching
 from shardserve.query.list_scan import nonempty_lists, search_by_lists
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
@@ -30,6 +32,10 @@ CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
 # lab.scan_cost` records each order (scan-cost.json).
 LIST_SCAN_ROWS = 64
 GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (in all, <= its own rows)
+# Per-filter state a replica keeps for the filter's next batches, each cache bounded by bytes: the
+# matching ids (8 bytes a row) and the selectors over them (a hash set or a bitmap).
+SELECTED_BYTES = 64 << 20
+SELECTOR_BYTES = 64 << 20
 MAX_FILTERED_EF = 4096  # the widest HNSW search a selective filter may ask for
 LIST_ORDER_ROWS = 64
 
@@ -51,12 +57,16 @@ class ShardSearcher:
         self.nonempty = nonempty_lists(self.ivf) if type(self.ivf) is faiss.IndexIVFFlat else None
         self.list_scan_rows = LIST_SCAN_ROWS
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
-        self._selected: dict[str, np.ndarray] = {}
+        self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
+        self._gathered_lock = threading.Lock()
+        self._direct_map_lock = threading.Lock()
         self._ids: np.ndarray | None = None  # an IndexIDMap2's id of each inner row
-        # filter -> its FAISS selector (and the bitmap it points into): built once per filter, not
-        # per batch (an IDSelectorBatch hashes every matching id: ~2 ms a call at 13,500 ids)
-        self._selectors: dict[str, tuple[faiss.IDSelector, np.ndarray]] = {}
+        # filter -> its FAISS selector and the buffer it points into: built once per filter, not per
+        # batch (an IDSelectorBatch hashes every matching id). A FAISS selector does not own that
+        # buffer: every search holds the pair until FAISS returns, so an eviction by another thread's
+        # filter cannot free it mid-scan.
+        self._selectors = ByteBoundedCache(SELECTOR_BYTES)
 
     @classmethod
     def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
@@ -161,10 +171,11 @@ class ShardSearcher:
             params["nprobe"] = probe
             if (self.ivf is not None and query.assign is not None and query.coarse is not None
                     and query.assign.shape[1] >= probe):
+                held = self._selector(where, selected)  # alive until FAISS returns
                 distances, ids = self._scan(np.ascontiguousarray(query.matrix, np.float32),
                                             np.ascontiguousarray(query.assign[:, :probe], np.int64),
                                             np.ascontiguousarray(query.coarse[:, :probe], np.float32), k,
-                                            self._selector(where, selected))
+                                            held[0])
                 return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
         elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
             wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
@@ -178,7 +189,8 @@ class ShardSearcher:
         (those of filter `where`): what answer_filtered runs above EXACT_SHARE, once it has widened
         the params. Sharded, merged, it equals the unsharded index's at the same params (tests)."""
         matrix = np.ascontiguousarray(matrix, np.float32)
-        sel = self._selector(where, selected)
+        held = self._selector(where, selected)  # the selector and its buffer, alive until FAISS returns
+        sel = held[0]
         if not isinstance(self.index, faiss.IndexIDMap):  # IVF: the lists hold the ids themselves
             return self.index.search(matrix, k, params=search_params(self.index, params, sel))
         # An IndexIDMap2 (Flat, HNSW, refined IVF): the inner index knows rows 0..n-1 only, and it
@@ -188,20 +200,21 @@ class ShardSearcher:
         distances, rows = inner.search(matrix, k, params=search_params(inner, params, sel))
         return distances, np.where(rows >= 0, self._id_map()[np.maximum(rows, 0)], -1)
 
-    def _selector(self, where: str, selected: np.ndarray) -> faiss.IDSelector:
-        """The filter's selector, kept for its next batches: over ids for IVF (its lists hold the
-        ids), a bitmap over the inner rows for an IndexIDMap2 (rows 0..n-1: a bit test per row)."""
+    def _selector(self, where: str, selected: np.ndarray) -> tuple[faiss.IDSelector, np.ndarray]:
+        """The filter's selector and the buffer it reads, kept for its next batches: over ids for
+        IVF (its lists hold the ids), a bitmap over the inner rows for an IndexIDMap2 (rows 0..n-1: a
+        bit test per row). The caller holds the pair for as long as FAISS may read it."""
         kept = self._selectors.get(where)
         if kept is None:
             if not isinstance(self.index, faiss.IndexIDMap):
                 kept = (faiss.IDSelectorBatch(selected), selected)
+                size = 24 * len(selected)  # FAISS's hash set of the ids, about
             else:  # a pass over every id of the shard, once per filter
                 bits = np.packbits(np.isin(self._id_map(), selected), bitorder="little")
                 kept = (faiss.IDSelectorBitmap(len(self._id_map()), faiss.swig_ptr(bits)), bits)
-            if len(self._selectors) >= GATHERED_KEPT:
-                self._selectors.pop(next(iter(self._selectors)))
-            self._selectors[where] = kept
-        return kept[0]
+                size = bits.nbytes
+            self._selectors.put(where, kept, size)
+        return kept
 
     def _id_map(self) -> np.ndarray:
         """External id of each inner row of an IndexIDMap2 (read once)."""
@@ -218,11 +231,12 @@ class ShardSearcher:
             flat = faiss.IndexFlat(int(self.index.d), self.index.metric_type)
             flat.add(self._vectors(selected))
             # at most GATHERED_KEPT filters, together at most as many rows as the shard (a copy of
-            # its vectors at worst), the oldest dropped first
-            while self._gathered and (len(self._gathered) >= GATHERED_KEPT or sum(
-                    int(f.ntotal) for f in self._gathered.values()) + len(selected) > self.index.ntotal):
-                self._gathered.pop(next(iter(self._gathered)))
-            self._gathered[where] = flat
+            # its vectors at worst), the oldest dropped first; a search holding one keeps it alive
+            with self._gathered_lock:
+                while self._gathered and (len(self._gathered) >= GATHERED_KEPT or sum(
+                        int(f.ntotal) for f in self._gathered.values()) + len(selected) > self.index.ntotal):
+                    self._gathered.pop(next(iter(self._gathered)))
+                self._gathered[where] = flat
         distances, rows = flat.search(np.ascontiguousarray(matrix, np.float32), min(k, len(selected)))
         ids = np.where(rows >= 0, selected[np.maximum(rows, 0)], -1)
         if ids.shape[1] < k:  # fewer matching rows than k: padded as FAISS pads
@@ -236,22 +250,22 @@ class ShardSearcher:
         """The stored vectors of these ids (IVF: through its direct map, made on first use; an
         IndexIDMap2, Flat, HNSW or refined index: by id)."""
         if self.ivf is not None:
-            # ids are the user's, not sequential: a hash map from id to its place in the lists
-            if self.ivf.direct_map.type == faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
-                self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
+            # ids are the user's, not sequential: a hash map from id to its place in the lists, made
+            # once (two threads making it at once would each rebuild it under the other's reads)
+            with self._direct_map_lock:
+                if self.ivf.direct_map.type == faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
+                    self.ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
             return self.ivf.reconstruct_batch(ids)
         return self.index.reconstruct_batch(ids)
 
     def selected(self, where: str) -> np.ndarray:
-        """The ids of this shard's rows that pass a (checked) filter; the last few are cached."""
+        """The ids of this shard's rows that pass a (checked) filter; the recent ones are cached."""
         if self.metadata is None:
             raise ValueError(f"shard {self.name} holds no metadata to filter on")
         found = self._selected.get(where)
         if found is None:
             found = matching(where, self.metadata.table, self.metadata.ids, self.metadata.postings)
-            if len(self._selected) >= 64:
-                self._selected.pop(next(iter(self._selected)))
-            self._selected[where] = found
+            self._selected.put(where, found, found.nbytes)
         return found
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
