@@ -99,3 +99,31 @@ def test_the_baseline_still_merges_shards_loaded_in_memory(ivf_index: Path) -> N
     merged, _ = merged_searcher(str(ivf_index))
     manifest = read_manifest(Location.parse(str(ivf_index)))
     assert merged.index.ntotal == manifest.num_vectors and not merged.mmapped
+
+
+@pytest.mark.parametrize(("field", "value"), [("sha256", "../../../../tmp/"), ("sha256", "ab" * 31),
+                                              ("path", "../outside.faiss"), ("path", "/etc/passwd")])
+def test_a_manifest_cannot_choose_where_bytes_are_written(ivf_index: Path, tmp_path, field: str,
+                                                          value: str) -> None:
+    """The digest names the download cache's directory and the path its file: a manifest whose
+    sha256 is not 64 hex characters, or whose path leaves the index, is refused before either is used."""
+    import json
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ivf_index, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"][0][field] = value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardserveError, match="invalid manifest"):
+        read_manifest(Location.parse(str(copy)))
+
+
+def test_a_failed_download_leaves_no_temporary_file(ivf_index: Path, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(searcher_module, "CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(ivf_index, copy)
+    manifest = read_manifest(Location.parse(str(copy)))
+    (copy / manifest.shards[0].path).unlink()  # the download fails once it starts
+    with pytest.raises(ShardserveError, match="cannot read"):
+        ShardSearcher.load(_remote(copy), manifest, 0)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

@@ -8,7 +8,7 @@ import posixpath
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardserve.errors import ShardserveError
 from shardserve.index.storage import Location, sha256_hex
@@ -23,10 +23,19 @@ class _Strict(BaseModel):
 
 class ShardEntry(_Strict):
     name: str
-    path: str
-    num_vectors: int
-    sha256: str
-    bytes: int
+    # a file inside the index directory: the path and the digest also name local files (the download
+    # cache), so a manifest cannot point outside the directory or choose where bytes are written
+    path: str = Field(pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+    num_vectors: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, path: str) -> str:
+        if any(part in (".", "..") for part in path.split("/")):
+            raise ValueError(f"path {path!r} leaves the index directory")
+        return path
 
 
 class MetadataEntry(ShardEntry):
@@ -173,7 +182,11 @@ def shard_file_checked(location: Location, shard: ShardEntry, cache_dir: str) ->
         if not os.path.exists(local):
             os.makedirs(os.path.dirname(local), exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=os.path.dirname(local), delete=False) as part:
-                digest, size = location.hash_and_copy(shard.path, part)
+                try:
+                    digest, size = location.hash_and_copy(shard.path, part)
+                except BaseException:  # a failed download leaves nothing behind
+                    os.unlink(part.name)
+                    raise
             _refuse_unless(shard, location, digest, size, lambda: os.unlink(part.name))
             os.replace(part.name, local)
             return local
