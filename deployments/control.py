@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from ray import serve
 
 from deployments.config import index_app_name
+from shardserve.errors import ShardserveError
 from shardserve.query.index_pointer import ActiveIndex, IndexPointer
 from shardserve.runtime.ray_private import kv_delete, kv_get, kv_put
 
@@ -44,29 +44,31 @@ class IndexControl:
         stored = kv_get(_pointer_key(self.main_app))
         if not stored:
             return
-        state = orjson.loads(stored)
-        if state["config_index"] != self.args["index"]:
-            return  # the app was redeployed with another index: start from it
-        active = ActiveIndex(**state["active"])
-        if active.app not in serve.status().applications:
-            logger.warning("stored index pointer names a deleted app %s: ignored", active.app)
+        kept = IndexPointer(self.pointer.active)
+        try:
+            if not kept.restore(stored, self.args["index"]):
+                return  # the app was redeployed with another index: start from it
+        except ShardserveError as exc:  # serve the configured index; the next swap rewrites it
+            logger.error("%s: serving the configured index %s at generation 0", exc, self.args["index"])
+            forget_pointer(self.main_app)
             return
-        self.pointer.active = active
-        self.pointer.previous = ActiveIndex(**state["previous"]) if state["previous"] else None
-        logger.info("index pointer restored at generation %d (%s)", active.generation, active.app)
+        if kept.active.app not in serve.status().applications:
+            logger.warning("stored index pointer names a deleted app %s: ignored", kept.active.app)
+            return
+        self.pointer.active, self.pointer.previous = kept.active, kept.previous
+        logger.info("index pointer restored at generation %d (%s)", kept.active.generation, kept.active.app)
 
     def _store(self) -> None:
-        kv_put(_pointer_key(self.main_app), orjson.dumps({
-            "config_index": self.args["index"], "active": self.pointer.active.__dict__,
-            "previous": self.pointer.previous.__dict__ if self.pointer.previous else None}))
+        kv_put(_pointer_key(self.main_app), self.pointer.stored(self.args["index"]))
 
     def poll(self, replica: str, generation: int, old_in_flight: int) -> dict:
         """A router's heartbeat: records what it serves, returns what it should serve."""
         self.pointer.report(replica, generation, old_in_flight)
         return self.pointer.active.__dict__
 
-    def activate(self, index: str, app: str, version: str) -> dict:
-        active = self.pointer.activate(index, app, version)
+    def activate(self, index: str, app: str, version: str, expected_generation: int | None = None) -> dict:
+        """Compare-and-set: SwapConflict when the pointer is no longer at `expected_generation`."""
+        active = self.pointer.activate(index, app, version, expected_generation)
         self._store()  # before any router can see it: a restart never goes back a generation
         return active.__dict__
 

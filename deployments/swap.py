@@ -174,7 +174,13 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
                              f"(deleted {new_app}); {old.index_version} still serving")
 
     started = time.perf_counter()
-    pointer = await control.activate.remote(new_index, new_app, new.index_version)
+    try:  # compare-and-set against the generation this swap started from
+        pointer = await control.activate.remote(new_index, new_app, new.index_version, active["generation"])
+    except Exception as exc:
+        if new_app != (previous or {}).get("app"):
+            await asyncio.to_thread(delete_app_nowait, new_app)  # never left deployed unreferenced
+        cause = getattr(exc, "cause", None) or exc  # the replica's own error, not Ray's wrapper
+        raise ShardserveError(f"swap to {new.index_version} not activated: {cause}") from None
     while not await control.drained.remote(pointer["generation"]):
         if time.perf_counter() - started > timeout_s:
             raise ShardserveError(f"routers did not drain generation {active['generation']} within "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shardserve.query.index_pointer import ActiveIndex, IndexPointer
 
 
@@ -43,3 +45,36 @@ def test_a_router_that_stopped_reporting_does_not_block_the_drain() -> None:
 def test_no_live_router_is_not_drained() -> None:
     """Nothing heard yet means nothing is known: the swap must wait, not delete the old index."""
     assert not _pointer().drained(1, now=0.0)
+
+
+def test_activate_is_a_compare_and_set_on_the_generation() -> None:
+    """Two swaps that both read generation 0: the second to activate is refused, the pointer keeps
+    the first's version (the refused swap then deletes its own app instead of orphaning it)."""
+    from shardserve.query.index_pointer import SwapConflict
+
+    pointer = IndexPointer(ActiveIndex(0, "/idx/a", "app-index-aaaa", "aaaa"))
+    assert pointer.activate("/idx/b", "app-b", "bbbb", expected_generation=0).generation == 1
+    with pytest.raises(SwapConflict, match="moved to generation 1"):
+        pointer.activate("/idx/c", "app-c", "cccc", expected_generation=0)
+    assert pointer.active.app == "app-b"
+    assert pointer.previous is not None and pointer.previous.app == "app-index-aaaa"
+
+
+@pytest.mark.parametrize("stored", [b"not json", b"{}", b'{"config_index": "/idx/a", "active": {"x": 1}}',
+                                    b'{"config_index": "/idx/a", "active": {"generation": -1, "index": "i", '
+                                    b'"app": "a", "version": ""}, "previous": null}'])
+def test_a_corrupt_stored_pointer_is_a_clear_error_naming_the_recovery(stored: bytes) -> None:
+    from shardserve.errors import ShardserveError
+
+    pointer = IndexPointer(ActiveIndex(0, "/idx/a", "app-index-aaaa", "aaaa"))
+    with pytest.raises(ShardserveError, match="corrupt.*shardserve serve"):
+        pointer.restore(stored, "/idx/a")
+    assert pointer.active.generation == 0 and pointer.active.app == "app-index-aaaa"  # untouched
+
+
+def test_a_stored_pointer_round_trips() -> None:
+    pointer = IndexPointer(ActiveIndex(0, "/idx/a", "app-index-aaaa", "aaaa"))
+    pointer.activate("/idx/b", "app-b", "bbbb")
+    again = IndexPointer(ActiveIndex(0, "/idx/a", "app-index-aaaa", ""))
+    assert again.restore(pointer.stored("/idx/a"), "/idx/a") and again.active == pointer.active
+    assert not IndexPointer(ActiveIndex(0, "/idx/z", "z", "")).restore(pointer.stored("/idx/a"), "/idx/z")

@@ -11,6 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+import orjson
+
+from shardserve.errors import ShardserveError
+
 
 @dataclass(frozen=True)
 class ActiveIndex:
@@ -36,8 +40,14 @@ class IndexPointer:
     routers: dict[str, RouterReport] = field(default_factory=dict)
     stale_after_s: float = 5.0
 
-    def activate(self, index: str, app: str, version: str) -> ActiveIndex:
-        """Point every router at a new index; the current one becomes `previous`."""
+    def activate(self, index: str, app: str, version: str, expected_generation: int | None = None
+                 ) -> ActiveIndex:
+        """Point every router at a new index; the current one becomes `previous`. With
+        `expected_generation`, a compare-and-set: refused when another swap moved the pointer since
+        the caller read it (two swaps at once would otherwise leave one's app orphaned)."""
+        if expected_generation is not None and expected_generation != self.active.generation:
+            raise SwapConflict(f"the index pointer moved to generation {self.active.generation} "
+                               f"(another swap) since this swap read generation {expected_generation}")
         self.previous = self.active
         self.active = ActiveIndex(self.active.generation + 1, index, app, version)
         return self.active
@@ -57,7 +67,35 @@ class IndexPointer:
         return bool(live) and all(rep.generation >= generation and rep.old_in_flight == 0
                                   for rep in live.values())
 
+    def stored(self, config_index: str) -> bytes:
+        """What is kept in Ray's KV store, so a restarted IndexControl resumes at this generation."""
+        return orjson.dumps({"config_index": config_index, "active": asdict(self.active),
+                             "previous": asdict(self.previous) if self.previous else None})
+
+    def restore(self, stored: bytes, config_index: str) -> bool:
+        """Take back a `stored` pointer of the same configured index (False: another index's, left
+        alone); a stored value that is not one raises ShardserveError saying how to recover."""
+        try:
+            state = orjson.loads(stored)
+            if state["config_index"] != config_index:
+                return False
+            active = ActiveIndex(**state["active"])
+            previous = ActiveIndex(**state["previous"]) if state["previous"] else None
+            if not all(isinstance(a.generation, int) and a.generation >= 0
+                       for a in (active, *([previous] if previous else []))):
+                raise ValueError("generation must be a non-negative integer")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ShardserveError(f"the stored index pointer is corrupt ({type(exc).__name__}: {exc}); "
+                                  "deploy again with `shardserve serve` (it starts from the configured "
+                                  "index and rewrites the pointer)") from None
+        self.active, self.previous = active, previous
+        return True
+
     def describe(self, now: float | None = None) -> dict:
         return {"active": asdict(self.active),
                 "previous": asdict(self.previous) if self.previous else None,
                 "routers": {r: asdict(rep) for r, rep in self.live_routers(now).items()}}
+
+
+class SwapConflict(ShardserveError):
+    """Another swap moved the pointer first."""
