@@ -145,6 +145,12 @@ def test_a_filter_is_pushed_into_every_shard_and_graded_exactly(door: str, queri
     bad = _post({"vector": queries[0], "k": 5, "filter": {"lable": 3}}, door)
     assert bad.status_code == 422 and bad.json()["field"] == "filter" and "lable" in bad.json()["error"]
     assert _post({"vector": queries[0], "k": 5}, door).status_code == 200
+    # 20,000 comparisons: refused by the router (a 422, not every shard busy, then a 503)
+    leaves = [{"label": i % 10} for i in range(20_000)]
+    huge = _post({"vector": queries[0], "k": 5, "filter": {"$or": leaves}}, door)
+    assert huge.status_code == 422 and huge.json()["field"] == "filter"
+    assert "comparisons" in huge.json()["error"]
+    assert _post({"vector": queries[0], "k": 5}, door).status_code == 200
 
 
 def test_npy_bodies_answer_as_json_does(door: str, queries: np.ndarray) -> None:
