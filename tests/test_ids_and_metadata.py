@@ -156,6 +156,45 @@ def test_include_returns_each_hits_metadata_over_http(ray_cluster, tmp_path: Pat
     assert bad.status_code == 422 and bad.json()["field"] == "include"
 
 
+def test_an_int64_filter_past_2_53_is_exact_over_http(ray_cluster, tmp_path: Path) -> None:
+    """A parquet column holding 2^60 + (row mod 500), served: equality, $in, ranges and $and return
+    exactly the matching rows (k larger than the matches); a value outside int64 is a 422 naming
+    `filter`. Before, numbers were compared as float64 and 2^60 + 1 matched 2^60's rows."""
+    import httpx
+
+    from deployments.run import deploy, undeploy
+
+    big = 2**60
+    source = write_parquet(tmp_path / "emb")
+    for part in sorted(source.glob("*.parquet")):
+        table = pq.read_table(part)
+        rows = _source_row(table.column("doc_id").to_numpy())
+        pq.write_table(table.append_column("big", pa.array((big + rows % 500).tolist(), pa.int64())), part)
+    build_index(str(source), 2, "IVF32,Flat", str(tmp_path / "idx"), backend="local",
+                vector_column="emb", id_column="doc_id", metadata_columns=["big"])
+    data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
+    url = deploy(str(tmp_path / "idx"), port=SERVE_PORT, app_name="big", route_prefix="/big",
+                 shard_num_cpus=0.1, router_num_cpus=0.1)
+    cases = [({"big": big + 1}, {1}), ({"big": {"$in": [big + 7, big + 3]}}, {3, 7}),
+             ({"big": {"$gt": big + 497}}, {498, 499}), ({"big": {"$gte": big + 498}}, {498, 499}),
+             ({"big": {"$lt": big + 1}}, {0}),
+             ({"$and": [{"big": {"$gte": big + 10}}, {"big": {"$lt": big + 12}}]}, {10, 11})]
+    try:
+        answers = [httpx.post(f"{url}/v1/search", json={"vector": data.queries[0].tolist(), "k": 50,
+                                                        "filter": where}, timeout=30) for where, _ in cases]
+        refused = [httpx.post(f"{url}/v1/search", json={"vector": data.queries[0].tolist(),
+                                                        "filter": {"big": v}}, timeout=30)
+                   for v in (2**63, 2**64 - 1, -(2**63) - 1)]
+    finally:
+        undeploy("big")
+    for (where, wanted), answer in zip(cases, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        expected = sorted(r for r in range(ROWS) if r % 500 in wanted)
+        assert sorted(_source_row(answer.json()["ids"]).tolist()) == expected, where
+        assert answer.json()["matched"] == len(expected)
+    assert all(r.status_code == 422 and r.json()["field"] == "filter" for r in refused)
+
+
 def test_every_row_of_a_60k_parquet_is_indexed_and_finds_itself(tmp_path: Path) -> None:
     """60,000 rows in, 60,000 vectors served: each row's own vector finds its own id (IVF with
     nprobe 1 probes the list the row was added to, its nearest centroid)."""
