@@ -196,6 +196,17 @@ def test_directory_forgets_replicas_that_stop_announcing(monkeypatch) -> None:
     assert directory.endpoints() == [[], []]
 
 
+def test_a_withdrawn_replica_stays_withdrawn() -> None:
+    """A replica that stops withdraws its entry; an announcement of it still on its way (sent just
+    before it stopped) must not bring its address back for routers to dial."""
+    directory = EndpointDirectory(1)
+    directory.announce(0, "a", "127.0.0.1", 5000)
+    directory.announce(0, "b", "127.0.0.1", 5001)
+    directory.withdraw(0, "a")
+    directory.announce(0, "a", "127.0.0.1", 5000)  # late
+    assert directory.endpoints() == [[("127.0.0.1", 5001)]]
+
+
 def test_two_choices_prefer_the_less_busy_replica() -> None:
     links = ShardLinks(1)
     links.update([[("h", 1), ("h", 2)]], SECRET)

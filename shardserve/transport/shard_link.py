@@ -4,9 +4,9 @@ Why not a Serve handle call: one handle call cost more CPU than the FAISS scan i
 -m lab.hop` records it), and a query makes one per shard; a frame on a long-lived socket costs tens
 of microseconds. Serve still owns the shard deployments (replicas, placement, health checks,
 autoscaling, restarts); each replica also listens on a port, and the router keeps one link per
-replica (found through the index version's directory, deployments.index_version). When no link is
-known or a link breaks, the router falls back to the Serve handle call, so a link is an
-optimisation, never a single point of failure.
+replica (found through the index version's directory, deployments.index_version; a replica withdraws
+its entry when it stops). When no link is known or a link breaks, the router falls back to the
+Serve handle call, so a link is an optimisation, never a single point of failure.
 
 Why both ends authenticate: the port is reachable from the node (and the network, on a cluster),
 and Ray's token authentication does not cover it. A router must not search a stranger's shard (a
@@ -644,22 +644,30 @@ class ShardLinks:
 
 class EndpointDirectory:
     """Which replica of which shard listens where: replicas announce themselves every few seconds,
-    an entry not renewed within `ttl_s` is gone (its replica died or moved)."""
+    an entry not renewed within `ttl_s` is gone (its replica died or moved), and a replica that stops
+    withdraws its entry at once, so no router dials its port after it (a port another process may
+    take). A withdrawn replica stays withdrawn: an announcement of it still on its way is ignored."""
 
     def __init__(self, num_shards: int, ttl_s: float = 6.0):
         self.ttl_s = ttl_s
         self._entries: list[dict[str, tuple[str, int, float]]] = [{} for _ in range(num_shards)]
+        self._withdrawn: dict[str, float] = {}  # replica -> when (replica ids are never reused)
 
     def announce(self, shard: int, replica: str, host: str, port: int) -> None:
-        self._entries[shard][replica] = (host, port, time.monotonic())
+        if replica not in self._withdrawn:
+            self._entries[shard][replica] = (host, port, time.monotonic())
 
     def withdraw(self, shard: int, replica: str) -> None:
         self._entries[shard].pop(replica, None)
+        self._withdrawn[replica] = time.monotonic()
 
     def endpoints(self) -> list[list[tuple[str, int]]]:
         """Per shard, the live (host, port) of each replica."""
-        deadline = time.monotonic() - self.ttl_s
+        clock = time.monotonic()
+        deadline = clock - self.ttl_s
         for entries in self._entries:
             for replica in [r for r, (_, _, seen) in entries.items() if seen < deadline]:
                 del entries[replica]
+        # an announcement in flight lands within seconds; forget withdrawals long after that
+        self._withdrawn = {r: at for r, at in self._withdrawn.items() if at > clock - 10 * self.ttl_s}
         return [sorted((host, port) for host, port, _ in entries.values()) for entries in self._entries]
