@@ -111,7 +111,7 @@ class LinkLimits:
     idle_timeout_s: float = 600.0
     max_connections: int = 256
     max_handshakes: int = 16
-    max_handshakes_per_source: int = 4
+    max_handshakes_per_source: int = 8
     max_in_flight: int = 64
 
 
@@ -266,7 +266,9 @@ class _ServerConnection(asyncio.Protocol):
         self.frames: _FrameBuffer | None = None
         self.flow: FlowControl | None = None
         self.deadline = Deadline(self.loop, self._due)
-        self.started = self.received = self.frame_began = 0.0  # loop times; frame_began 0: none pending
+        # loop times (0: not so): started, last received, the pending frame's first byte, and since
+        # when this side stopped reading for its cap of frames in flight
+        self.started = self.received = self.frame_began = self.held_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -365,13 +367,19 @@ class _ServerConnection(asyncio.Protocol):
         self._flow()
 
     def _flow(self) -> None:
-        """Read while frames in flight are under the cap and the write buffer drains."""
+        """Read while frames in flight are under the cap and the write buffer drains. The time this
+        side held a pending frame up (its cap) does not count against the frame's deadline; the
+        time the caller did (not reading its answers) does."""
         if self.transport is None or self.flow is None:
             return
-        was_paused = self.flow.read_paused
-        self.flow.want_reading(len(self.tasks) < self.limits.max_in_flight)
-        if was_paused and not self.flow.read_paused and self.frame_began:
-            self.frame_began = self.loop.time()  # this side held the frame up, not the caller
+        held = len(self.tasks) >= self.limits.max_in_flight
+        if held and not self.held_since:
+            self.held_since = self.loop.time()
+        elif not held and self.held_since:
+            if self.frame_began:
+                self.frame_began += self.loop.time() - self.held_since
+            self.held_since = 0.0
+        self.flow.want_reading(not held)
         self.deadline.update()
 
     def pause_writing(self) -> None:
@@ -393,7 +401,7 @@ class _ServerConnection(asyncio.Protocol):
             return self.started + limits.handshake_timeout_s, self._handshake_expired
         if self.flow.write_paused:
             return self.flow.write_paused_at + limits.send_timeout_s, self._send_expired
-        if self.frame_began and not self.flow.read_paused:
+        if self.frame_began and not self.held_since:
             return self.frame_began + limits.frame_timeout_s, self._frame_expired
         return self.received + limits.idle_timeout_s, self._idle_expired
 
