@@ -51,6 +51,10 @@ class IndexVersion:
     def announce(self, shard: int, replica: str, host: str, port: int) -> None:
         self.directory.announce(shard, replica, host, port)
 
+    def withdraw(self, shard: int, replica: str) -> None:
+        """A replica that stops: routers drop its link at their next look (within a second)."""
+        self.directory.withdraw(shard, replica)
+
     def endpoints(self) -> dict:
         """Per shard, where its live replicas listen, and the secret their links want (routers
         poll this)."""

@@ -25,6 +25,7 @@ from shardserve.transport.shard_wire import ShardQuery, encode_answer
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
+WITHDRAW_TIMEOUT_S = 2.0  # of a stopping replica's graceful shutdown budget
 logger = logging.getLogger("ray.serve")
 
 
@@ -62,15 +63,16 @@ class ShardDeployment:
         self.link_in_flight = InFlight()
         self.link_server: asyncio.Server | None = None
         self._announcer: asyncio.Task | None = None
+        self.replica = ""
         if link_secret is not None:
             host = _link_host()
             self.link_server = await serve_link(
                 self.search, host, 0, secret=bytes.fromhex(link_secret), in_flight=self.link_in_flight,
                 answer_now=self.answer_now, limits=LinkLimits(max_frame=max_frame + 4096))
             context = serve.get_replica_context()
+            self.app, self.replica = context.app_name, context.replica_id.unique_id
             self._announcer = asyncio.get_running_loop().create_task(self._announce(
-                context.app_name, context.replica_id.unique_id, host,
-                self.link_server.sockets[0].getsockname()[1]))
+                host, self.link_server.sockets[0].getsockname()[1]))
         lower_priority(nice)  # last: the start-up itself ran at the node's priority
         # The node's pool of idle workers that the next replica placed here takes (runtime.warm_pool).
         self.warm_pool = WarmPool(warm_workers).start()
@@ -105,13 +107,13 @@ class ShardDeployment:
     def _answer(self, query: bytes) -> bytes:
         return encode_answer(*self.searcher.answer(ShardQuery.decode(query, self.bounds)))
 
-    async def _announce(self, app: str, replica: str, host: str, port: int) -> None:
+    async def _announce(self, host: str, port: int) -> None:
         """Tell the index version's directory where this replica listens, again every few seconds
         (a directory restart, or a missed beat, heals by itself)."""
-        directory = serve.get_deployment_handle(INDEX_INGRESS, app)
+        directory = serve.get_deployment_handle(INDEX_INGRESS, self.app)
         while True:
             try:
-                await directory.announce.remote(self.shard, replica, host, port)
+                await directory.announce.remote(self.shard, self.replica, host, port)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # not up yet, restarting: routers use Serve calls meanwhile
@@ -123,9 +125,17 @@ class ShardDeployment:
         count so the autoscaling policy (deployments.autoscaling) sees this replica's real depth."""
         return {"link_in_flight": self.link_in_flight.mean_and_reset()}
 
-    def __del__(self):
+    async def __del__(self):
+        """Serve's graceful shutdown (it awaits this): stop announcing, withdraw the directory entry
+        so routers stop dialling this port (another process may take it once it is free), close."""
         if self._announcer is not None:
             self._announcer.cancel()
+            try:
+                directory = serve.get_deployment_handle(INDEX_INGRESS, self.app)
+                withdrawn = directory.withdraw.remote(self.shard, self.replica)
+                await asyncio.wait_for(withdrawn, WITHDRAW_TIMEOUT_S)
+            except Exception as exc:  # the version's app is going too: its directory with it
+                logger.info("shard link withdraw failed: %s", exc)
         if self.link_server is not None:
             self.link_server.close()
 

@@ -4,6 +4,8 @@ against shardserve.transport.http_front, for keep-alive, pipelining, bad heads a
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 
 import httpx
 import orjson
@@ -304,3 +306,75 @@ def test_connections_beyond_the_cap_are_closed_and_idle_ones_held_until_the_cap(
         return third
 
     assert asyncio.run(run()) == b""
+
+
+def _logged(caplog, says: str) -> bool:
+    return any(says in record.getMessage() for record in caplog.records)
+
+
+async def _door_closes(front: FrontDoor) -> None:
+    """Until the door has taken a connection and dropped it again (the caller bounds the wait)."""
+    while not front.connections:
+        await asyncio.sleep(0.02)
+    while front.connections:
+        await asyncio.sleep(0.02)
+
+
+def test_a_partial_request_pipelined_behind_a_full_one_gets_408_at_its_deadline() -> None:
+    """One full request and the first bytes of a second in one write, then silence: the first is
+    answered, and the second's deadline (from its first byte) still runs after that answer."""
+    async def run():
+        front, port = await _front(body_timeout_s=0.3)
+        answer = await _raw(port, b"GET /first HTTP/1.1\r\nHost: x\r\n\r\nGET /sec")
+        front.close()
+        return answer
+
+    answer = asyncio.run(run())
+    first, _, second = answer.partition(b"HTTP/1.1 408 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and b'"/first"' in first
+    assert b"not received within 0.3 s" in second and b"Connection: close" in second
+
+
+@pytest.mark.parametrize("connection", [b"keep-alive", b"close"])
+def test_a_client_that_stops_reading_is_cut_off_at_the_send_timeout(caplog, connection: bytes) -> None:
+    """A client asks for a large answer and reads none of it: the door's writes pause, and the
+    connection is cut off at the send timeout, kept alive or closing (asyncio's close would wait
+    for the unread answer forever)."""
+    caplog.set_level(logging.INFO, logger="shardserve.transport.http_front")
+    big = b"x" * 48 * 1024 * 1024  # more than the kernel buffers on both ends hold
+
+    async def large(request: Request) -> Reply:
+        return Reply(200, big)
+
+    async def run():
+        front = FrontDoor(large, 1024, 5.0, send_timeout_s=0.3)
+        _, port = await front.listen("127.0.0.1", 0)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: no window scaling
+        sock.connect(("127.0.0.1", port))
+        sock.setblocking(False)
+        _, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: %s\r\n\r\n" % connection)
+        await asyncio.wait_for(_door_closes(front), 30)
+        writer.close()
+        front.close()
+
+    asyncio.run(run())
+    assert _logged(caplog, "read none of its answers for 0.3 s")
+
+
+def test_an_answer_that_never_comes_frees_its_connection(caplog) -> None:
+    """A stuck handler does not hold its client forever: the answer's deadline is the idle timeout."""
+    async def never(request: Request) -> Reply:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def run():
+        front = FrontDoor(never, 1024, 5.0, idle_timeout_s=0.3)
+        _, port = await front.listen("127.0.0.1", 0)
+        answer = await _raw(port, b"GET /stuck HTTP/1.1\r\nHost: x\r\n\r\n")
+        front.close()
+        return answer
+
+    assert asyncio.run(run()) == b""
+    assert _logged(caplog, "no answer within 0.3 s")

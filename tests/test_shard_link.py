@@ -1,9 +1,11 @@
-"""Shard links in-process (plain asyncio, no Ray): framing, multiplexing, errors, broken links,
-the directory's expiry and the in-flight gauge autoscaling reads."""
+"""Shard links in-process (plain asyncio, no Ray, real sockets on loopback): framing, multiplexing,
+errors, broken links, both ends' authentication, frame MACs, deadlines, the directory's expiry and
+withdrawal, and the in-flight gauge autoscaling reads."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -11,15 +13,17 @@ import pytest
 from shardserve.query.fanout import search_batch
 from shardserve.transport.shard_link import (
     ERROR_WORD,
-    MAC_BYTES,
     NONCE_BYTES,
+    PROOF_BYTES,
     EndpointDirectory,
     InFlight,
     LinkLimits,
     ShardLink,
     ShardLinkError,
     ShardLinks,
-    link_mac,
+    _Seal,
+    _Session,
+    link_proof,
     serve_link,
 )
 from shardserve.transport.shard_wire import ShardQuery, decode_answer, encode_answer
@@ -128,23 +132,29 @@ def test_answer_now_answers_in_the_receive_callback_and_defers_what_it_declines(
 
 
 def test_frames_split_and_joined_arbitrarily_are_cut_right() -> None:
-    from shardserve.transport.shard_link import _frame, _FrameBuffer
+    from shardserve.transport.shard_link import _Corrupt, _FrameBuffer
 
-    stream = b"".join(_frame(i, i % 2, bytes([i]) * i) for i in range(1, 40))
+    key = bytes(32)
+    sender = _Seal(key)
+    stream = b"".join(sender.frame(i, i % 2, bytes([i]) * i) for i in range(1, 40))
     for step in (1, 7, 64, len(stream)):
-        buffer, got = _FrameBuffer(), []
+        buffer, got = _FrameBuffer(_Seal(key)), []
         for offset in range(0, len(stream), step):
             got += buffer.frames(stream[offset:offset + step])
         assert got == [(i, i % 2, bytes([i]) * i) for i in range(1, 40)]
-    assert _FrameBuffer().frames(b"\xff\xff\xff\xff" + bytes(9)) is None  # a length no frame has
-    assert _FrameBuffer(100).frames(_frame(1, 0, bytes(101))) is None  # over this link's limit
+    with pytest.raises(_Corrupt, match="over"):
+        _FrameBuffer(_Seal(key)).frames(b"\xff\xff\xff\xff" + bytes(9))  # a length no frame has
+    with pytest.raises(_Corrupt, match="over 100"):
+        _FrameBuffer(_Seal(key), 100).frames(_Seal(key).frame(1, 0, bytes(101)))  # over this link's limit
+    with pytest.raises(_Corrupt, match="MAC"):
+        _FrameBuffer(_Seal(bytes(31) + b"x")).frames(_Seal(key).frame(1, 0, b"abc"))  # another key
 
 
 def test_a_broken_link_fails_its_calls_fast_and_is_dropped() -> None:
     async def run():
         async def dies_mid_call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writer.write(bytes(NONCE_BYTES))
-            await reader.readexactly(MAC_BYTES + 1)  # a call arrives, then the replica's process goes away
+            await _shard_handshake(reader, writer)
+            await reader.readexactly(1)  # a call arrives, then the replica's process goes away
             writer.close()
 
         server = await asyncio.start_server(dies_mid_call, "127.0.0.1", 0)
@@ -186,6 +196,17 @@ def test_directory_forgets_replicas_that_stop_announcing(monkeypatch) -> None:
     assert directory.endpoints() == [[], []]
 
 
+def test_a_withdrawn_replica_stays_withdrawn() -> None:
+    """A replica that stops withdraws its entry; an announcement of it still on its way (sent just
+    before it stopped) must not bring its address back for routers to dial."""
+    directory = EndpointDirectory(1)
+    directory.announce(0, "a", "127.0.0.1", 5000)
+    directory.announce(0, "b", "127.0.0.1", 5001)
+    directory.withdraw(0, "a")
+    directory.announce(0, "a", "127.0.0.1", 5000)  # late
+    assert directory.endpoints() == [[("127.0.0.1", 5001)]]
+
+
 def test_two_choices_prefer_the_less_busy_replica() -> None:
     links = ShardLinks(1)
     links.update([[("h", 1), ("h", 2)]], SECRET)
@@ -196,21 +217,49 @@ def test_two_choices_prefer_the_less_busy_replica() -> None:
     assert links.pick(0) is busy and idle.broken
 
 
-async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _raw(port: int, source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                                              bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
     return reader, writer, await reader.readexactly(NONCE_BYTES)
 
 
-async def _closed(reader: asyncio.StreamReader) -> bool:
-    """True once the shard closed the connection without a byte more (a reset counts as closed)."""
+def _hello(shard_nonce: bytes, secret: bytes = SECRET) -> tuple[bytes, bytes]:
+    """A router's nonce and its half of the handshake."""
+    router_nonce = os.urandom(NONCE_BYTES)
+    return router_nonce, router_nonce + link_proof(secret, "router", shard_nonce, router_nonce)
+
+
+async def _router(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, _Session]:
+    """A raw connection that completes the router's half of the handshake (checking the shard's)."""
+    reader, writer, shard_nonce = await _raw(port)
+    router_nonce, hello = _hello(shard_nonce)
+    writer.write(hello)
+    assert await reader.readexactly(PROOF_BYTES) == link_proof(SECRET, "shard", shard_nonce, router_nonce)
+    return reader, writer, _Session(SECRET, shard_nonce, router_nonce, "router")
+
+
+async def _shard_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           secret: bytes = SECRET) -> _Session:
+    """A raw shard's half of the handshake, done right."""
+    shard_nonce = os.urandom(NONCE_BYTES)
+    writer.write(shard_nonce)
+    hello = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
+    router_nonce = hello[:NONCE_BYTES]
+    assert hello[NONCE_BYTES:] == link_proof(secret, "router", shard_nonce, router_nonce)
+    writer.write(link_proof(secret, "shard", shard_nonce, router_nonce))
+    return _Session(secret, shard_nonce, router_nonce, "shard")
+
+
+async def _closed(reader: asyncio.StreamReader, within_s: float = 5.0) -> bool:
+    """True once the peer closed the connection without a byte more (a reset counts as closed)."""
     try:
-        return await asyncio.wait_for(reader.read(1), 5.0) == b""
+        return await asyncio.wait_for(reader.read(1), within_s) == b""
     except ConnectionResetError:
         return True
 
 
 def test_a_stranger_without_the_secret_gets_no_answer_and_others_are_served() -> None:
-    from shardserve.transport.shard_link import _frame
+    _frame = _Seal(os.urandom(32)).frame  # frames of a stranger, who has no session key
 
     calls: list[bytes] = []
 
@@ -227,16 +276,22 @@ def test_a_stranger_without_the_secret_gets_no_answer_and_others_are_served() ->
         reader, writer, _ = await _raw(port)
         writer.write(_frame(1, 0, b"search me") * 4)
         outcomes.append(await _closed(reader))
-        # 2. a MAC made with another secret
+        # 2. a proof made with another secret
         reader, writer, nonce = await _raw(port)
-        writer.write(link_mac(b"x" * 32, nonce) + _frame(1, 0, b"search me"))
+        writer.write(_hello(nonce, b"x" * 32)[1] + _frame(1, 0, b"search me"))
         outcomes.append(await _closed(reader))
-        # 3. a MAC replayed from another connection (the nonce differs each time)
+        # 3. a proof replayed from another connection (the shard's nonce differs each time)
         reader, writer, nonce = await _raw(port)
-        old = link_mac(SECRET, nonce)
+        old = _hello(nonce)[1]
         writer.close()
         reader, writer, _ = await _raw(port)
         writer.write(old + _frame(1, 0, b"search me"))
+        outcomes.append(await _closed(reader))
+        # 4. the shard's own proof as the router's: the shard does not prove itself first, and a
+        # proof of the other role never checks
+        reader, writer, nonce = await _raw(port)
+        router_nonce = os.urandom(NONCE_BYTES)
+        writer.write(router_nonce + link_proof(SECRET, "shard", nonce, router_nonce))
         outcomes.append(await _closed(reader))
         # the holder of the secret is answered all along
         link = ShardLink("127.0.0.1", port, SECRET)
@@ -246,13 +301,11 @@ def test_a_stranger_without_the_secret_gets_no_answer_and_others_are_served() ->
         return outcomes, answer, gauge.now
 
     outcomes, answer, in_flight = asyncio.run(run())
-    assert outcomes == [True, True, True]
+    assert outcomes == [True, True, True, True]
     assert answer == b"answer" and calls == [b"mine"] and in_flight == 0  # strangers moved no gauge
 
 
 def test_link_bounds_frames_time_and_connections() -> None:
-    from shardserve.transport.shard_link import _frame
-
     async def run():
         async def handler(blob: bytes) -> bytes:
             return blob
@@ -262,17 +315,12 @@ def test_link_bounds_frames_time_and_connections() -> None:
         server = await serve_link(handler, "127.0.0.1", secret=SECRET, limits=limits)
         port = _port(server)
 
-        async def authenticated():
-            reader, writer, nonce = await _raw(port)
-            writer.write(link_mac(SECRET, nonce))
-            return reader, writer
-
         found = {}
-        reader, writer = await authenticated()  # a frame over max_frame: closed, nothing answered
-        writer.write(_frame(1, 0, bytes(1001)))
+        reader, writer, session = await _router(port)  # a frame over max_frame: closed, nothing answered
+        writer.write(session.outgoing.frame(1, 0, bytes(1001)))
         found["oversized"] = await _closed(reader)
-        reader, writer = await authenticated()  # a frame begun and never finished
-        writer.write(_frame(1, 0, bytes(500))[:100])
+        reader, writer, session = await _router(port)  # a frame begun and never finished
+        writer.write(session.outgoing.frame(1, 0, bytes(500))[:100])
         found["trickled"] = await _closed(reader)
         reader, _, _ = await _raw(port)  # never proves anything
         found["silent"] = await _closed(reader)
@@ -318,3 +366,155 @@ def test_frames_in_flight_per_connection_are_capped() -> None:
     at_most, answers = asyncio.run(run())
     assert at_most <= 2 + 4  # the frames of one receive are dispatched together, then reading pauses
     assert answers == [bytes([i]) for i in range(6)]
+
+
+def _logged(caplog, says: str) -> bool:
+    return any(says in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("proof", ["reflected", "other secret", "random"])
+def test_a_fake_shard_without_the_secret_is_refused_by_the_router(proof: str) -> None:
+    """A process on a shard's address (a dead replica's port, taken) cannot pass as the shard: the
+    router's own proof reflected back fails (it is labelled "router"), as does any other; the router
+    sends it no frame, and the call fails over to Serve (a ConnectionError)."""
+    received: list[bytes] = []
+
+    async def fake_shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        shard_nonce = os.urandom(NONCE_BYTES)
+        writer.write(shard_nonce)
+        hello = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
+        router_nonce = hello[:NONCE_BYTES]
+        writer.write({"reflected": hello[NONCE_BYTES:],
+                      "other secret": link_proof(b"y" * 32, "shard", shard_nonce, router_nonce),
+                      "random": os.urandom(PROOF_BYTES)}[proof])
+        received.append(await reader.read())  # whatever the router sends after the handshake
+
+    async def run():
+        server = await asyncio.start_server(fake_shard, "127.0.0.1", 0)
+        link = ShardLink("127.0.0.1", _port(server), SECRET)
+        with pytest.raises(ConnectionError, match="did not prove the secret"):
+            await asyncio.wait_for(link.call(b"a query"), 5.0)
+        assert link.broken
+        while not received:
+            await asyncio.sleep(0.01)
+        server.close()
+
+    asyncio.run(run())
+    assert received == [b""]  # not a byte of the query
+
+
+def test_a_frame_altered_replayed_or_reordered_after_the_handshake_is_refused(caplog) -> None:
+    calls: list[bytes] = []
+
+    async def handler(blob: bytes) -> bytes:
+        calls.append(blob)
+        return blob
+
+    async def run():
+        server = await serve_link(handler, "127.0.0.1", secret=SECRET)
+        port = _port(server)
+        found = {}
+        # one bit of the payload flipped on the way
+        reader, writer, session = await _router(port)
+        frame = bytearray(session.outgoing.frame(1, 0, b"search me"))
+        frame[20] ^= 1
+        writer.write(bytes(frame))
+        found["altered"] = await _closed(reader)
+        # a frame answered, then sent again
+        reader, writer, session = await _router(port)
+        frame = session.outgoing.frame(1, 0, b"first")
+        writer.write(frame)
+        await reader.readexactly(len(session.incoming.frame(1, 0, b"first")))
+        writer.write(frame)
+        found["replayed"] = await _closed(reader)
+        # two frames swapped
+        reader, writer, session = await _router(port)
+        one, two = session.outgoing.frame(1, 0, b"one"), session.outgoing.frame(2, 0, b"two")
+        writer.write(two + one)
+        found["reordered"] = await _closed(reader)
+        # the shard's own answer sent back to it (reflected): the directions have their own keys
+        reader, writer, session = await _router(port)
+        writer.write(session.incoming.frame(1, 0, b"reflected"))
+        found["reflected"] = await _closed(reader)
+        server.close()
+        return found
+
+    found = asyncio.run(run())
+    assert found == {"altered": True, "replayed": True, "reordered": True, "reflected": True}
+    assert calls == [b"first"]  # nothing else reached the handler
+    assert sum("frame MAC did not check" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_an_answer_altered_on_its_way_to_the_router_is_refused() -> None:
+    """The shard's answers carry MACs too: a router does not take ids a middleman changed."""
+    async def tampering_shard(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = await _shard_handshake(reader, writer)
+        await reader.readexactly(13 + len(b"a query") + 16)
+        answer = bytearray(session.outgoing.frame(1, 0, b"ids 1 2 3"))
+        answer[-20] ^= 1
+        writer.write(bytes(answer))
+        await reader.read()
+
+    async def run():
+        server = await asyncio.start_server(tampering_shard, "127.0.0.1", 0)
+        link = ShardLink("127.0.0.1", _port(server), SECRET)
+        with pytest.raises(ConnectionError, match="frame MAC did not check"):
+            await asyncio.wait_for(link.call(b"a query"), 5.0)
+        server.close()
+
+    asyncio.run(run())
+
+
+def test_a_trickled_frame_is_closed_at_its_deadline_however_often_bytes_come(caplog) -> None:
+    """A byte every 50 ms, each well inside the 0.3 s frame deadline: the deadline is fixed at the
+    frame's first byte, so the trickle cannot extend it (each byte re-armed the timer before)."""
+    async def handler(blob: bytes) -> bytes:
+        return blob
+
+    async def run():
+        limits = LinkLimits(frame_timeout_s=0.3)
+        server = await serve_link(handler, "127.0.0.1", secret=SECRET, limits=limits)
+        reader, writer, session = await _router(_port(server))
+        frame = session.outgoing.frame(1, 0, bytes(200))
+        closed = asyncio.ensure_future(_closed(reader, within_s=60.0))
+        sent = 0
+        while not closed.done() and sent < len(frame):
+            writer.write(frame[sent:sent + 1])
+            sent += 1
+            await asyncio.sleep(0.05)
+        assert await closed
+        server.close()
+        return sent, len(frame)
+
+    sent, whole = asyncio.run(run())
+    assert sent < whole  # cut off mid-frame
+    assert _logged(caplog, "a frame was not complete 0.3 s after its first byte")
+
+
+def test_unauthenticated_handshakes_are_capped_per_source_address() -> None:
+    """One address cannot take every handshake slot: a third pending handshake from 127.0.0.1 is
+    refused while one from 127.0.0.2 is still served."""
+    async def handler(blob: bytes) -> bytes:
+        return blob
+
+    async def run():
+        limits = LinkLimits(max_handshakes=16, max_handshakes_per_source=2)
+        server = await serve_link(handler, "127.0.0.1", secret=SECRET, limits=limits)
+        port = _port(server)
+        pending = [await _raw(port) for _ in range(2)]  # each got its nonce
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        found = {"third from one address": await _closed(reader)}
+        _, other, nonce = await _raw(port, source="127.0.0.2")
+        found["another address"] = len(nonce) == NONCE_BYTES
+        for _, w, _ in pending:
+            w.close()
+        other.close()
+        await asyncio.sleep(0.1)  # their slots are free again
+        link = ShardLink("127.0.0.1", port, SECRET)
+        found["served after"] = await link.call(b"ok") == b"ok"
+        link.close()
+        server.close()
+        return found
+
+    assert asyncio.run(run()) == {"third from one address": True, "another address": True,
+                                  "served after": True}

@@ -13,10 +13,16 @@ Transfer-Encoding, duplicate or signed lengths, bad chunk syntax, obs-fold, bare
 lenient parser lets through as a second, smuggled request. Every refusal is a 400 and a closed
 connection. What this module adds around the parser is bounded: the head (bytes and header count,
 counted while it arrives), the body (413 from its declared length before a byte of it is read, or
-as soon as chunks pass the limit), the time a request may take to arrive (408), idle keep-alive
-time, connections per door, and pipelined requests (reading pauses while one is answered, and while
-the client does not read its answers). HEAD is answered as GET without a body; `Expect:
-100-continue` gets its interim answer. Plain asyncio, no Ray: tested in-process.
+as soon as chunks pass the limit), connections per door, and pipelined requests (reading pauses
+while one is answered, and while the client does not read its answers). HEAD is answered as GET
+without a body; `Expect: 100-continue` gets its interim answer.
+
+Why a deadline in every state (transport.flow, shared with the shard links): a connection with no
+timer armed is one a client can hold forever. Each state has one, fixed when the state begins:
+idle between requests (closed), a request begun, even one pipelined behind another (408 from its
+first byte), an answer being computed (closed: a stuck handler frees its client), answers the
+client does not read (cut off), and a close whose answer has not been flushed yet (cut off).
+Plain asyncio, no Ray: tested in-process.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from http import HTTPStatus
 import httptools
 import orjson
 
+from shardserve.transport.flow import Action, Deadline, FlowControl
+
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers; more is not a client of this API
@@ -38,6 +46,7 @@ MAX_HEADERS = 64
 MAX_PIPELINED = 16  # complete requests waiting behind the one being answered; more: the client is hostile
 MAX_CONNECTIONS = 4096
 KEEP_ALIVE_IDLE_S = 75.0  # an idle keep-alive connection closes after this
+SEND_TIMEOUT_S = 60.0  # a client reading none of its answers this long is cut off (nginx: send_timeout)
 # A connection's last request: its answer says `Connection: close`. Router replicas on a node share
 # the door's port (SO_REUSEPORT), and an edge keeps its connections alive: without an end, a replica
 # started later (autoscaling) would get none of them. The close is announced in the answer, so the
@@ -120,9 +129,13 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.ready: deque[tuple[Request, bool, bool]] = deque()  # (request, keep-alive, head only)
         self.busy = False  # a request of this connection is being answered
-        self.writable = True
-        self.timer: asyncio.TimerHandle | None = None
+        self.flow: FlowControl | None = None
+        self.loop = front.loop
+        self.deadline = Deadline(self.loop, self._due)
+        # loop times each state began (transport.flow: a state's deadline never moves)
+        self.idle_since = self.busy_since = self.message_began = self.closing_since = 0.0
         self.lingering_until = 0.0  # > 0: refused, answered, write side shut; dropping what arrives
+        self.last_read = 0.0  # while lingering: when the client last sent something
         self.requests = 0  # complete requests read on this connection
         self._reset()
 
@@ -140,27 +153,29 @@ class _Connection(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self.front.connections.add(self)
-        self._arm(KEEP_ALIVE_IDLE_S)
+        self.flow = FlowControl(self.transport, self.loop)  # type: ignore[arg-type]
+        self.idle_since = self.loop.time()
+        self.deadline.update()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self.deadline.cancel()
         self.transport = None
         self.front.connections.discard(self)
 
     def pause_writing(self) -> None:  # the client does not read its answers: stop taking requests
-        self.writable = False
-        if self.transport is not None:
-            self.transport.pause_reading()
+        if self.flow is not None:
+            self.flow.pause_writing()
+            self.deadline.update()
 
     def resume_writing(self) -> None:
-        self.writable = True
-        self._flow()
+        if self.flow is not None:
+            self.flow.resume_writing()
+            self._flow()
 
     def data_received(self, data: bytes) -> None:
         if self.lingering_until:
-            return self._linger()
-        if not self.in_message:
-            self._arm(self.front.body_timeout_s)  # a request has begun: it must arrive in time
+            self.last_read = self.loop.time()
+            return self.deadline.update()
         in_head = self.in_message and not self.headers_done
         try:
             self.parser.feed_data(data)
@@ -187,6 +202,7 @@ class _Connection(asyncio.Protocol):
     # -- llhttp callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.in_message = True
+        self.message_began = self.loop.time()  # it must arrive whole by body_timeout_s from now
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -238,19 +254,14 @@ class _Connection(asyncio.Protocol):
     # -- answering ----------------------------------------------------------------------------
     def _flow(self) -> None:
         """Answer the next ready request, or read on; reading pauses while requests wait."""
-        if self.transport is None or self.lingering_until:
+        if self.transport is None or self.flow is None or self.lingering_until or self.closing_since:
             return
-        if not self.busy and self.ready and self.writable:
-            self.busy = True
+        if not self.busy and self.ready and not self.flow.write_paused:
+            self.busy, self.busy_since = True, self.loop.time()
             request, keep_alive, head_only = self.ready.popleft()
-            self._disarm()
-            self.front.loop.create_task(self._answer(request, keep_alive, head_only))
-        if self.busy or self.ready or not self.writable:
-            self.transport.pause_reading()
-        else:
-            self.transport.resume_reading()
-            if not self.in_message:
-                self._arm(KEEP_ALIVE_IDLE_S)
+            self.loop.create_task(self._answer(request, keep_alive, head_only))
+        self.flow.want_reading(not self.busy and not self.ready)
+        self.deadline.update()
 
     async def _answer(self, request: Request, keep_alive: bool, head_only: bool) -> None:
         try:
@@ -264,8 +275,9 @@ class _Connection(asyncio.Protocol):
         self.transport.write(head if head_only else head + reply.body)
         self.busy = False
         if not keep_alive:
-            self.transport.close()
-            return
+            return self._close()
+        if not self.ready:
+            self.idle_since = self.loop.time()
         self._flow()
 
     def _refuse(self, status: int, message: str) -> None:
@@ -273,48 +285,60 @@ class _Connection(asyncio.Protocol):
         A lingering close (as web servers do): the write side is shut at once, and what the client
         still sends is read and dropped for a while, so a client busy uploading gets to read this
         answer instead of a connection reset."""
-        self._disarm()
         self.ready.clear()
-        if self.transport is None:
+        if self.transport is None or self.flow is None:
             return
         reply = _error(status, message)
         self.transport.write(_head(reply, keep_alive=False) + reply.body)
-        self.transport.resume_reading()
+        self.flow.resume_reading()
         if not self.transport.can_write_eof():
-            return self.transport.close()
+            return self._close()
         self.transport.write_eof()
-        self.lingering_until = self.front.loop.time() + LINGER_MAX_S
-        self._linger()
+        self.last_read = self.loop.time()
+        self.lingering_until = self.last_read + LINGER_MAX_S
+        self.deadline.update()
 
-    def _linger(self) -> None:
-        """Data arrived after a refusal (or the refusal itself): close once the client has been
-        quiet for LINGER_IDLE_S, or at the latest LINGER_MAX_S after the refusal."""
-        self._disarm()
+    def _close(self) -> None:
+        """Close once what was written is flushed; a client that does not read it is cut off at
+        the send timeout (asyncio's close alone would wait for it forever)."""
         if self.transport is None:
             return
-        wait = min(LINGER_IDLE_S, self.lingering_until - self.front.loop.time())
-        if wait <= 0:
-            self.transport.close()
-        else:
-            self.timer = self.front.loop.call_later(wait, self.transport.close)
+        self.closing_since = self.loop.time()
+        self.transport.close()
+        self.deadline.update()
 
-    def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self.timer = self.front.loop.call_later(seconds, self._timed_out)
-
-    def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.transport is None or self.busy or self.lingering_until:
-            return
+    # -- the one deadline of each state (transport.flow) ---------------------------------------
+    def _due(self) -> tuple[float, Action] | None:
+        if self.transport is None or self.flow is None:
+            return None
+        front = self.front
+        if self.flow.write_paused:
+            return self.flow.write_paused_at + front.send_timeout_s, self._unread
+        if self.closing_since:
+            return self.closing_since + front.send_timeout_s, self._unread
+        if self.lingering_until:  # quiet for LINGER_IDLE_S, or LINGER_MAX_S after the refusal
+            return min(self.last_read + LINGER_IDLE_S, self.lingering_until), self._close
+        if self.busy:
+            return self.busy_since + front.idle_timeout_s, self._stuck
         if self.in_message:
-            self._refuse(408, f"request not received within {self.front.body_timeout_s} s")
-        else:  # idle keep-alive connection
-            self.transport.close()
+            return self.message_began + front.body_timeout_s, self._late
+        return self.idle_since + front.idle_timeout_s, self._close
+
+    def _late(self) -> None:
+        self._refuse(408, f"request not received within {self.front.body_timeout_s} s")
+
+    def _stuck(self) -> None:
+        logger.warning("front door: no answer within %s s, connection closed", self.front.idle_timeout_s)
+        self._abort()
+
+    def _unread(self) -> None:
+        logger.info("front door: the client read none of its answers for %s s, connection cut off",
+                    self.front.send_timeout_s)
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class FrontDoor:
@@ -322,8 +346,14 @@ class FrontDoor:
 
     def __init__(self, handler: Handler, max_body_bytes: int, body_timeout_s: float,
                  max_connections: int = MAX_CONNECTIONS,
-                 max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION):
+                 max_requests_per_connection: int = MAX_REQUESTS_PER_CONNECTION,
+                 idle_timeout_s: float = KEEP_ALIVE_IDLE_S, send_timeout_s: float = SEND_TIMEOUT_S):
+        """`body_timeout_s`: a request must arrive whole this long after its first byte (else 408).
+        `idle_timeout_s`: a connection with no request for this long closes, and so does one whose
+        answer takes this long. `send_timeout_s`: a client that reads none of its answers for this
+        long is cut off."""
         self.handler, self.max_body_bytes, self.body_timeout_s = handler, max_body_bytes, body_timeout_s
+        self.idle_timeout_s, self.send_timeout_s = idle_timeout_s, send_timeout_s
         self.max_connections = max_connections
         self.max_requests_per_connection = max_requests_per_connection
         self.loop = asyncio.get_running_loop()
