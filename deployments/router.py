@@ -28,6 +28,7 @@ from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import parse_query, receive_body
 from shardserve.query.render import coverage_error, index_summary, render_search
+from shardserve.runtime.heap import PauseLog, settle
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
@@ -88,6 +89,8 @@ class Router(ReportsCoresWanted):
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
             await self.front.listen(a.front_host, a.front_port)
         lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
+        # no full collection walks start-up's objects again; a long one is logged
+        self.heap_frozen, self.pauses = settle(), PauseLog(logger)
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""
