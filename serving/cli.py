@@ -59,10 +59,14 @@ def _serve(args: argparse.Namespace) -> None:
     apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
     from serving.local_server import serve_blocking
 
+    api_key = _api_key()
+    # Read once, then out of the environment before Ray starts: Ray's processes (every Serve
+    # replica) and the edge inherit this process's environment, and the key is the edge's alone.
+    os.environ.pop("SHARDSERVE_API_KEY", None)
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
-                   edge=not args.no_edge, admission=_admission(args), api_key=_api_key(),
-                   access_log=args.access_log)
+                   edge=not args.no_edge, admission=_admission(args), api_key=api_key,
+                   access_log=args.access_log, address=args.address)
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -99,6 +103,13 @@ def _connect(address: str | None) -> None:
 
     import ray
 
+    if not address and not os.environ.get("RAY_ADDRESS"):
+        from shardserve.runtime.ray_private import local_gcs_addresses
+
+        running = local_gcs_addresses()
+        if len(running) > 1:  # e.g. two `shardserve serve`, each with its own Ray: say which
+            raise ShardserveError(f"{len(running)} Ray clusters run on this machine ({', '.join(running)}): "
+                                  "pick one with --address (each `shardserve serve` prints its own)")
     if address and address != "auto" and "://" not in address:
         host, _, port = address.rpartition(":")
         try:
@@ -328,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
         if name == "deploy":
             cmd.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+        if name == "serve":
+            cmd.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else a Ray of "
+                             "its own, even beside another `shardserve serve` on this machine)")
         if name in ("deploy", "serve-config"):
             cmd.add_argument("--arg", action="append", metavar="KEY=JSON",
                              help="an application setting (deployments/config.py AppArgs), repeatable")

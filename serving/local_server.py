@@ -11,46 +11,75 @@ than the whole monolith baseline spends.
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
+import socket
 import time
 
 from deployments.run import APP_NAME, deploy, undeploy
 from serving.edge import Admission, EdgeProcess, haproxy_binary
+from shardserve.errors import ShardserveError
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
 from shardserve.runtime.ports import free_port
 
+# Every process this command starts (Ray's, its workers, the edge) inherits this variable with a
+# value of the command's own: what a stop finds and ends when an interrupt came before Ray or the
+# edge could tell us their pids (inside ray.init, inside Popen).
+SERVE_MARK = "SHARDSERVE_SERVE_MARK"
+_stopping = False
+
 
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
                    num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
-                   api_key: str | None = None, access_log: str | None = None) -> None:
-    """Start (or join) Ray with the fast ingress, deploy, print how to query, serve until Ctrl-C.
+                   api_key: str | None = None, access_log: str | None = None,
+                   address: str | None = None) -> None:
+    """Start Ray (or join the one at `address` / RAY_ADDRESS) with the fast ingress, deploy, print
+    how to query, serve until Ctrl-C or SIGTERM.
 
     Arguments:
         admission: the edge's in-flight and queue bounds (serving.edge.Admission; default: its defaults).
-        api_key: when set, the edge answers 401 to any request but /v1/health without it.
+        api_key: when set, the edge answers 401 to any request but /v1/health without it. It never
+            enters Ray's environment: the caller removes SHARDSERVE_API_KEY before this starts Ray.
         access_log: a file the edge appends a line per request to (HAProxy's HTTP log format, with
             its timers: time queued at the edge, the router's time, the total).
+        address: a Ray cluster to join. Without it (and without RAY_ADDRESS) this command starts a
+            Ray of its own even when another runs on this machine: a second `serve` runs beside
+            the first, never inside it (ensure_ray).
+
+    A stop (Ctrl-C, SIGTERM) at any moment, start-up included, ends everything this command
+    started: the edge, and the Ray it started with every process of it, before it returns.
     """
-    from shardserve.runtime.ray_session import ensure_ray, shutdown_ray
+    from shardserve.runtime.ray_session import ensure_ray
 
     manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
-    started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True)
+    joining = bool(address or os.environ.get("RAY_ADDRESS"))
+    if not joining:
+        _check_port_free(host, port)  # a port in use: one line now, not after a minute of start-up
+    global _stopping
+    _stopping = False
+    os.environ[SERVE_MARK] = mark = f"{os.getpid()}-{secrets.token_hex(8)}"
     # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
-    # (a non-interactive shell starts background jobs with SIGINT ignored). After ray.init: Ray's
-    # own SIGTERM handler in the driver dumps a stack and aborts, leaving the cluster running.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    # A joined cluster's Serve already listens where its owner put it: the edge is ours to add only
-    # in front of a Serve this command starts.
-    use_edge = edge and started and haproxy_binary() is not None
+    # (a non-interactive shell starts background jobs with SIGINT ignored): from here on, so that a
+    # stop during start-up runs the `finally` below too.
+    _on_stop_raise()
     front: EdgeProcess | None = None
     try:
+        started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True, address=address,
+                             join_local=False)
+        _on_stop_raise()  # again: ray.init sets its own SIGTERM handler (stack dump, cluster left up)
+        # A joined cluster's Serve already listens where its owner put it: the edge is ours to add
+        # only in front of a Serve this command starts.
+        use_edge = edge and started and haproxy_binary() is not None
         if use_edge:
             front_port = free_port()  # the router's door; Serve runs no HTTP proxy of its own here
             deploy(index, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port)
             a = admission or Admission()
-            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key, access_log).start()
+            # held before it starts: a stop inside start() still finds it (and start() ends its
+            # HAProxy itself when interrupted)
+            front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key, access_log)
+            front.start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
             shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_burst} queued ({a.max_queue} "
                         f"while shedding, and at most {a.delay_ms} ms of answers inside), beyond that 503 at "
@@ -67,21 +96,71 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         print("  query:  python3 -c 'import json; print(json.dumps({\"vector\": [0.0]*"
               f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
               f"--data-binary @- {url}/v1/search")
+        print(f"  ray:    {_ray_line(started)}")
         print("  Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        _stop(front, joining, mark)
+
+
+def _stop(front: EdgeProcess | None, joining: bool, mark: str) -> None:
+    """End what this command started, in order: the edge first (no new requests reach a router
+    being torn down), then our Ray (or, on a joined cluster, only our apps), then any process still
+    carrying this command's mark (what an interrupt inside ray.init or Popen left unnamed)."""
+    global _stopping
+    _stopping = True  # a second Ctrl-C while stopping is ignored: it would cut the clean-up short
+    _on_stop_raise()  # ours again, if a stop inside ray.init left Ray's SIGTERM handler in place
+    import ray
+
+    from shardserve.runtime import procfs
+    from shardserve.runtime.ray_session import shutdown_ray
+
+    try:
         if front is not None:
             front.stop()
-        if started:
+        if not joining:
             # Our own Ray: every app on it is ours, and ending Ray ends them. serve.shutdown() first
             # waited 30 s for the controller to drain what Ctrl-C is meant to stop.
             shutdown_ray()
-        else:  # joined someone's cluster: delete only what this command deployed (and its swaps)
+        elif ray.is_initialized():  # joined someone's cluster: delete only what we deployed (and swaps)
             undeploy(APP_NAME)
+    finally:
+        # (Python's multiprocessing helpers ignore SIGTERM and end with this process)
+        left = [pid for pid in procfs.pids_with_environment(SERVE_MARK, mark)
+                if b"from multiprocessing." not in procfs.cmdline(pid)]
+        procfs.stop(left, grace_s=2.0)
+
+
+def _on_stop_raise() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
 
 
 def _interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt
+    if not _stopping:
+        raise KeyboardInterrupt
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port something listens on (another server's edge). SO_REUSEADDR: a port whose last
+    connections wait in TIME_WAIT is free to listen on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ShardserveError(f"{host}:{port} is in use ({exc.strerror}): pick another --port") from None
+
+
+def _ray_line(started: bool) -> str:
+    import ray
+
+    context = ray.get_runtime_context()
+    if not started:
+        return f"joined the cluster at {context.gcs_address} (Ctrl-C deletes only this command's apps)"
+    return (f"its own, at {context.gcs_address} (for `shardserve swap --address`; "
+            "another `shardserve serve` starts its own)")

@@ -15,7 +15,15 @@ import orjson
 import pytest
 
 from index_build.job import build_index
-from serving.edge import AccessLine, Admission, EdgeProcess, edge_config, parse_access_line, write_edge
+from serving.edge import (
+    AccessLine,
+    Admission,
+    EdgeProcess,
+    api_key_digest,
+    edge_config,
+    parse_access_line,
+    write_edge,
+)
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
 from tests.faults import slow_shards
@@ -33,7 +41,7 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     checked = subprocess.run([HAPROXY, "-c", "-f", str(config)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     text = config.read_text()
-    assert "maxconn 64" in text and KEY in text
+    assert "maxconn 64" in text and KEY not in text and api_key_digest(KEY) in text  # its digest only
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
     # while shedding, the requests inside are cut to the router's answer rate x the delay target
     assert "be_sess_rate(shardserve),mul(70),div(1000)" in text and "shedding crowded late" in text
@@ -80,7 +88,7 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
     access_log = tmp_path / "access.log"
     edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}",
                        Admission(max_in_flight=2, max_burst=6, max_queue=3, queue_timeout_ms=30_000),
-                       access_log=access_log).start()
+                       access_log=access_log, route_prefix="/edge").start()
 
     async def closed_loop(clients: int, each: int) -> list[int]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -203,7 +211,8 @@ def test_access_line_parses_haproxy_http_log_format() -> None:
 
 @pytest.mark.slow
 def test_edge_wants_the_api_key_before_python(slow_app: bytes) -> None:
-    edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}", api_key=KEY).start()
+    edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}", api_key=KEY,
+                       route_prefix="/edge").start()
 
     async def calls() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -211,15 +220,17 @@ def test_edge_wants_the_api_key_before_python(slow_app: bytes) -> None:
                     await _search(client, slow_app, {"api-key": KEY[:-1] + "x"}),
                     await _search(client, slow_app, {"Authorization": f"Bearer {KEY}"}),
                     await _search(client, slow_app, {"api-key": KEY}),
+                    await _search(client, slow_app, {"Authorization": f"bEARER {KEY}"}),
                     await client.get(f"http://127.0.0.1:{EDGE_PORT}/edge/v1/health")]
 
     try:
-        missing, wrong, bearer, header, health = asyncio.run(calls())
+        missing, wrong, bearer, header, any_case, health = asyncio.run(calls())
     finally:
         edge.stop()
     assert missing.status_code == wrong.status_code == 401
     assert missing.json()["error"] == "missing or wrong API key"
-    assert bearer.status_code == header.status_code == 200 and len(bearer.json()["ids"]) == 5
+    assert bearer.status_code == header.status_code == any_case.status_code == 200
+    assert len(bearer.json()["ids"]) == 5
     assert health.status_code == 200  # load balancers' health checks carry no key
 
 
@@ -367,3 +378,181 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "shardserve: error: edge admission: max_burst (8) must be >= max_queue (16)"]
     assert not (tmp_path / "b").exists()
+
+
+class _RawBackend:
+    """A router stand-in that records each request's head as it arrived (headers included) and
+    answers 200 with the body's length: what the edge forwarded, byte for byte."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                self.heads.append(head)
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                answer = orjson.dumps({"bytes": len(body)})
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def _edge_in_front_of(backend_port: int, **kwargs) -> EdgeProcess:
+    return EdgeProcess(f"127.0.0.1:{backend_port}", f"127.0.0.1:{EDGE_PORT}", **kwargs).start()
+
+
+def test_edge_health_rule_is_the_exact_path_with_its_own_rate_limit_per_source() -> None:
+    """The health rule matches /v1/health exactly: `/anything/v1/health` needs the key like any
+    other route. A flood of health checks from one address gets 429 (JSON) at the edge past the
+    per-source rate, while the checks a load balancer sends from another address meanwhile are all
+    answered by the router."""
+    backend = _RawBackend()
+
+    async def run() -> tuple[list[int], list[int], list[int], dict, httpx.Response]:
+        port = await backend.start()
+        edge = _edge_in_front_of(port, api_key=KEY)
+        base = f"http://127.0.0.1:{EDGE_PORT}"
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as flooder, httpx.AsyncClient(
+                    base_url=base, timeout=30,
+                    transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2")) as balancer:
+                suffixed = [(await flooder.get(path)).status_code
+                            for path in ("/x/v1/health", "/v1/health/", "/v1/healthz")]
+                flood: list[int] = []
+                checks: list[int] = []
+                refused = None
+                for _ in range(10):  # each round: 20 checks from the flooder, then one from the balancer
+                    answers = await asyncio.gather(*[flooder.get("/v1/health") for _ in range(20)])
+                    flood += [a.status_code for a in answers]
+                    refused = next((a for a in answers if a.status_code == 429), refused)
+                    checks.append((await balancer.get("/v1/health")).status_code)
+                seen = {"heads": len(backend.heads)}
+                return suffixed, flood, checks, seen, refused
+        finally:
+            edge.stop()
+            backend.close()
+
+    suffixed, flood, checks, seen, refused = asyncio.run(run())
+    assert suffixed == [401, 401, 401]  # not the health check: no key, no entry
+    assert flood.count(429) > 0 and set(flood) == {200, 429}, flood
+    assert checks == [200] * 10  # the load balancer's address has its own rate: never refused
+    assert refused is not None and refused.json() == {"error": "too many health checks from this address",
+                                                      "field": None}
+    assert refused.headers["retry-after"] == "1"
+    assert seen["heads"] == flood.count(200) + len(checks)  # a refused check never reached the router
+
+
+def test_edge_compares_the_key_by_digest_takes_bearer_in_any_case_and_never_forwards_it() -> None:
+    backend = _RawBackend()
+
+    async def run() -> list[httpx.Response]:
+        port = await backend.start()
+        edge = _edge_in_front_of(port, api_key=KEY)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{EDGE_PORT}", timeout=30) as client:
+                answers = []
+                for headers in ({"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer {KEY}"},
+                                {"Authorization": f"BEARER {KEY}"}, {"api-key": KEY},
+                                {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
+                                {"api-key": KEY.upper()}, {}):
+                    answers.append(await client.post("/v1/search", content=b"{}", headers=headers))
+                return answers
+        finally:
+            edge.stop()
+            backend.close()
+
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 4 + [401] * 4
+    assert all(a.json() == {"error": "missing or wrong API key", "field": None} for a in answers[4:])
+    assert len(backend.heads) == 4  # only the keyed requests reached the router
+    for head in backend.heads:  # and without the key, in either header
+        assert KEY.encode() not in head
+        assert b"authorization" not in head.lower() and b"api-key" not in head.lower()
+
+
+def test_edge_answers_413_from_the_declared_length_to_a_client_that_writes_its_whole_body_first() -> None:
+    """Python's urllib sends all of a 20 MB body before reading: the edge answers 413 from the
+    Content-Length at once and drains the body, so urllib reads the JSON 413 (it used to get a
+    broken pipe); the router never sees the request. A 10 MB upload without the key gets its 401
+    the same way. Errors the edge makes itself (here a 502 from a router answering garbage) are
+    JSON too, not HAProxy's HTML page."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    backend = _RawBackend()
+    loop = asyncio.new_event_loop()
+    port = loop.run_until_complete(backend.start())
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+
+    def post(body: bytes, headers: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://127.0.0.1:{EDGE_PORT}/v1/search", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                return answer.status, orjson.loads(answer.read())
+        except urllib.error.HTTPError as refused:
+            assert refused.headers["content-type"] == "application/json"
+            return refused.code, orjson.loads(refused.read())
+
+    big = b"0" * 20_000_000
+    edge = _edge_in_front_of(port, api_key=KEY)
+    try:
+        too_large = post(big, {"api-key": KEY})
+        unkeyed = post(big[:10_000_000], {})  # within the limit, but more than the edge reads first
+        fine = post(b"0" * 1_000_000, {"api-key": KEY})
+    finally:
+        edge.stop()
+    assert too_large == (413, {"error": "body of 20000000 bytes exceeds 16777216", "field": "body"})
+    assert unkeyed == (401, {"error": "missing or wrong API key", "field": None})
+    assert fine == (200, {"bytes": 1_000_000})
+    assert len(backend.heads) == 1  # only the request within the limit reached the router
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"this is not HTTP\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    broken = asyncio.run_coroutine_threadsafe(asyncio.start_server(garbage, "127.0.0.1", 0), loop).result()
+    edge = _edge_in_front_of(broken.sockets[0].getsockname()[1])
+    try:
+        bad_gateway = httpx.get(f"http://127.0.0.1:{EDGE_PORT}/v1/index", timeout=30)
+    finally:
+        edge.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(timeout=10)
+        backend.close()
+        broken.close()
+    assert bad_gateway.status_code == 502 and bad_gateway.headers["content-type"] == "application/json"
+    assert bad_gateway.json() == {"error": "bad gateway: no valid answer from the router", "field": None}
+
+
+def test_a_second_edge_on_the_same_port_fails_instead_of_sharing_it() -> None:
+    """HAProxy binds with SO_REUSEPORT by default: a second edge on a port the first holds would
+    start and take some of its connections. `noreuseport`: it exits in one line instead."""
+    first = EdgeProcess("127.0.0.1:9", f"127.0.0.1:{EDGE_PORT}").start()
+    try:
+        second = EdgeProcess("127.0.0.1:9", f"127.0.0.1:{EDGE_PORT}")
+        with pytest.raises(ShardserveError, match=f"edge haproxy on 127.0.0.1:{EDGE_PORT} exited"):
+            second.start()
+        assert first.process is not None and first.process.poll() is None  # the first keeps its port
+    finally:
+        first.stop()

@@ -55,6 +55,16 @@ def local_cluster_running() -> bool:
         return False
 
 
+def local_gcs_addresses() -> list[str]:
+    """The GCS addresses of every Ray running on this machine (the same private call)."""
+    try:
+        from ray._private.services import find_gcs_addresses
+
+        return sorted(find_gcs_addresses())
+    except Exception:
+        return []
+
+
 def own_raylet_running() -> bool:
     """`ray._private.worker._global_node`: did this process start the Ray it is connected to (and
     so must stop that Ray's HAProxy after it)? A driver that joined a cluster has no raylet of its

@@ -30,20 +30,41 @@ def apply_serving_node_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def ensure_ray(num_cpus: float | None = None, serving_node: bool = True, dashboard: bool = False) -> bool:
-    """Join the cluster in RAY_ADDRESS / a running local one, else start one. True if we started it."""
+def ensure_ray(num_cpus: float | None = None, serving_node: bool = True, dashboard: bool = False,
+               address: str | None = None, join_local: bool = True) -> bool:
+    """Connect to Ray, or start one. True if we started it.
+
+    Joins `address`, else RAY_ADDRESS, else (with `join_local`) a Ray already running on this
+    machine; otherwise starts a Ray of this process's own. `join_local=False` (`shardserve serve`)
+    never joins a local Ray it was not told about: two servers on one machine each start their
+    own (`ray.init(address="local")`: a new cluster with its own GCS port and session, whatever
+    runs here or /tmp/ray/ray_current_cluster names), so neither replaces the other's apps and
+    neither dies when the other stops. Joining stays explicit (an address or RAY_ADDRESS)."""
     import ray
 
     if ray.is_initialized():
         return False
     if serving_node:
         apply_serving_node_env()
-    if os.environ.get("RAY_ADDRESS") or _local_cluster_running():
-        ray.init(address="auto", log_to_driver=False)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address or (join_local and _local_cluster_running()):
+        ray.init(address=address or "auto", log_to_driver=False)
         return False
-    ray.init(num_cpus=num_cpus, include_dashboard=dashboard,  # type: ignore[arg-type]
+    if serving_node and not join_local:
+        _own_haproxy_ports()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,  # type: ignore[arg-type]
              log_to_driver=False, configure_logging=False)
     return True
+
+
+def _own_haproxy_ports() -> None:
+    """Serve's HAProxy ingress (when Serve runs its HTTP proxy) binds stats and metrics ports that
+    default to fixed 8404/9101: a second server's would fail to start, or share them. The private
+    Ray of `shardserve serve` takes free ones unless they are set (Serve's processes inherit them)."""
+    from shardserve.runtime.ports import free_port
+
+    for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        os.environ.setdefault(name, str(free_port()))
 
 
 def _local_cluster_running() -> bool:
