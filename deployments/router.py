@@ -28,7 +28,7 @@ from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import parse_query, receive_body
 from shardserve.query.render import coverage_error, index_summary, render_search
-from shardserve.runtime.heap import PauseLog, settle
+from shardserve.runtime.heap import settled
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
@@ -76,8 +76,7 @@ class Router(ReportsCoresWanted):
         self.metrics = RouterMetrics(context.app_name)
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
-        # Large batches' coarse quantizer runs here, off the event loop, one OpenMP thread (as in the shards).
-        self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))
+        self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
@@ -89,8 +88,7 @@ class Router(ReportsCoresWanted):
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
             await self.front.listen(a.front_host, a.front_port)
         lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
-        # no full collection walks start-up's objects again; a long one is logged
-        self.heap_frozen, self.pauses = settle(), PauseLog(logger)
+        self.pauses = settled(logger)  # start-up's objects frozen out of every full collection
 
     async def __call__(self, request: Request) -> Response:
         """Serve's HTTP path (its proxy or HAProxy ingress): the same answers as the front door."""

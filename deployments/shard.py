@@ -18,7 +18,7 @@ from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, 
 from shardserve.index.manifest import read_version
 from shardserve.index.storage import Location
 from shardserve.query.searcher import ShardSearcher
-from shardserve.runtime.heap import PauseLog, settle
+from shardserve.runtime.heap import settled
 from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from shardserve.runtime.warm_pool import WarmPool
 from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link
@@ -75,8 +75,7 @@ class ShardDeployment:
             self._announcer = asyncio.get_running_loop().create_task(self._announce(
                 host, self.link_server.sockets[0].getsockname()[1]))
         lower_priority(nice)  # last: the start-up itself ran at the node's priority
-        # no full collection walks start-up's objects again; a long one is logged
-        self.heap_frozen, self.pauses = settle(), PauseLog(logger)
+        self.pauses = settled(logger)  # start-up's objects frozen out of every full collection
         # The node's pool of idle workers that the next replica placed here takes (runtime.warm_pool).
         self.warm_pool = WarmPool(warm_workers).start()
         self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),

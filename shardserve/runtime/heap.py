@@ -25,6 +25,13 @@ def settle() -> int:
     return gc.get_freeze_count()
 
 
+def settled(logger: logging.Logger, over_ms: float = 20.0) -> PauseLog:
+    """`settle()`, then log every later collection longer than `over_ms`: what a replica calls once
+    it is ready."""
+    settle()
+    return PauseLog(logger, over_ms)
+
+
 class PauseLog:
     """Logs every collection that paused this process longer than `over_ms` (a gc.callbacks hook:
     two clock reads per collection), so a stall in a replica's log can be told from a collection."""
