@@ -103,8 +103,12 @@ class ShardDeployment:
         either, so a subclass that changes `search` (tests/faults.py) must return None here."""
         if ShardQuery.rows(query) > INLINE_ROWS:
             return None
+        decoded = ShardQuery.decode(query, self.bounds)
+        where = decoded.params.get("filter")
+        if where is not None and not self.searcher.filter_ready(where):
+            return None  # a new filter's first pass over the rows runs off the event loop
         faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
-        return self._answer(query)
+        return encode_answer(*self.searcher.answer(decoded))
 
     def _answer(self, query: bytes) -> bytes:
         return encode_answer(*self.searcher.answer(ShardQuery.decode(query, self.bounds)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from shardserve.errors import ShardserveError
 from shardserve.index.indexes import supported_params
 from shardserve.index.manifest import Manifest, pinned_location, read_manifest
 from shardserve.index.storage import Location
+from shardserve.query.index_pointer import SwapConflict
 from shardserve.runtime.background import run_on_loop
 from shardserve.runtime.ray_private import delete_app_nowait, run_app
 
@@ -147,7 +149,10 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
     else:
         # Named by version and generation: never the name of an app still being deleted (Serve
         # drains an ingress ~30 s), whose cached handles would keep pointing at dead replicas.
-        new_app = f"{index_app_name(app_name, new.index_version)}-g{active['generation'] + 1}"
+        # and by this swap alone (a concurrent swap to the same version must not redeploy or
+        # delete this one's app)
+        new_app = (f"{index_app_name(app_name, new.index_version)}-g{active['generation'] + 1}"
+                   f"-{secrets.token_hex(3)}")
         _check_headroom(args, new)
         await asyncio.to_thread(run_app, build_index_app(args.model_dump()), new_app, None, False)
         try:
@@ -177,9 +182,16 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
     try:  # compare-and-set against the generation this swap started from
         pointer = await control.activate.remote(new_index, new_app, new.index_version, active["generation"])
     except Exception as exc:
-        if new_app != (previous or {}).get("app"):
-            await asyncio.to_thread(delete_app_nowait, new_app)  # never left deployed unreferenced
         cause = getattr(exc, "cause", None) or exc  # the replica's own error, not Ray's wrapper
+        # delete the new app only when the pointer surely does not name it (a lost compare-and-set,
+        # or the pointer read back naming others): never left deployed unreferenced, never the live one
+        lost = isinstance(exc, SwapConflict) or isinstance(cause, SwapConflict)
+        named: set = set()
+        if not lost:
+            now = await _describe(control, timeout_s=60.0)
+            named = {now["active"]["app"], (now["previous"] or {}).get("app")}
+        if new_app not in named and new_app != (previous or {}).get("app"):
+            await asyncio.to_thread(delete_app_nowait, new_app)
         raise ShardserveError(f"swap to {new.index_version} not activated: {cause}") from None
     while not await control.drained.remote(pointer["generation"]):
         if time.perf_counter() - started > timeout_s:

@@ -17,7 +17,15 @@ from shardserve.index.indexes import prepare_vectors
 from shardserve.index.metadata import ID, MetadataTable, Postings, build_postings, column_kinds
 from shardserve.query.api import ApiError, ParsedQuery
 from shardserve.query.cache import ByteBoundedCache
-from shardserve.query.filters import MAX_FILTER_WORK, MAX_IN, MAX_LEAVES, check_filter, matching
+from shardserve.query.filters import (
+    IN_VALUES_PER_PASS,
+    MAX_FILTER_WORK,
+    MAX_IN,
+    MAX_LEAVES,
+    MAX_VALUES,
+    check_filter,
+    matching,
+)
 from shardserve.query.parse import check_work
 from shardserve.transport.shard_wire import MAX_FILTER_BYTES, ShardQuery
 from tests.shared import sharded_and_unsharded
@@ -130,6 +138,10 @@ def test_older_float_keyed_posting_lists_still_match_exactly() -> None:
     small = Postings(pa.table({"column": ["big"], "key": ["5.0"],
                                "rows": pa.array([[0]], pa.list_(pa.int32()))}))
     assert small.columns == {"big"} and small.rows("big", 5).tolist() == [0]
+    # 2^53 and 2^53 + 1 were one float64 key: from 2^53 on, the column is scanned
+    edge = Postings(pa.table({"column": ["big"], "key": [orjson.dumps(float(2**53)).decode()],
+                              "rows": pa.array([[0, 1]], pa.list_(pa.int32()))}))
+    assert edge.columns == set()
 
 
 @pytest.mark.parametrize(("factory", "by"), [("Flat", "rows"), ("IVF64,Flat", "rows"), ("HNSW16", "rows")])
@@ -166,12 +178,26 @@ def test_a_filter_of_20000_comparisons_is_refused_by_its_count() -> None:
 
 
 def test_a_filters_work_is_bounded_by_the_largest_shards_rows() -> None:
+    """Work = (comparisons + $in values / IN_VALUES_PER_PASS) x rows of the largest shard."""
     kinds = {"label": "int64"}
-    where = {"$or": [{"label": i} for i in range(64)]}
-    check_filter(where, kinds, rows=MAX_FILTER_WORK // 64)
+    where = {"$or": [{"label": {"$gt": i}} for i in range(64)]}  # 64 comparisons, 64 values
+    passes = 64 + 64 / IN_VALUES_PER_PASS
+    check_filter(where, kinds, rows=int(MAX_FILTER_WORK // passes))
     with pytest.raises(ApiError, match="more work than") as refused:
-        check_filter(where, kinds, rows=MAX_FILTER_WORK // 64 + 1)
+        check_filter(where, kinds, rows=int(MAX_FILTER_WORK // passes) + 1)
     assert refused.value.field == "filter"
+
+
+def test_many_long_in_lists_are_refused_before_they_are_walked() -> None:
+    """256 comparisons of 4,096 values each (~1M values, MBs of body): refused by the running count
+    of values, not after every value was checked and sorted."""
+    where = {"$or": [{"label": {"$in": list(range(MAX_IN))}} for _ in range(MAX_LEAVES)]}
+    with pytest.raises(ApiError, match=f"more than {MAX_VALUES} values") as refused:
+        check_filter(where, {"label": "int64"})
+    assert refused.value.field == "filter"
+    long = [{"caption": {"$in": ["y" * 2000 + str(i)]}} for i in range(200)]
+    with pytest.raises(ApiError, match="bytes of values"):
+        check_filter({"$or": long}, {"caption": "string"})
 
 
 def test_a_filter_larger_than_a_shard_takes_is_refused_by_the_router() -> None:
@@ -189,6 +215,7 @@ def test_equal_filters_have_one_canonical_form_whatever_their_spelling() -> None
     assert check_filter(same[0], kinds) == check_filter(same[1], kinds)
     assert check_filter({"big": 1}, kinds) == check_filter({"big": {"$eq": 1.0}}, kinds)
     assert check_filter({"score": 1}, kinds) == check_filter({"score": 1.0}, kinds)
+    assert check_filter({"score": -0.0}, kinds) == check_filter({"score": 0}, kinds)
     assert (check_filter({"$or": [{"lang": "a"}, {"big": 2}]}, kinds)
             == check_filter({"$or": [{"big": 2}, {"lang": "a"}, {"big": 2}]}, kinds))
     # a non-integral range bound on an integer column selects what the integer bound does

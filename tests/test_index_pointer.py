@@ -78,3 +78,12 @@ def test_a_stored_pointer_round_trips() -> None:
     again = IndexPointer(ActiveIndex(0, "/idx/a", "app-index-aaaa", ""))
     assert again.restore(pointer.stored("/idx/a"), "/idx/a") and again.active == pointer.active
     assert not IndexPointer(ActiveIndex(0, "/idx/z", "z", "")).restore(pointer.stored("/idx/a"), "/idx/z")
+
+
+def test_a_router_ahead_of_a_reset_pointer_moves_the_pointer_past_it() -> None:
+    """After a lost or corrupt stored pointer, IndexControl starts at generation 0 while routers
+    still serve generation 3: the pointer moves to 4 so they follow it (they ignore lower ones)."""
+    pointer = _pointer()
+    pointer.report("r1", 3, 0, now=1.0)
+    assert pointer.active.generation == 4 and pointer.active.app == "app-index"
+    assert pointer.activate("/idx/b", "app-b", "bbbb", expected_generation=4).generation == 5

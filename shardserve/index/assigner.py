@@ -3,6 +3,8 @@ shard (the router runs it; the build deals whole lists to shards with it)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import faiss
 import numpy as np
 
@@ -26,6 +28,11 @@ def filtered_nprobe(nprobe: int, share: float, nlist: int) -> int:
     return min(nlist, int(np.ceil(FILTER_WIDEN * nprobe / max(share, EXACT_SHARE))))
 
 
+def _key(where: str) -> bytes:
+    """A filter's fixed-size key: a filter may be 256 KB, and thousands are kept."""
+    return hashlib.blake2b(where.encode(), digest_size=16).digest()
+
+
 class FilterShares:
     """The share of each shard's rows a filter matched, learned from the shards' answers (each
     reports the rows it matched): with it the router ranks only the lists some shard will take.
@@ -37,21 +44,21 @@ class FilterShares:
     def __init__(self, rows_per_shard: list[int], kept: int = 4096):
         self.rows = [max(int(rows), 1) for rows in rows_per_shard]
         self.kept = kept
-        self._shares: dict[str, tuple[float, ...]] = {}
+        self._shares: dict[bytes, tuple[float, ...]] = {}
 
     def learn(self, where: str, matched: list[int | None]) -> None:
         """The rows each shard matched (None: that shard did not answer, nothing is learned)."""
         counts = [m for m in matched if m is not None]
-        if where in self._shares or len(counts) != len(self.rows):
+        if _key(where) in self._shares or len(counts) != len(self.rows):
             return
         if len(self._shares) >= self.kept:
             del self._shares[next(iter(self._shares))]
-        self._shares[where] = tuple(m / rows for m, rows in zip(counts, self.rows, strict=True))
+        self._shares[_key(where)] = tuple(m / rows for m, rows in zip(counts, self.rows, strict=True))
 
     def lists(self, where: str, nprobe: int, nlist: int) -> int | None:
         """The lists to rank for `where` at `nprobe`: 0 when every shard compares exactly (or none
         matches), else the most a shard's share asks for; None when the filter is not yet learned."""
-        shares = self._shares.get(where)
+        shares = self._shares.get(_key(where))
         if shares is None:
             return None
         wide = [filtered_nprobe(nprobe, share, nlist) for share in shares if share > EXACT_SHARE]

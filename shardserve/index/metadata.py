@@ -70,7 +70,7 @@ def posting_key(value: object) -> str:
     """The one spelling a value's posting list is stored and found under: integers as integers
     (exact at any size), an integral float as the integer it is, strings and booleans as JSON, a
     missing value as null."""
-    if isinstance(value, float) and value.is_integer() and abs(value) <= EXACT_FLOAT:
+    if isinstance(value, float) and value.is_integer() and abs(value) < EXACT_FLOAT:
         value = int(value)
     return orjson.dumps(value).decode()
 
@@ -114,9 +114,12 @@ class Postings:
         for i, (column, key) in enumerate(zip(table.column("column").to_pylist(),
                                               table.column("key").to_pylist(), strict=True)):
             stored = orjson.loads(key)
-            if isinstance(stored, float) and not (stored.is_integer() and abs(stored) <= EXACT_FLOAT):
-                inexact.add(column)  # an older build keyed integers as float64: past 2^53, scan instead
-            self.lists[(column, posting_key(stored))] = flat[bounds[i]:bounds[i + 1]]
+            if isinstance(stored, float) and not (stored.is_integer() and abs(stored) < EXACT_FLOAT):
+                inexact.add(column)  # an older build keyed integers as float64: from 2^53, scan instead
+            rekeyed = (column, posting_key(stored))
+            if rekeyed in self.lists:  # two stored keys that are one value now: the lists are unsure
+                inexact.add(column)
+            self.lists[rekeyed] = flat[bounds[i]:bounds[i + 1]]
         self.columns = set(table.column("column").to_pylist()) - inexact
 
     def rows(self, column: str, value: object) -> np.ndarray:

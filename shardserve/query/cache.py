@@ -15,10 +15,11 @@ from typing import Any
 
 class ByteBoundedCache:
     """`get`/`put` by key; the least recently used entries go first once the total passes
-    `max_bytes`. An entry larger than the whole bound is not kept. Evicting only drops the cache's
-    reference: a caller still holding a value keeps it alive."""
+    `max_bytes` (a size given by the caller, who counts the key in it when the key is large). An
+    entry larger than the whole bound is not kept. Evicting only drops the cache's reference: a
+    caller still holding a value keeps it alive."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 4096):
+    def __init__(self, max_bytes: int, max_entries: int = 256):
         self.max_bytes, self.max_entries = max_bytes, max_entries
         self._entries: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self._bytes = 0

@@ -8,7 +8,7 @@ evaluated in each shard over its own metadata (pyarrow.compute) into the ids FAI
 
 A filter is refused (422 naming `filter`) for an unknown column or operator, a value of the wrong type
 or outside the column's integer type, nesting deeper than MAX_DEPTH, an `$in` longer than MAX_IN,
-more than MAX_LEAVES comparisons, a canonical form over MAX_FILTER_BYTES, more work than
+more than MAX_LEAVES comparisons or MAX_VALUES values, a canonical form over MAX_FILTER_BYTES, more work than
 MAX_FILTER_WORK, or an index built without metadata. The router refuses before any shard sees it:
 a shard cannot stop a pass over its rows once it started, and every shard would run it.
 A row whose value is missing (null) matches no comparison on that column, `$ne` and `$nin` included.
@@ -39,7 +39,10 @@ MAX_IN = 4096
 # Every comparison is a pass over a shard's rows (or a posting-list lookup): its work is the rows of
 # the largest shard times the comparisons, bounded before any shard starts.
 MAX_LEAVES = 256
-MAX_FILTER_WORK = 1 << 25  # comparisons x rows of the largest shard
+MAX_VALUES = 2 * MAX_IN  # values in all of a filter's comparisons ($in lists included)
+# comparisons x rows of the largest shard; an $in value counts as 1/IN_VALUES_PER_PASS of a pass
+MAX_FILTER_WORK = 1 << 25
+IN_VALUES_PER_PASS = 16
 EXACT_FLOAT = 2**53  # a float beyond this is not an exact integer
 ID = "$id"
 ID_KIND = "int64"  # user ids, as stored
@@ -79,19 +82,42 @@ def _value(value: object, kind: str, op: str, where: str) -> object:
         return _integer(value, kind, op, where)
     if kind == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
         if math.isfinite(value) and abs(value) < 1e308:
-            return float(value)
+            return float(value) + 0.0  # -0.0 is 0.0: one spelling, one cache entry
     elif (kind, type(value)) in (("string", str), ("bool", bool)):
         return value
     raise _refuse(f"{where} needs a {kind}, got {_shown(value)}")
 
 
 class _Count:
+    """What a filter asks for so far, checked as it is walked: a filter past a bound is refused
+    before the rest of it costs the router anything."""
+
     def __init__(self) -> None:
         self.leaves = 0
+        self.values = 0
+        self.bytes = 0
+
+    def leaf(self) -> None:
+        self.leaves += 1
+        if self.leaves > MAX_LEAVES:
+            raise _refuse(f"more than {MAX_LEAVES} comparisons: match a set with $in instead")
+
+    def add(self, values: list) -> None:
+        self.values += len(values)
+        if self.values > MAX_VALUES:
+            raise _refuse(f"more than {MAX_VALUES} values in all")
+        self.bytes += sum(len(v) if isinstance(v, str) else 8 for v in values)
+        if self.bytes > MAX_FILTER_BYTES:
+            raise _refuse(f"more than {MAX_FILTER_BYTES} bytes of values")
+
+    def work(self) -> float:
+        """Passes over a shard's rows, about: one per comparison, and a fraction per $in value."""
+        return self.leaves + self.values / IN_VALUES_PER_PASS
 
 
-def _comparison(key: str, value: object, kind: str, where: str) -> dict:
+def _comparison(key: str, value: object, kind: str, where: str, count: _Count) -> dict:
     if not isinstance(value, dict):
+        count.add([value])
         return {key: {"$eq": _value(value, kind, "$eq", where)}}
     if len(value) != 1:
         raise _refuse(f"{where} takes one operator, got {sorted(value)}")
@@ -99,11 +125,13 @@ def _comparison(key: str, value: object, kind: str, where: str) -> dict:
     if op in MEMBERSHIP:
         if not isinstance(operand, list) or not 1 <= len(operand) <= MAX_IN:
             raise _refuse(f"{where}.{op} needs a list of 1 to {MAX_IN} values")
+        count.add(operand)
         values = {_value(item, kind, op, f"{where}.{op}") for item in operand}
         return {key: {op: sorted(values)}}  # one spelling per set: order and repeats do not matter
     if op in COMPARISONS:
         if op not in ("$eq", "$ne") and kind == "bool":
             raise _refuse(f"{where}.{op} does not order booleans")
+        count.add([operand])
         return {key: {op: _value(operand, kind, op, f"{where}.{op}")}}
     raise _refuse(f"unknown operator {op!r} at {where} (use {sorted([*COMPARISONS, *MEMBERSHIP])})")
 
@@ -127,10 +155,9 @@ def _canonical(node: object, kinds: dict[str, str], depth: int, where: str, coun
             raise _refuse(f"unknown operator {key!r} at {where} (use $and, $or, or a column)")
         if key != ID and key not in kinds:
             raise _refuse(f"unknown column {key!r} (filterable: {sorted(kinds)})")
-        count.leaves += 1
-        if count.leaves > MAX_LEAVES:  # checked as it counts: a huge filter costs the router no more
-            raise _refuse(f"more than {MAX_LEAVES} comparisons: match a set with $in instead")
-        canonical.update(_comparison(key, value, ID_KIND if key == ID else kinds[key], f"{where}.{key}"))
+        count.leaf()
+        canonical.update(_comparison(key, value, ID_KIND if key == ID else kinds[key], f"{where}.{key}",
+                                     count))
     return canonical
 
 
@@ -145,9 +172,9 @@ def check_filter(value: object, kinds: dict[str, str], rows: int = 0) -> str:
     canonical = orjson.dumps(_canonical(value, kinds, 1, "filter", count), option=orjson.OPT_SORT_KEYS)
     if len(canonical) > MAX_FILTER_BYTES:
         raise _refuse(f"{len(canonical)} bytes in canonical form, more than {MAX_FILTER_BYTES}")
-    if count.leaves * rows > MAX_FILTER_WORK:
-        raise _refuse(f"{count.leaves} comparisons x {rows} rows per shard is more work than "
-                      f"{MAX_FILTER_WORK}: use fewer comparisons ($in matches a set in one)")
+    if count.work() * rows > MAX_FILTER_WORK:
+        raise _refuse(f"{count.leaves} comparisons and {count.values} values over {rows} rows per shard "
+                      f"are more work than {MAX_FILTER_WORK} row passes: use fewer comparisons")
     return canonical.decode()
 
 

@@ -8,6 +8,7 @@ is removed only when every live router reports the new generation with nothing o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -53,8 +54,12 @@ class IndexPointer:
         return self.active
 
     def report(self, replica: str, generation: int, old_in_flight: int, now: float | None = None) -> None:
+        """A router's heartbeat. A router ahead of the pointer (the pointer was lost or reset, e.g. a
+        corrupt stored one) would ignore it: the pointer moves past it, so every router follows."""
         self.routers[replica] = RouterReport(generation, old_in_flight,
                                              time.monotonic() if now is None else now)
+        if generation > self.active.generation:
+            self.active = dataclasses.replace(self.active, generation=generation + 1)
 
     def live_routers(self, now: float | None = None) -> dict[str, RouterReport]:
         """Routers heard from recently: a replica that stopped reporting is gone, not lagging."""

@@ -213,7 +213,7 @@ class ShardSearcher:
                 bits = np.packbits(np.isin(self._id_map(), selected), bitorder="little")
                 kept = (faiss.IDSelectorBitmap(len(self._id_map()), faiss.swig_ptr(bits)), bits)
                 size = bits.nbytes
-            self._selectors.put(where, kept, size)
+            self._selectors.put(where, kept, size + len(where))
         return kept
 
     def _id_map(self) -> np.ndarray:
@@ -258,6 +258,11 @@ class ShardSearcher:
             return self.ivf.reconstruct_batch(ids)
         return self.index.reconstruct_batch(ids)
 
+    def filter_ready(self, where: str) -> bool:
+        """Is what a filter's next batch needs already made (its matching rows, and its selector or
+        gathered vectors)? A shard searches a new filter's first batch off its event loop."""
+        return where in self._selected and (where in self._selectors or where in self._gathered)
+
     def selected(self, where: str) -> np.ndarray:
         """The ids of this shard's rows that pass a (checked) filter; the recent ones are cached."""
         if self.metadata is None:
@@ -265,7 +270,7 @@ class ShardSearcher:
         found = self._selected.get(where)
         if found is None:
             found = matching(where, self.metadata.table, self.metadata.ids, self.metadata.postings)
-            self._selected.put(where, found, found.nbytes)
+            self._selected.put(where, found, found.nbytes + len(where))
         return found
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
