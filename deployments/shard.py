@@ -21,7 +21,7 @@ from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.heap import settled
 from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from shardserve.runtime.warm_pool import WarmPool
-from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link
+from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, shard_secret
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
@@ -68,7 +68,8 @@ class ShardDeployment:
         if link_secret is not None:
             host = _link_host()
             self.link_server = await serve_link(
-                self.search, host, 0, secret=bytes.fromhex(link_secret), in_flight=self.link_in_flight,
+                self.search, host, 0, secret=shard_secret(bytes.fromhex(link_secret), shard),
+                in_flight=self.link_in_flight,
                 answer_now=self.answer_now, limits=LinkLimits(max_frame=max_frame + 4096))
             context = serve.get_replica_context()
             self.app, self.replica = context.app_name, context.replica_id.unique_id

@@ -25,6 +25,7 @@ from shardserve.transport.shard_link import (
     _Session,
     link_proof,
     serve_link,
+    shard_secret,
 )
 from shardserve.transport.shard_wire import ShardQuery, decode_answer, encode_answer
 from tests.shared import shards
@@ -46,7 +47,8 @@ def test_answers_match_in_process_search_through_links() -> None:
             async def handler(blob: bytes, searcher=searcher) -> bytes:
                 bounds = searcher.query_bounds(max_rows=64, max_k=10, params=frozenset({"nprobe"}))
                 return encode_answer(*searcher.answer(ShardQuery.decode(blob, bounds)))
-            servers.append(await serve_link(handler, "127.0.0.1", secret=SECRET))
+            servers.append(await serve_link(handler, "127.0.0.1",
+                                            secret=shard_secret(SECRET, len(servers))))
         links = ShardLinks(3)
         links.update([[("127.0.0.1", _port(s))] for s in servers], SECRET)
 
@@ -153,7 +155,7 @@ def test_frames_split_and_joined_arbitrarily_are_cut_right() -> None:
 def test_a_broken_link_fails_its_calls_fast_and_is_dropped() -> None:
     async def run():
         async def dies_mid_call(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await _shard_handshake(reader, writer)
+            await _shard_handshake(reader, writer, shard_secret(SECRET, 0))
             await reader.readexactly(1)  # a call arrives, then the replica's process goes away
             writer.close()
 
@@ -518,3 +520,26 @@ def test_unauthenticated_handshakes_are_capped_per_source_address() -> None:
 
     assert asyncio.run(run()) == {"third from one address": True, "another address": True,
                                   "served after": True}
+
+
+def test_a_replica_of_another_shard_at_a_shards_address_is_refused() -> None:
+    """Shards of one version share its secret, but each link is keyed by its shard number: shard 1's
+    replica on the port the directory still gives for shard 0 fails the handshake, so its answers
+    are never taken as shard 0's."""
+    async def run() -> None:
+        async def handler(blob: bytes) -> bytes:
+            return b"answers of shard 1"
+
+        other = await serve_link(handler, "127.0.0.1", secret=shard_secret(SECRET, 1))
+        links = ShardLinks(2)
+        links.update([[("127.0.0.1", _port(other))], []], SECRET)
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(links.pick(0).call(b"x"), 5.0)
+        right = ShardLinks(2)
+        right.update([[], [("127.0.0.1", _port(other))]], SECRET)
+        assert await asyncio.wait_for(right.pick(1).call(b"x"), 5.0) == b"answers of shard 1"
+        links.close()
+        right.close()
+        other.close()
+
+    asyncio.run(run())

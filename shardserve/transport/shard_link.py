@@ -85,6 +85,13 @@ def link_proof(secret: bytes, role: str, shard_nonce: bytes, router_nonce: bytes
     return _derive(secret, _PROOFS[role], shard_nonce, router_nonce)
 
 
+def shard_secret(secret: bytes, shard: int) -> bytes:
+    """The key of one shard's links, derived from the version's secret: both ends prove the shard
+    number too, so a replica of another shard of the same version (one that took a dead replica's
+    port before the directory forgot it) fails the handshake instead of answering for it."""
+    return hmac.new(secret, _DOMAIN + b"shard key" + shard.to_bytes(4, "big"), hashlib.sha256).digest()
+
+
 def new_secret() -> str:
     """A fresh link secret (hex), one per index version app."""
     return os.urandom(32).hex()
@@ -623,7 +630,7 @@ class ShardLinks:
                     links.pop(address).close()
             for address in wanted_set - links.keys():
                 if address not in self._failed:
-                    links[address] = ShardLink(*address, self.secret)
+                    links[address] = ShardLink(*address, shard_secret(self.secret, shard))
 
     def pick(self, shard: int) -> ShardLink | None:
         links = [link for link in self.by_shard[shard].values() if not link.broken]
