@@ -141,8 +141,9 @@ def run(index: str, load: float, duration_s: float, capacity: float | None, stal
     queries = load_dataset(read_manifest(Location.parse(index)).dataset.name, num_queries=1000).queries
     targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, {"nprobe": nprobe}))
     started = time.monotonic()
+    server_log = (work / "serve.log").open("w")  # what the server printed, for the stalls' causes
     server = subprocess.Popen(["nice", "-n", str(SERVER_NICE), str(exe), "serve", index, "--port", str(PORT)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, stdout=server_log, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
         from deployments.run import wait_until_healthy
@@ -151,7 +152,7 @@ def run(index: str, load: float, duration_s: float, capacity: float | None, stal
         healthy_s = time.monotonic() - started
         if capacity is None:  # a short probe now: the soak's rate; re-measured at the end
             capacity = attack(targets, "concurrency", 32, 10, work, "capacity-before")["qps"]
-        rate = round(load * capacity, 1)
+        rate = round(load * capacity)  # vegeta takes whole requests per second
         t0 = time.monotonic()
         t0_ns = time.time_ns()
         with ProcessWatch(t0) as watch:
