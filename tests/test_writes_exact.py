@@ -124,11 +124,11 @@ class Unsharded:
         return searcher
 
 
-def _setup(factory: str, by: str, tmp_path: Path) -> tuple:
+def _setup(factory: str, by: str, tmp_path: Path, metric: str = "l2") -> tuple:
     data = load_dataset("synthetic:6000x32")
-    searchers, unsharded, assigner = sharded_and_unsharded(factory, "l2", data.base, by=by)
+    searchers, unsharded, assigner = sharded_and_unsharded(factory, metric, data.base, by=by)
     trained = None if assigner is None else index_to_bytes(assigner.ivf)
-    base = prepare_vectors(data.base, "l2")
+    base = prepare_vectors(data.base, metric)
     partition = Partition.plan(trained, base, 4) if by == BY_LISTS else Partition(4)  # type: ignore[arg-type]
     route = WriteRoute(partition, assigner)
     shards = []
@@ -144,7 +144,8 @@ def _setup(factory: str, by: str, tmp_path: Path) -> tuple:
 
 def _sharded(shards: list[ShardWithDelta], query: ShardQuery) -> tuple[np.ndarray, np.ndarray, int]:
     answers = [shard.answer(query) for shard in shards]
-    distances, ids = merge_topk([a[0] for a in answers], [a[1] for a in answers], query.k, False)
+    ip = shards[0].searcher.metric != "l2"
+    distances, ids = merge_topk([a[0] for a in answers], [a[1] for a in answers], query.k, ip)
     return distances, ids, sum(a[3] for a in answers) if "filter" in query.params else 0
 
 
@@ -161,13 +162,14 @@ def _same(got: tuple, expected: tuple, exact_distances: bool) -> None:
         assert np.allclose(d, ed, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize(("factory", "by"), [("Flat", BY_ROWS), ("IVF64,Flat", BY_LISTS)])
-def test_sharded_writes_equal_the_unsharded_index(factory: str, by: str, tmp_path: Path) -> None:
-    data, base, shards, reference, assigner, log = _setup(factory, by, tmp_path)
+@pytest.mark.parametrize(("factory", "by", "metric"), [
+    ("Flat", BY_ROWS, "l2"), ("IVF64,Flat", BY_LISTS, "l2"), ("IVF64,Flat", BY_LISTS, "ip")])
+def test_sharded_writes_equal_the_unsharded_index(factory: str, by: str, metric: str, tmp_path: Path) -> None:
+    data, base, shards, reference, assigner, log = _setup(factory, by, tmp_path, metric)
     rng = np.random.default_rng(43)
     requests = _requests(base, rng)
     assert sum(len(ops) for ops in requests) >= 10_000
-    queries = prepare_vectors(data.queries[:200], "l2")
+    queries = prepare_vectors(data.queries[:200], metric)
     ivf = assigner is not None
     nprobes = (1, 4, 16) if ivf else (None,)
     selective = check_filter({"group": {"$in": [3, 17]}}, KINDS)  # 10 %: every side compares exactly
@@ -259,3 +261,37 @@ def test_a_full_delta_refuses_the_whole_request(tmp_path: Path) -> None:
     assert delta.rows == 9 and 4 in delta.tombstones and 5 not in delta.tombstones  # 5: shard 1's
     assert delta.apply(3, [Upsert(mine[11], base[1], None)], bounded=False)  # a replay is held anyway
     assert delta.room() == 0 and not delta.apply(3, [Delete(mine[1])])  # position 3 was applied
+
+
+def test_searches_during_writes_answer_each_id_once(tmp_path: Path) -> None:
+    """A thread overwrites base points (each a copy of its old vector, so base and delta copies tie
+    as nearest) while searches run: each answer sees one log position, so no id twice in a row."""
+    import threading
+
+    data, base, shards, _, assigner, _ = _setup("IVF64,Flat", BY_LISTS, tmp_path)
+    shard = shards[0]
+    ids = stored_ids(shard.searcher.index)[:600]
+    vectors = shard.searcher._vectors(ids)
+    done = threading.Event()
+
+    def write() -> None:
+        for position, start in enumerate(range(0, len(ids), 3), 1):
+            part = slice(start, start + 3)
+            shard.delta.apply(position, [Upsert(int(i), v, {"group": 1}) for i, v in
+                                         zip(ids[part], vectors[part], strict=True)], bounded=False)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    searches = 0
+    group = check_filter({"group": 1}, KINDS)
+    while not done.is_set() or searches < 5:
+        plain = assigner.query(vectors[:64], 10, {"nprobe": 4})
+        filtered = assigner.query(vectors[:64], 10, {"nprobe": 4, "filter": group})
+        for answer in (shard.answer(plain)[1], shard.answer(filtered)[1]):
+            for row in answer:
+                real = row[row >= 0]
+                assert len(set(real.tolist())) == len(real)
+        searches += 1
+    writer.join()
+    assert shard.delta.rows > 0 and searches >= 5
