@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None)
     parser.add_argument("--name", default="writes-log-latency")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]  # the machine is shared: what else ran
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="write-log-") as work:
         path = Path(work) / "log.sqlite"
         log = WriteLog(path)
@@ -76,10 +77,13 @@ def main() -> None:
         log.close()
         filesystem = _filesystem(Path(work))
     record = header(args.name, tool=None, threads=1, dim=args.dim, seconds_per_level=args.seconds,
+                    load_average_before=round(load_before, 2),
                     engine="sqlite3 (stdlib), journal_mode=WAL, synchronous=FULL",
                     filesystem=filesystem, log_bytes_at_end=log_bytes,
                     unit="milliseconds per WriteLog.append (one request, one fsynced commit)",
                     levels=levels,
+                    caveat="a virtual disk: its flush may be acknowledged by the host's cache before "
+                           "stable media (a physical SSD's fsync takes ~0.1-2 ms, a disk's ~5-10 ms)",
                     not_covered=["HTTP, parsing and the shards' apply: the served path (make bench-writes)",
                                  "several writers at once (SQLite serialises them; the router is the one)"])
     print(f"record: {save(record, plot_levels=False)}")
