@@ -98,8 +98,11 @@ class ShardDelta:
             if position <= self.position:
                 return False
             upserts = [op for op in ops if isinstance(op, Upsert)]
-            home = (self.route.shard_of(np.array([op.id for op in upserts], np.int64),
-                                        np.stack([op.vector for op in upserts])) if upserts
+            vectors = np.stack([op.vector for op in upserts]) if upserts else np.zeros((0, self.dim))
+            if vectors.shape[1] != self.dim:  # checked before anything changes: all or nothing
+                raise ValueError(f"request {position}: vectors of dim {vectors.shape[1]}, the index's is "
+                                 f"{self.dim}")
+            home = (self.route.shard_of(np.array([op.id for op in upserts], np.int64), vectors) if upserts
                     else np.zeros(0, np.int32))
             adding = int((home == self.shard).sum())
             if bounded and self.rows + adding > self.max_rows:
