@@ -48,7 +48,7 @@ class Exclusion:
     keeps the others, over what this index's scan sees (ids for IVF, inner rows for an IndexIDMap2);
     `held` is what it reads (a FAISS selector does not own its buffers): alive with the exclusion."""
 
-    ids: np.ndarray  # the excluded ids, sorted
+    ids: np.ndarray  # the excluded ids (distinct)
     selector: faiss.IDSelector
     held: tuple = field(default=(), repr=False)
 
