@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 
 import faiss
 import numpy as np
@@ -38,6 +39,29 @@ SELECTED_BYTES = 64 << 20
 SELECTOR_BYTES = 64 << 20
 MAX_FILTERED_EF = 4096  # the widest HNSW search a selective filter may ask for
 LIST_ORDER_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """Rows of the base index a search must leave out: a delta's tombstones at one log position
+    (shardserve.writes), built by shardserve.writes.tombstones for this index's kind. `selector`
+    keeps the others, over what this index's scan sees (ids for IVF, inner rows for an IndexIDMap2);
+    `held` is what it reads (a FAISS selector does not own its buffers): alive with the exclusion."""
+
+    ids: np.ndarray  # the excluded ids (distinct)
+    selector: faiss.IDSelector
+    held: tuple = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class FilterPlan:
+    """How a shard searches under a filter that `share` of its rows match (`answer_filtered`):
+    "exact" (compare with each matching row), "routed" (the first `probe` lists of the router's
+    ranking) or "search" (the index's own search at the widened `params`)."""
+
+    kind: str
+    params: dict
+    probe: int = 0
 
 
 class ShardSearcher:
@@ -103,94 +127,127 @@ class ShardSearcher:
                            max_k=max_k, params=params)
 
     def search(self, queries: np.ndarray, k: int, params: dict | None = None,
-               prepared: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+               prepared: bool = False, exclude: Exclusion | None = None
+               ) -> tuple[np.ndarray, np.ndarray, float]:
         """Top-k of a query matrix → (distances, ids, search milliseconds).
 
         `prepared=True` means the caller already normalised (cosine) and made the matrix float32.
+        `exclude`: rows left out (a delta's tombstones).
         """
         matrix = queries if prepared else prepare_vectors(queries, self.metric)
-        faiss_params = search_params(self.index, params)
         start = time.perf_counter()
-        distances, ids = self.index.search(matrix, k, params=faiss_params)
+        if exclude is None:
+            distances, ids = self.index.search(matrix, k, params=search_params(self.index, params))
+        else:
+            distances, ids = self._search_sel(np.ascontiguousarray(matrix, np.float32), k, params or {},
+                                              exclude.selector)
         return distances, ids, (time.perf_counter() - start) * 1000.0
 
-    def answer(self, query: ShardQuery) -> tuple:
+    def answer(self, query: ShardQuery, exclude: Exclusion | None = None) -> tuple:
         """A router batch: scan only the lists the router assigned when it did (IVF), else search.
-        With a `filter` param: (distances, ids, ms, rows matched), see `answer_filtered`."""
+        With a `filter` param: (distances, ids, ms, rows matched), see `answer_filtered`.
+        `exclude`: rows left out (a delta's tombstones: shardserve.writes.shard answers with them)."""
         if "filter" in query.params:
-            return self.answer_filtered(query)
+            return self.answer_filtered(query, exclude)
         if query.assign is None:
-            return self.search(query.matrix, query.k, query.params, prepared=True)
+            return self.search(query.matrix, query.k, query.params, prepared=True, exclude=exclude)
         if self.ivf is None:
             raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
         n = len(query.assign)
         matrix = np.ascontiguousarray(query.matrix, np.float32)
         assign = np.ascontiguousarray(query.assign, np.int64)
         coarse = np.ascontiguousarray(query.coarse, np.float32)
+        sel = None if exclude is None else exclude.selector
         start = time.perf_counter()
         if self.nonempty is not None and n >= self.list_scan_rows:
+            one_probe = self._params(1) if sel is None else faiss.SearchParametersIVF(nprobe=1, sel=sel)
             distances, ids, again = search_by_lists(self.ivf, self.nonempty, matrix, assign, coarse, query.k,
-                                                    self.metric != "l2", self._params(1))
+                                                    self.metric != "l2", one_probe)
             if len(again):  # a tie at the k-th distance: FAISS's own scan decides, as unsharded
                 distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
-                                                          query.k)
+                                                          query.k, sel)
         elif n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
             order = np.argsort(assign.min(axis=1), kind="stable")
             distances, ids = np.empty((n, query.k), np.float32), np.empty((n, query.k), np.int64)
-            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], query.k)
+            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], query.k,
+                                                      sel)
         else:
-            distances, ids = self._scan(matrix, assign, coarse, query.k)
+            distances, ids = self._scan(matrix, assign, coarse, query.k, sel)
         return distances, ids, (time.perf_counter() - start) * 1000.0
 
-    def answer_filtered(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int]:
+    def answer_filtered(self, query: ShardQuery, exclude: Exclusion | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, float, int]:
         """A batch under a metadata filter: only the shard's rows that match are candidates (a FAISS
-        selector, so the scan skips the others), planned by selectivity s = matched / rows. Up to
-        EXACT_SHARE, the matching rows are compared one by one (their vectors gathered once per
-        filter): exact, and a filter that follows the data's clusters, such as a class label, leaves
-        a query's nearest lists with no match at all, so probing more of them would not be enough.
-        Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the same way
-        (capped). A plain IVF shard takes those lists from the front of the router's ranking
-        (CoarseAssigner.query ranks as many as any shard may take): the quantizer runs once per
-        batch, in the router, as unfiltered; without one it runs its own (the same lists)."""
+        selector, so the scan skips the others), planned by selectivity s = matched / rows
+        (`filter_plan`). `exclude`: rows left out (a delta's tombstones), of the matched and the
+        rows both."""
         params = dict(query.params)
         where = params.pop("filter")
         start = time.perf_counter()
         selected = self.selected(where)
         n, k = len(query.matrix), query.k
-        if not len(selected):
+        matched, rows = len(selected), int(self.index.ntotal)
+        if exclude is not None:
+            matched -= int(np.isin(selected, exclude.ids, assume_unique=True).sum())
+            rows -= len(exclude.ids)
+        if not matched:
             worst = -np.inf if self.metric != "l2" else np.inf
             return (np.full((n, k), worst, np.float32), np.full((n, k), -1, np.int64),
                     (time.perf_counter() - start) * 1000.0, 0)
-        share = len(selected) / max(int(self.index.ntotal), 1)
-        ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
+        plan = self.filter_plan(query, params, matched / max(rows, 1))
+        distances, ids = self.search_by_plan(query, where, selected, plan, exclude)
+        return distances, ids, (time.perf_counter() - start) * 1000.0, matched
+
+    def filter_plan(self, query: ShardQuery, params: dict, share: float) -> FilterPlan:
+        """Up to EXACT_SHARE, the matching rows are compared one by one (their vectors gathered once
+        per filter): exact, and a filter that follows the data's clusters, such as a class label,
+        leaves a query's nearest lists with no match at all, so probing more of them would not be
+        enough. Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the
+        same way (capped). A plain IVF shard takes those lists from the front of the router's
+        ranking (CoarseAssigner.query ranks as many as any shard may take): the quantizer runs
+        once per batch, in the router, as unfiltered; without one it runs its own (the same lists)."""
+        params = dict(params)
         if share <= EXACT_SHARE:  # compare with each matching row: no probe or graph walk misses one
-            distances, ids = self._exact_among(query.matrix, k, where, selected)
-            return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+            return FilterPlan("exact", params)
+        ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
         if ivf is not None:
             probe = filtered_nprobe(params.get("nprobe", int(ivf.nprobe)), share, int(ivf.nlist))
             params["nprobe"] = probe
             if (self.ivf is not None and query.assign is not None and query.coarse is not None
                     and query.assign.shape[1] >= probe):
-                held = self._selector(where, selected)  # alive until FAISS returns
-                distances, ids = self._scan(np.ascontiguousarray(query.matrix, np.float32),
-                                            np.ascontiguousarray(query.assign[:, :probe], np.int64),
-                                            np.ascontiguousarray(query.coarse[:, :probe], np.float32), k,
-                                            held[0])
-                return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+                return FilterPlan("routed", params, probe)
         elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
             wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
             params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * wanted / share)))
-        distances, ids = self.search_selected(query.matrix, k, where, selected, params)
-        return distances, ids, (time.perf_counter() - start) * 1000.0, len(selected)
+        return FilterPlan("search", params)
 
-    def search_selected(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray, params: dict
-                        ) -> tuple[np.ndarray, np.ndarray]:
+    def search_by_plan(self, query: ShardQuery, where: str, selected: np.ndarray, plan: FilterPlan,
+                       exclude: Exclusion | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The filtered batch searched the way `plan` says, `exclude`'s rows left out."""
+        if plan.kind == "exact":
+            return self._exact_among(query.matrix, query.k, where, selected, exclude)
+        if plan.kind == "routed":
+            assert query.assign is not None and query.coarse is not None
+            held = self._selector(where, selected)  # alive until FAISS returns
+            both = held[0] if exclude is None else both_selected(held[0], exclude.selector)
+            return self._scan(np.ascontiguousarray(query.matrix, np.float32),
+                              np.ascontiguousarray(query.assign[:, :plan.probe], np.int64),
+                              np.ascontiguousarray(query.coarse[:, :plan.probe], np.float32), query.k, both)
+        return self.search_selected(query.matrix, query.k, where, selected, plan.params, exclude)
+
+    def search_selected(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray, params: dict,
+                        exclude: Exclusion | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The index's own search at `params` (no planning), its candidates only the `selected` ids
         (those of filter `where`): what answer_filtered runs above EXACT_SHARE, once it has widened
         the params. Sharded, merged, it equals the unsharded index's at the same params (tests)."""
-        matrix = np.ascontiguousarray(matrix, np.float32)
         held = self._selector(where, selected)  # the selector and its buffer, alive until FAISS returns
-        sel = held[0]
+        sel = held[0] if exclude is None else both_selected(held[0], exclude.selector)
+        return self._search_sel(np.ascontiguousarray(matrix, np.float32), k, params, sel)
+
+    def _search_sel(self, matrix: np.ndarray, k: int, params: dict, sel: faiss.IDSelector
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """The index's own search, candidates only what `sel` keeps (ids for IVF, inner rows for an
+        IndexIDMap2); the caller keeps `sel` and its buffers alive."""
         if not isinstance(self.index, faiss.IndexIDMap):  # IVF: the lists hold the ids themselves
             return self.index.search(matrix, k, params=search_params(self.index, params, sel))
         # An IndexIDMap2 (Flat, HNSW, refined IVF): the inner index knows rows 0..n-1 only, and it
@@ -222,10 +279,11 @@ class ShardSearcher:
             self._ids = faiss.vector_to_array(self.index.id_map).astype(np.int64)  # type: ignore[attr-defined]
         return self._ids
 
-    def _exact_among(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray]:
+    def _exact_among(self, matrix: np.ndarray, k: int, where: str, selected: np.ndarray,
+                     exclude: Exclusion | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Brute force over the matching rows' stored vectors, gathered once per filter (cached):
-        a flat index of them answers the whole batch with BLAS."""
+        a flat index of them answers the whole batch with BLAS. `exclude`d rows stay in the
+        gathered vectors (they depend on the filter only): asked for as many more, then dropped."""
         flat = self._gathered.get(where)
         if flat is None:
             flat = faiss.IndexFlat(int(self.index.d), self.index.metric_type)
@@ -237,8 +295,16 @@ class ShardSearcher:
                         int(f.ntotal) for f in self._gathered.values()) + len(selected) > self.index.ntotal):
                     self._gathered.pop(next(iter(self._gathered)))
                 self._gathered[where] = flat
-        distances, rows = flat.search(np.ascontiguousarray(matrix, np.float32), min(k, len(selected)))
+        dropped = 0 if exclude is None else int(np.isin(selected, exclude.ids, assume_unique=True).sum())
+        distances, rows = flat.search(np.ascontiguousarray(matrix, np.float32),
+                                      min(k + dropped, len(selected)))
         ids = np.where(rows >= 0, selected[np.maximum(rows, 0)], -1)
+        if dropped:  # the kept ones in their order (the excluded last, as missing), then the first k
+            gone = np.isin(ids, exclude.ids)  # type: ignore[union-attr]
+            order = np.argsort(gone, axis=1, kind="stable")[:, :k]
+            ids, distances = np.take_along_axis(ids, order, 1), np.take_along_axis(distances, order, 1)
+            ids[np.take_along_axis(gone, order, 1)] = -1
+            distances[ids < 0] = -np.inf if self.metric != "l2" else np.inf
         if ids.shape[1] < k:  # fewer matching rows than k: padded as FAISS pads
             worst = -np.inf if self.metric != "l2" else np.inf
             pad = k - ids.shape[1]
@@ -293,6 +359,14 @@ class ShardSearcher:
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
                                       faiss.swig_ptr(ids), False, params)
         return distances, ids
+
+
+def both_selected(first: faiss.IDSelector, second: faiss.IDSelector) -> faiss.IDSelector:
+    """What both selectors keep. FAISS's IDSelectorAnd holds raw pointers to the two: the Python
+    object references them, so they live at least as long as it does."""
+    both = faiss.IDSelectorAnd(first, second)
+    both.referenced_objects = [first, second]  # type: ignore[attr-defined]
+    return both
 
 
 def load_all_shards(uri: str, mmap: bool = True) -> tuple[Manifest, list[ShardSearcher]]:

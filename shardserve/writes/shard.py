@@ -1,0 +1,98 @@
+"""A shard with its delta: answers a ShardQuery as ShardSearcher.answer / answer_filtered do, over
+the base index minus its tombstones plus the delta's live points, at one log position.
+
+How a batch is answered: under the delta's lock, take the tombstones' snapshot (an immutable FAISS
+selector) and search the delta (small: it takes little time under the lock); then, without the
+lock, search the base with that snapshot left out; merge the two with the project's one
+`merge_topk`, ties in FAISS's own order (one index's pieces). The base is immutable and the snapshot
+is the delta's position, so the answer is the state at that one position: an id is answered at
+most once (its base copy is hidden exactly when its delta copy exists or it was deleted).
+
+IVF keeps the router's preassigned lists on both sides; the delta's IVF shares the base's quantizer
+and codes, so sharded answers stay those of one unsharded index that applied the same writes.
+Under a filter the plan (exact / routed lists / own search) is the base's rule on the shard's live
+rows (base minus tombstones plus delta), and the delta is searched the same way, its own latest
+metadata deciding which of its points match.
+
+Caches: the searcher's per-filter caches (matching ids, selectors, gathered vectors) describe the
+base's rows, which never change, so they stay keyed by filter alone; what changes with writes (the
+tombstones, the delta's matching ids and metadata) is held per log position by the delta.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from shardserve.query.merge import merge_topk
+from shardserve.query.searcher import ShardSearcher
+from shardserve.transport.shard_wire import ShardQuery
+from shardserve.writes.delta import ShardDelta
+
+
+class ShardWithDelta:
+    def __init__(self, searcher: ShardSearcher, delta: ShardDelta):
+        self.searcher, self.delta = searcher, delta
+        self._ip = searcher.metric != "l2"
+
+    @property
+    def position(self) -> int:
+        return self.delta.position
+
+    def answer(self, query: ShardQuery) -> tuple:
+        """(distances, ids, ms), or with a `filter` param (distances, ids, ms, rows matched)."""
+        if "filter" in query.params:
+            return self.answer_filtered(query)
+        start = time.perf_counter()
+        with self.delta.lock:
+            exclude = self.delta.tombstones.exclusion()
+            delta_d, delta_i = self.delta.search(query)
+        base_d, base_i, _ = self.searcher.answer(query, exclude)
+        distances, ids = merge_topk([base_d, delta_d], [base_i, delta_i], query.k, self._ip, ties_by_id=True)
+        return distances, ids, (time.perf_counter() - start) * 1000.0
+
+    def answer_filtered(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int]:
+        params = dict(query.params)
+        where = params.pop("filter")
+        start = time.perf_counter()
+        selected = self.searcher.selected(where)  # the base's matching rows: cached by filter
+        with self.delta.lock:
+            exclude = self.delta.tombstones.exclusion()
+            hidden = 0 if exclude is None else int(np.isin(selected, exclude.ids, assume_unique=True).sum())
+            base_matched = len(selected) - hidden
+            delta_matched = self.delta.matching(where)
+            matched = base_matched + len(delta_matched)
+            rows = int(self.searcher.index.ntotal) - len(self.delta.tombstones) + self.delta.rows
+            if not matched:
+                worst = -np.inf if self._ip else np.inf
+                n, k = len(query.matrix), query.k
+                return (np.full((n, k), worst, np.float32), np.full((n, k), -1, np.int64),
+                        (time.perf_counter() - start) * 1000.0, 0)
+            plan = self.searcher.filter_plan(query, params, matched / max(rows, 1))
+            delta_d, delta_i = self.delta.search(query, plan, delta_matched)
+        parts_d, parts_i = [delta_d], [delta_i]
+        if base_matched:
+            base_d, base_i = self.searcher.search_by_plan(query, where, selected, plan, exclude)
+            parts_d.insert(0, base_d)
+            parts_i.insert(0, base_i)
+        distances, ids = merge_topk(parts_d, parts_i, query.k, self._ip, ties_by_id=True)
+        return distances, ids, (time.perf_counter() - start) * 1000.0, matched
+
+    def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
+        """Per id, its latest `columns` (None: not in this shard, or deleted): the delta's for its
+        points, the base's for the others still live."""
+        answers: list[dict | None] = [None] * len(ids)
+        base_slots = []
+        with self.delta.lock:
+            for slot, id_ in enumerate(ids):
+                here, meta = self.delta.metadata_of(id_)
+                if here:
+                    answers[slot] = {c: None if meta is None else meta.get(c) for c in columns}
+                elif id_ not in self.delta.tombstones:
+                    base_slots.append(slot)
+        if base_slots and self.searcher.metadata is not None:
+            found = self.searcher.metadata.lookup([ids[s] for s in base_slots], columns)
+            for slot, row in zip(base_slots, found, strict=True):
+                answers[slot] = row
+        return answers

@@ -1,0 +1,127 @@
+"""Write bodies (`POST /v1/upsert`, `POST /v1/delete`): validated into operations, or a 422 naming
+the field, for the whole request. No server: the parser alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+
+from shardserve.query.api import ApiError
+from shardserve.query.parse_writes import parse_delete, parse_upsert
+from shardserve.writes.ops import MAX_ID, Delete, Upsert
+
+DIM = 4
+KINDS = {"label": "uint8", "big": "int64", "score": "number", "lang": "string", "ok": "bool"}
+V = [0.5, 1.0, -2.0, 3.0]
+
+
+def upsert(payload: dict | bytes, metric: str = "l2", max_points: int = 10) -> list[Upsert]:
+    body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    return parse_upsert(body, DIM, metric, KINDS, max_points)
+
+
+def test_a_valid_upsert_and_delete() -> None:
+    ops = upsert({"ids": [0, 7, MAX_ID], "vectors": [V, V, [0, 0, 0, 1]],
+                  "metadata": [{"label": 255, "big": 2**62 + 1, "score": 2, "lang": "de", "ok": True},
+                               None, {"label": 3.0, "lang": None}]})
+    assert [op.id for op in ops] == [0, 7, MAX_ID]
+    assert ops[0].metadata == {"label": 255, "big": 2**62 + 1, "score": 2.0, "lang": "de", "ok": True}
+    assert ops[1].metadata is None and ops[2].metadata == {"label": 3, "lang": None}
+    assert ops[0].vector.dtype == np.float32 and ops[0].vector.tolist() == V
+    assert [op.metadata for op in upsert({"ids": [1], "vectors": [V]})] == [None]  # metadata optional
+    cosine = upsert({"ids": [1], "vectors": [[3, 0, 4, 0]]}, metric="cosine")
+    assert np.allclose(cosine[0].vector, [0.6, 0, 0.8, 0])  # stored as the index stores it
+    assert parse_delete(b'{"ids": [3, 0]}', 10) == [Delete(3), Delete(0)]
+
+
+TOO_MANY = {"ids": list(range(11)), "vectors": [V] * 11}
+
+
+@pytest.mark.parametrize(("payload", "field", "says"), [
+    # ids
+    ({"vectors": [V]}, "ids", "non-empty list"),
+    ({"ids": [], "vectors": []}, "ids", "non-empty list"),
+    ({"ids": 3, "vectors": [V]}, "ids", "non-empty list"),
+    ({"ids": [-1], "vectors": [V]}, "ids", "outside [0,"),
+    ({"ids": [2**63], "vectors": [V]}, "ids", "outside [0,"),
+    (b'{"ids": [18446744073709551621], "vectors": [[1, 2, 3, 4]]}', "ids", "JSON integer"),  # a float
+    ({"ids": [1.0], "vectors": [V]}, "ids", "JSON integer"),
+    ({"ids": [True], "vectors": [V]}, "ids", "JSON integer"),
+    ({"ids": ["1"], "vectors": [V]}, "ids", "JSON integer"),
+    ({"ids": [4, 5, 4], "vectors": [V] * 3}, "ids", "appears twice"),
+    (TOO_MANY, "ids", "too many points: 11 > max 10"),
+    # vectors
+    ({"ids": [1]}, "vectors", "required"),
+    ({"ids": [1, 2], "vectors": [V]}, "vectors", "aligned with ids"),
+    ({"ids": [1], "vectors": [[1.0, 2.0]]}, "vectors", "wrong dimension: expected 4, got 2"),
+    ({"ids": [1, 2], "vectors": [V, [1.0, 2.0]]}, "vectors", "dim 4"),
+    ({"ids": [1], "vectors": [[1, 2, 3, "4"]]}, "vectors", "numbers only"),
+    ({"ids": [1], "vectors": [[1, 2, 3, True]]}, "vectors", "numbers only"),
+    (b'{"ids": [1], "vectors": [[1, 2, 3, NaN]]}', "vectors", "NaN/Infinity"),
+    (b'{"ids": [1], "vectors": [[1, 2, 3, Infinity]]}', "vectors", "NaN/Infinity"),
+    (b'{"ids": [1], "vectors": [[1, 2, 3, 1e400]]}', "vectors", "NaN/Infinity"),
+    ({"ids": [1], "vectors": [[1e39, 0, 0, 0]]}, "vectors", "NaN/Inf"),  # beyond float32
+    ({"ids": [1], "vectors": [[1e30, 0, 0, 0]]}, "vectors", "absurd magnitude"),
+    ({"ids": [1], "vectors": V}, "vectors", "aligned with ids: 1 ids, 4"),  # a vector, not a list
+    # metadata
+    ({"ids": [1, 2], "vectors": [V, V], "metadata": [{}]}, "metadata", "aligned with ids: 2 entries"),
+    ({"ids": [1], "vectors": [V], "metadata": {"label": 1}}, "metadata", "aligned with ids"),
+    ({"ids": [1], "vectors": [V], "metadata": [3]}, "metadata", "object or null"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"colour": "red"}]}, "metadata", "unknown column 'colour'"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"label": 256}]}, "metadata", "outside the uint8"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"label": -1}]}, "metadata", "outside the uint8"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"label": "3"}]}, "metadata", "needs an integer"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"label": True}]}, "metadata", "needs an integer"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"label": 1.5}]}, "metadata", "needs an integer"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"big": 2.0**60}]}, "metadata", "past 2^53"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"big": 2**63}]}, "metadata", "outside the int64"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"score": "high"}]}, "metadata", "needs a number"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"score": False}]}, "metadata", "needs a number"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"lang": 3}]}, "metadata", "needs a string"),
+    ({"ids": [1], "vectors": [V], "metadata": [{"ok": 1}]}, "metadata", "needs a bool"),
+    # the body
+    (b'{"ids": [1], "vectors": [V]', "body", "not valid JSON"),
+    (b'[1, 2]', "body", "JSON object"),
+    ({"ids": [1], "vectors": [V], "wait": False}, "wait", "unknown field"),
+])
+def test_bad_upserts_are_422_naming_the_field(payload: dict | bytes, field: str, says: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        upsert(payload)
+    assert (refused.value.status, refused.value.field) == (422, field), refused.value.message
+    assert says in refused.value.message
+
+
+def test_a_zero_vector_is_refused_under_cosine_only() -> None:
+    zero = {"ids": [1], "vectors": [[0, 0, 0, 0]]}
+    assert len(upsert(zero)) == 1
+    with pytest.raises(ApiError, match="all zeros") as refused:
+        upsert(zero, metric="cosine")
+    assert refused.value.field == "vectors"
+
+
+def test_one_bad_point_refuses_the_whole_request() -> None:
+    """The parser answers for the request: no operation of it comes out to be logged."""
+    good = [V] * 5
+    with pytest.raises(ApiError):
+        upsert({"ids": [1, 2, 3, 4, 5], "vectors": good, "metadata": [None] * 4 + [{"label": 999}]})
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"ids": []}', "non-empty list"),
+    (b'{"ids": [1, 1]}', "appears twice"),
+    (b'{"ids": [-3]}', "outside [0,"),
+    (b'{"ids": [9223372036854775808]}', "outside [0,"),
+    (b'{"ids": [1.5]}', "JSON integer"),
+    (b'{"ids": [1, 2, 3]}', "too many points"),
+])
+def test_bad_deletes_are_422_naming_ids(body: bytes, says: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_delete(body, 2)
+    assert (refused.value.status, refused.value.field) == (422, "ids") and says in refused.value.message
+
+
+def test_a_delete_takes_ids_only() -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_delete(b'{"ids": [1], "vectors": [[1, 2, 3, 4]]}', 10)
+    assert refused.value.field == "vectors" and "unknown field" in refused.value.message
