@@ -441,6 +441,33 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "partition-ab": ab_table(partition_ab, "index served", _index_label)}
 
 
+def _rss_growth(samples: list[dict], after_s: float = 60.0) -> tuple[str, float]:
+    """The process class whose RSS grew most from the first sample after `after_s` to the last: its
+    name and the growth in %."""
+    kept = [sample for sample in samples if sample["t"] >= after_s] or samples
+    first, last = kept[0], kept[-1]
+    growth = {name: 100 * (last[name] - first[name]) / first[name]
+              for name in first if name != "t" and name in last and first[name] >= 50}
+    name = max(growth, key=lambda n: abs(growth[n]), default="–")
+    return name, round(growth.get(name, 0.0), 1)
+
+
+def soak_table(record: dict) -> str:
+    """Each steady open-loop run of `loadtests.soak`: load, answers, latency, stalls, memory."""
+    rows = ["| load (x 32-client capacity) | req/s | minutes | requests | answered 200 | other codes | "
+            "worst minute p99 | max | seconds with a stall | RSS growth after 1 min (largest) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in record["runs"]:
+        other = {code: n for code, n in run["status_codes"].items() if code != "200"}
+        name, growth = _rss_growth(run["rss_mb"])
+        rows.append(f"| {run['load_x_capacity']} (of {run['capacity_qps']:,.0f}) | {run['rate']:,} | "
+                    f"{run['duration_s'] / 60:g} | {run['requests']:,} | {run['success_ratio']:.4%} | "
+                    f"{other or 'none'} | {max(m['p99_ms'] for m in run['per_minute']):.1f} ms | "
+                    f"{max(m['max_ms'] for m in run['per_minute']):.0f} ms | {len(run['stall_seconds'])} | "
+                    f"{growth:+.1f} % ({name}) |")
+    return "\n".join(rows)
+
+
 def _replacer(table: str):
     return lambda m: m.group(1) + table + "\n" + m.group(2)
 
