@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -92,6 +92,12 @@ bench-glove: install vegeta
 # capacity, Ctrl-C: loadtests/records/admission.json.
 bench-admission: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.shedding --index $(INDEX)
+
+# Steady load below capacity on the default `shardserve serve`: an open loop at 0.6x and 0.8x of the
+# 32-client capacity, SOAK_SECONDS each (an hour for the record): loadtests/records/soak.json.
+SOAK_SECONDS ?= 600
+bench-soak: install data vegeta haproxy $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.soak --index $(INDEX) --duration $(SOAK_SECONDS)
 
 # Filtered search on the default `shardserve serve`: recall and req/s at 32 clients per selectivity
 # (Fashion-MNIST's labels): loadtests/records/bench-filter.json.
