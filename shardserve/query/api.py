@@ -1,13 +1,18 @@
 """The HTTP contract: the request and response models (they document the API at /docs and name the
-fields the parser enforces), the error every refusal raises, and a validated query."""
+fields the parser enforces), the error every refusal raises (`ApiError`, defined in shardserve.errors
+and shared with the client), and a validated query."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+from shardserve.errors import ApiError
+
+__all__ = ["KNOWN_PARAMS", "ApiError", "Coverage", "Hits", "Limits", "ParsedQuery", "SearchRequest",
+           "SearchResponse", "Timing"]
 
 KNOWN_PARAMS = ("nprobe", "efSearch")
 
@@ -58,17 +63,6 @@ class SearchResponse(BaseModel):
     timing_ms: Timing
     index: str
     matched: int | None = Field(None, description="with a filter: the rows that match it, over all shards")
-
-
-class ApiError(Exception):
-    """A client error: HTTP status, the offending field, a message that says how to fix it."""
-
-    def __init__(self, status: int, field: str | None, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.field, self.message, self.retry_after = status, field, message, retry_after
-
-    def body(self) -> bytes:
-        return orjson.dumps({"error": self.message, "field": self.field})
 
 
 @dataclass(frozen=True, kw_only=True)
