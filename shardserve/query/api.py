@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.errors import ApiError
 
-__all__ = ["KNOWN_PARAMS", "ApiError", "Coverage", "Hits", "Limits", "ParsedQuery", "SearchRequest",
+__all__ = ["KNOWN_PARAMS", "ApiError", "BatchHits", "Coverage", "Limits", "ParsedQuery", "SearchRequest",
            "SearchResponse", "Timing"]
 
 KNOWN_PARAMS = ("nprobe", "efSearch")
@@ -48,7 +48,9 @@ class Timing(BaseModel):
     queue: float
 
 
-class Hits(BaseModel):
+class BatchHits(BaseModel):
+    """One query's answer inside a batch response (the client's `Hits` holds it as numpy arrays)."""
+
     ids: list[int]
     distances: list[float]
     metadata: list[dict] | None = None
@@ -58,7 +60,7 @@ class SearchResponse(BaseModel):
     ids: list[int] | None = None
     distances: list[float] | None = None
     metadata: list[dict] | None = None
-    results: list[Hits] | None = None
+    results: list[BatchHits] | None = None
     coverage: Coverage
     timing_ms: Timing
     index: str
