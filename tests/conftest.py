@@ -31,7 +31,7 @@ os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCES
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    os.environ["SHARDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["SHARDSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")

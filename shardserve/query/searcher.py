@@ -3,7 +3,6 @@ replica (shard or router) wraps, and in-process eval uses the same way."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,18 +13,14 @@ import numpy as np
 from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from shardserve.index.metadata import MetadataTable
-from shardserve.index.storage import Location
+from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
 from shardserve.query.list_scan import nonempty_lists, search_by_lists
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
 
-__all__ = ["CACHE_DIR", "Exclusion", "FilterPlan", "ShardSearcher", "both_selected", "load_all_shards"]
-
-# Shards on remote storage (s3://, ...) are downloaded here once per node, then memory-mapped.
-CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
-                           os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
+__all__ = ["Exclusion", "FilterPlan", "ShardSearcher", "both_selected", "load_all_shards"]
 
 
 # From this many rows an IVF-Flat shard scans a batch list by list (shardserve.query.list_scan): each list is
@@ -90,7 +85,8 @@ class ShardSearcher:
         before (FAISS ignores the flag for them); fast-scan IVF lists are copied too."""
         entry = manifest.shards[shard]
         if mmap:
-            path = shard_file_checked(location, entry, CACHE_DIR)
+            # a shard on remote storage (s3://, ...) is downloaded once per node, then memory-mapped
+            path = shard_file_checked(location, entry, cache_root())
             index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
         else:
             index = index_from_bytes(read_shard_checked(location, entry))
