@@ -1,5 +1,5 @@
-"""Search one shard, and assign queries to IVF lists once for all shards: the plain objects a Serve
-replica (shard or router) wraps, and in-process eval uses the same way."""
+"""Search one shard (with the router's IVF list assignments, which shardserve.index.assigner makes
+once for all shards): the plain object a shard replica wraps, and in-process eval uses the same way."""
 
 from __future__ import annotations
 
