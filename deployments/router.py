@@ -1,6 +1,7 @@
 """Router ingress, Serve glue only: routes, admission, batching, the index pointer and link follow.
 
-Parsing, coverage and rendering live in shardserve.query.api; the fan-out, hedging and per-version grouping in
+The HTTP contract lives in shardserve.query.api, parsing in shardserve.query.parse, coverage and
+rendering in shardserve.query.render; the fan-out, hedging and per-version grouping in
 shardserve.query.fanout; one index version's handles and links in deployments.index_set.
 """
 

@@ -45,7 +45,7 @@ class ShardDeployment:
         hold (shardserve.transport.shard_wire.QueryBounds, shardserve.transport.shard_link.LinkLimits)."""
         constructing = time.monotonic()
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
-        # FAISS uses every core from a fresh thread (measured 6x slower with 4 shards on 2 cores).
+        # FAISS uses every core from a fresh thread: shards on one node then oversubscribe its cores.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="faiss",
                                            initializer=faiss.omp_set_num_threads,
                                            initargs=(faiss_threads,))

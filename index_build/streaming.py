@@ -33,6 +33,7 @@ import numpy as np
 
 from shardserve.data.datasets import (
     BASE_ONLY_METRIC,
+    VectorRows,
     as_float32,
     check_ids,
     check_same_dim,
@@ -88,8 +89,8 @@ class ParquetSource:
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.row_groups)
 
-    def read(self) -> Iterator[tuple[np.ndarray, np.ndarray | None, object]]:
-        """(float32 matrix, ids or None, metadata table) of each row group, in file order."""
+    def read(self) -> Iterator[VectorRows]:
+        """The vectors, ids (or None) and metadata table of each row group, in file order."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -133,13 +134,13 @@ class NpySource:
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.row_groups)
 
-    def read(self) -> Iterator[tuple[np.ndarray, None, None]]:
-        """(float32 matrix, no ids, no metadata) of each chunk, in file order."""
+    def read(self) -> Iterator[VectorRows]:
+        """The vectors of each chunk (no ids, no metadata), in file order."""
         opened: tuple[int, np.ndarray] | None = None
         for number, first, rows in self.row_groups:
             if opened is None or opened[0] != number:
                 opened = (number, open_npy(Path(self.files[number])))
-            yield as_float32(opened[1][first:first + rows]), None, None
+            yield VectorRows(as_float32(opened[1][first:first + rows]), None, None)
 
 
 Source = ParquetSource | NpySource  # what the stages read: rows in a fixed order, in pieces

@@ -33,7 +33,7 @@ from deployments.autoscaling import ROUTER_BUSY_TARGET
 from loadtests.during import ReplicaWatcher
 from loadtests.record import RECORDS, header, index_info
 from loadtests.report import parse_timestamp
-from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode, make_targets, write_targets
+from loadtests.vegeta_run import assert_loopback, attack_flags, decode, make_targets, vegeta, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime.procfs import lower_priority
 
@@ -45,7 +45,7 @@ def attack_phase(targets: Path, rate: int, seconds: float, out: Path) -> None:
     the serving node, and here they would otherwise take CPU first from a replica that is starting
     (Ray starts workers at nice 15, vegeta would run at 0)."""
     with out.open("wb") as sink:
-        subprocess.run([str(VEGETA), "attack", *attack_flags(targets, seconds, rate=rate, max_workers=512)],
+        subprocess.run([vegeta(), "attack", *attack_flags(targets, seconds, rate=rate, max_workers=512)],
                        stdout=sink, check=True, preexec_fn=lambda: lower_priority(HARNESS_NICE))
 
 
@@ -196,6 +196,7 @@ def main() -> None:
                      help="the edge's delay target while shedding (default: its own; 0: the counts alone)")
     own.add_argument("--warm-workers", type=int, default=None, help="AppArgs.warm_workers (default: its own)")
     args = cli.parse_args()
+    vegeta()  # built, or say what to run before anything starts
     assert_loopback(args.url)
     if args.index:
         run_own(args)

@@ -67,7 +67,11 @@ def create_app() -> FastAPI:
 
 
 def main() -> None:
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError:
+        raise SystemExit("the baseline server needs uvicorn, in the bench extra: "
+                         "pip install -e '.[bench]'") from None
 
     cli = argparse.ArgumentParser(description=__doc__)
     cli.add_argument("index")

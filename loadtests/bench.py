@@ -38,7 +38,7 @@ import orjson
 
 from loadtests.baseline_server import merged_searcher
 from loadtests.record import new_record, save
-from loadtests.vegeta_run import attack, make_targets, write_targets
+from loadtests.vegeta_run import attack, make_targets, vegeta, write_targets
 from shardserve.data.datasets import load_dataset
 from shardserve.index.indexes import prepare_vectors
 from shardserve.runtime.procfs import CpuMeter
@@ -376,6 +376,7 @@ def main() -> None:
     cli.add_argument("--rounds", type=int, default=2, help="headline rounds of each side, alternating")
     cli.add_argument("--name", default="bench")
     args = cli.parse_args()
+    vegeta()  # built, or say what to run before anything starts
     from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before ray.serve is imported anywhere in this process

@@ -24,7 +24,7 @@ import numpy as np
 
 from loadtests.record import RECORDS, header, save
 from loadtests.shedding import ctrl_c
-from loadtests.vegeta_run import attack, make_targets, write_targets
+from loadtests.vegeta_run import attack, make_targets, vegeta, write_targets
 from serving.evaluate import evaluate
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
@@ -121,6 +121,7 @@ def main() -> None:
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--out", default=str(RECORDS))
     args = cli.parse_args()
+    vegeta()  # built, or say what to run before anything starts
     selection = selection_cost(args.index)
     with tempfile.TemporaryDirectory() as work:
         levels = run(args.index, args.duration, Path(work), args.nprobe)

@@ -120,6 +120,9 @@ def main() -> None:
     cli.add_argument("--work", default=None,
                      help="keep the parquet files and the index here (default: a temp dir, removed)")
     args = cli.parse_args()
+    from loadtests.vegeta_run import vegeta
+
+    vegeta()  # built, or say what to run before anything starts
     with work_dir(args.work, "bench-glove-") as work:
         run(args, work)
 

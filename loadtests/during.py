@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loadtests.record import RECORDS, header, index_info, save
 from loadtests.report import parse_timestamp
-from loadtests.vegeta_run import VEGETA, assert_loopback, attack_flags, decode, make_targets, write_targets
+from loadtests.vegeta_run import assert_loopback, attack_flags, decode, make_targets, vegeta, write_targets
 from shardserve.data.datasets import load_dataset
 
 
@@ -43,7 +43,7 @@ class BackgroundLoad:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> BackgroundLoad:
-        self.process = subprocess.Popen([str(VEGETA), "attack", *self.flags])
+        self.process = subprocess.Popen([vegeta(), "attack", *self.flags])
         try:
             self.process.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
@@ -171,6 +171,7 @@ def main() -> None:
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--out", default=str(RECORDS))
     args = cli.parse_args()
+    vegeta()  # built, or say what to run before anything starts
     import ray
 
     ray.init(address="auto", log_to_driver=False)

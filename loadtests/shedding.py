@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 
 from loadtests.record import RECORDS, header, save
-from loadtests.vegeta_run import attack, make_targets, write_targets
+from loadtests.vegeta_run import attack, make_targets, vegeta, write_targets
 from serving.edge import parse_access_line
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
@@ -192,6 +192,7 @@ def main() -> None:
     cli.add_argument("--access-log", action="store_true", help="the edge logs each request, and each "
                      "level records where its answers spent their time (the log costs the edge time)")
     args = cli.parse_args()
+    vegeta()  # built, or say what to run before anything starts
     with tempfile.TemporaryDirectory() as work:
         result = run(args.index, args.duration, args.overload_duration, Path(work), {"nprobe": args.nprobe},
                      args.serve_flags.split(), args.server_nice, args.access_log, args.client_cpu,

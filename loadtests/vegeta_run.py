@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 VEGETA = Path(os.environ.get("VEGETA", ROOT / ".bin" / "vegeta"))
 
 
+def vegeta() -> str:
+    """The vegeta binary; when it is not built yet, one line that says what to run (harnesses call
+    this first, before they start anything)."""
+    if not (VEGETA.is_file() and os.access(VEGETA, os.X_OK)):
+        raise SystemExit(f"vegeta not found at {VEGETA}: run `make vegeta` first (or set VEGETA to a "
+                         "vegeta v12 binary)")
+    return str(VEGETA)
+
+
 def assert_loopback(url: str) -> None:
     """Load tests target this machine only (loopback), never another host."""
     host = urlparse(url).hostname or ""
@@ -48,7 +57,7 @@ def _children_cpu_s() -> float:
 
 
 def vegeta_version() -> str:
-    out = subprocess.run([str(VEGETA), "-version"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([vegeta(), "-version"], capture_output=True, text=True, check=True).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Version")),
                 "unknown")
 
@@ -98,7 +107,7 @@ def attack_flags(targets: Path, duration_s: float, *, rate: float | None = None,
 
 def decode(results: Path) -> list[dict]:
     """Every request of a vegeta results file (`vegeta encode --to json`), as dicts."""
-    encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,
+    encoded = subprocess.run([vegeta(), "encode", "--to", "json", str(results)], capture_output=True,
                              text=True, check=True).stdout
     return [json.loads(line) for line in encoded.splitlines() if line.strip()]
 
@@ -132,11 +141,11 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         meter.start()
     children_before = _children_cpu_s()
     with results.open("wb") as sink:
-        subprocess.run([str(VEGETA), "attack", *flags], stdout=sink, check=True)
+        subprocess.run([vegeta(), "attack", *flags], stdout=sink, check=True)
     cpu = meter.stop() if meter is not None else None
     if cpu is not None:  # vegeta has exited by now: its CPU is in our children's rusage, not /proc
         cpu["load generator"] = _children_cpu_s() - children_before
-    encoded = subprocess.run([str(VEGETA), "encode", "--to", "json", str(results)], capture_output=True,
+    encoded = subprocess.run([vegeta(), "encode", "--to", "json", str(results)], capture_output=True,
                              text=True, check=True).stdout
     level = summarize(encoded.splitlines(), mode, value, duration_s, queries_per_request)
     level["label"] = label

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
@@ -167,9 +168,18 @@ def _swap(args: argparse.Namespace) -> None:
           f"(generation {report['generation']}, {gate}, {report['seconds']})")
 
 
+# `shardserve plan`'s record when none is given: the one a checkout carries (an installed wheel has none).
+CHECKOUT_LAYOUTS = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "layouts.json"
+
+
 def _plan(args: argparse.Namespace) -> None:
     from serving.capacity import plan_from_record
 
+    if args.record is None:
+        if not CHECKOUT_LAYOUTS.exists():
+            raise ShardserveError("give a layouts record: `python -m lab.layouts` (in a checkout) measures "
+                                  "one into loadtests/records/layouts.json")
+        args.record = os.path.relpath(CHECKOUT_LAYOUTS)  # as the docs show it, run from the checkout
     result = plan_from_record(args.record, args.target_qps, args.cores_per_node, args.memory_per_node_gb,
                               args.vectors, args.index_dir, args.bytes_per_vector, args.top)
     model, cores = result.model, result.record["machine"]["cores"]
@@ -366,7 +376,8 @@ def parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="capacity model from a layouts record: knee QPS per layout, "
                                      "layout for a target QPS")
-    pl.add_argument("record", nargs="?", default="loadtests/records/layouts.json")
+    pl.add_argument("record", nargs="?", help="a layouts record (default: the checkout's "
+                                              "loadtests/records/layouts.json)")
     pl.add_argument("--target-qps", type=float)
     pl.add_argument("--vectors", type=int, help="plan for this many vectors (default: the record's)")
     pl.add_argument("--index-dir", help="the record's largest-layout index: measure its FAISS share")

@@ -19,14 +19,9 @@ import httpx
 import numpy as np
 import orjson
 
+from shardserve.errors import ApiError
 
-class ApiError(Exception):
-    """A non-200 answer: `status`, the server's `message`, the request `field` it names (or None),
-    and `retry_after` seconds on 503."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, retry_after: float | None = None):
-        super().__init__(f"HTTP {status}: {message}" + (f" (field {field})" if field else ""))
-        self.status, self.message, self.field, self.retry_after = status, message, field, retry_after
+__all__ = ["ApiError", "AsyncClient", "Client", "Hits"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +59,7 @@ def _answer(response: httpx.Response) -> dict:
     except (orjson.JSONDecodeError, AttributeError):
         message, named = response.text[:300], None
     retry = response.headers.get("retry-after")
-    raise ApiError(response.status_code, message, named, float(retry) if retry else None)
+    raise ApiError(response.status_code, named, message, float(retry) if retry else None)
 
 
 def _single(payload: dict) -> Hits:

@@ -24,6 +24,8 @@ os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 # environment now, before the session's Ray starts, so Ray's workers (build tasks reading and
 # writing s3://) get them from their node as the driver does: a cluster set up that way.
 S3_PORT = free_port()
+# The Serve HTTP port of every test cluster: one per cluster, so every test that deploys uses it.
+SERVE_PORT = 18321
 os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCESS_KEY_ID": "test",
                    "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
                    "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
@@ -31,7 +33,7 @@ os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCES
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    os.environ["SHARDSERVE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["SHARDSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")

@@ -26,11 +26,11 @@ from serving.edge import (
 )
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
+from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.haproxy
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
-PORT = 18321
 EDGE_PORT = 18081
 KEY = "test-key-0123456789abcdef"
 

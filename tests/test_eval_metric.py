@@ -46,7 +46,7 @@ def test_streamed_eval_equals_the_in_memory_eval(varied_norms: str, tmp_path, mo
     """Ground truth brute-forced chunk by chunk (row groups of 700 of 4,000 rows, so several merge),
     the found rows' distances taken as the chunks pass: the same recall as with the data in memory,
     for an index that misses some neighbours (low nprobe) and one that misses none."""
-    monkeypatch.setenv("SHARDSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "index"
     build_index(varied_norms, 3, factory, str(out), metric=metric, backend="local")
     streamed = evaluate(str(out), varied_norms, k=10, params=params, stream=True)

@@ -15,10 +15,10 @@ import pytest
 
 from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
+from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
-PORT = 18321
 
 
 def test_hedging_routes_around_a_slow_replica(ray_cluster, tmp_path: Path) -> None:

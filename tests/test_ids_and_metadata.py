@@ -16,10 +16,8 @@ from serving.evaluate import evaluate
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
 from shardserve.query.searcher import load_all_shards
-from tests.conftest import run_cli
+from tests.conftest import SERVE_PORT, run_cli
 from tests.shared import ROWS, source_id, write_parquet
-
-SERVE_PORT = 18321  # one Serve HTTP port per test cluster: the port every test uses
 
 
 def test_ids_follow_their_rows_and_every_row_is_in_the_base(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ import pytest
 
 from index_build.job import build_index
 from serving.evaluate import evaluate
+from tests.conftest import SERVE_PORT as PORT
 
 pytestmark = pytest.mark.slow
-PORT = 18321  # one Serve HTTP port per cluster: the port every test uses
 LIMIT = 20000
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pytest
 
 from loadtests.report import find_knee, summarize
 from loadtests.vegeta_run import make_targets
@@ -233,3 +234,12 @@ def test_the_bench_headline_pools_its_alternating_rounds_side_by_side() -> None:
     assert [r["qps_c32_vs_uvicorn"] for r in summary["per_round"]] == [0.9, 0.8]
     assert summary["ratios"]["qps_c32_vs_uvicorn"] == 0.84
     assert summary["ratios"]["c1_p50_minus_uvicorn_c1_p50_ms"] == 0.75
+
+
+def test_a_harness_without_vegeta_says_what_to_run(tmp_path, monkeypatch) -> None:
+    from loadtests import vegeta_run
+
+    monkeypatch.setattr(vegeta_run, "VEGETA", tmp_path / "vegeta")
+    with pytest.raises(SystemExit, match="run `make vegeta` first") as stopped:
+        vegeta_run.vegeta()
+    assert "\n" not in str(stopped.value)

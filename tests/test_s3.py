@@ -47,7 +47,6 @@ def _upload(fs: pafs.FileSystem, local: Path, prefix: str) -> None:
 
 def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tmp_path: Path,
                                                                       monkeypatch) -> None:
-    import shardserve.query.searcher
     from shardserve.data.datasets import parquet_files
     from shardserve.query.searcher import load_all_shards
 
@@ -64,7 +63,7 @@ def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tm
     listed = bucket.get_file_info(pafs.FileSelector(f"{BUCKET}/indexes/emb", recursive=True))
     assert any(info.path.endswith("manifest.json") for info in listed)
 
-    monkeypatch.setattr(shardserve.query.searcher, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     manifest, from_bucket = load_all_shards(f"s3://{BUCKET}/indexes/emb")
     _, from_disk = load_all_shards(str(tmp_path / "local"))
     assert manifest.index_version == local.index_version

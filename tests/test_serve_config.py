@@ -19,10 +19,10 @@ from serving.evaluate import sharded_search
 from shardserve.data.datasets import load_dataset
 from shardserve.query.searcher import load_all_shards
 from shardserve.runtime.procfs import interrupt
+from tests.conftest import SERVE_PORT as PORT
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
-PORT = 18321
 
 
 def test_generated_config_is_valid_serve_schema(tmp_path: Path) -> None:

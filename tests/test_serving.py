@@ -17,11 +17,11 @@ from serving.evaluate import evaluate
 from shardserve.data.datasets import load_dataset
 from shardserve.query.parse import npy_body
 from shardserve.query.searcher import load_all_shards
+from tests.conftest import SERVE_PORT as PORT
 from tests.conftest import run_cli
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.slow
-PORT = 18321
 URL = f"http://127.0.0.1:{PORT}"
 FRONT_PORT = 18322  # the router replica's own HTTP door (shardserve.transport.http_front), beside Serve's
 DOORS = {"serve": PORT, "front": FRONT_PORT}

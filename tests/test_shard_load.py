@@ -10,7 +10,6 @@ import numpy as np
 import pyarrow.fs as pafs
 import pytest
 
-import shardserve.query.searcher as searcher_module
 from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
@@ -62,7 +61,7 @@ def _remote(out: Path) -> Location:
 
 def test_remote_shard_is_downloaded_once_checked_and_mapped(ivf_index: Path, tmp_path, monkeypatch) -> None:
     out = ivf_index
-    monkeypatch.setattr(searcher_module, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     remote = _remote(out)
     manifest = read_manifest(remote)
     first = ShardSearcher.load(remote, manifest, 0)
@@ -77,7 +76,7 @@ def test_remote_shard_is_downloaded_once_checked_and_mapped(ivf_index: Path, tmp
 
 def test_corrupt_remote_shard_is_refused_and_not_cached(ivf_index: Path, tmp_path, monkeypatch) -> None:
     out = ivf_index
-    monkeypatch.setattr(searcher_module, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     manifest = read_manifest(Location.parse(str(copy)))
@@ -119,7 +118,7 @@ def test_a_manifest_cannot_choose_where_bytes_are_written(ivf_index: Path, tmp_p
 
 
 def test_a_failed_download_leaves_no_temporary_file(ivf_index: Path, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(searcher_module, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     copy = tmp_path / "copy"
     shutil.copytree(ivf_index, copy)
     manifest = read_manifest(Location.parse(str(copy)))

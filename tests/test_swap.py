@@ -13,9 +13,9 @@ from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
+from tests.conftest import SERVE_PORT as PORT
 
 pytestmark = pytest.mark.slow
-PORT = 18321
 APP = "swap"
 LIMIT = 5000
 

@@ -13,6 +13,7 @@ import numpy as np
 from shardserve.data.datasets import Dataset
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import FAISS_METRIC, prepare_vectors
+from shardserve.index.storage import cache_root
 from shardserve.query.merge import merge_topk
 
 GROUND_TRUTH_K = 100
@@ -29,9 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SHARDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "shardserve")
-    return Path(root) / "groundtruth"
+    """Exact ground truth, keyed by the dataset's fingerprint, in the node's cache (index.storage)."""
+    return Path(cache_root()) / "groundtruth"
 
 
 TRUTH_CHUNK_ROWS = 65536  # base rows per brute-force scan: bounded memory, whatever the base's size

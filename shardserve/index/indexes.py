@@ -25,9 +25,10 @@ def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
 
 # From this many query rows, FAISS's flat distance computations (the router's coarse quantizer, a
 # flat shard) run as one BLAS matrix product. FAISS switches by rows x dim against a process-wide
-# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch at
-# c=32 is 16-25 rows, and BLAS costs less per query from ~5 rows here (2.3-2.8x less at 12-16 rows; the lists
-# picked are the same): `python -m lab.blas_rows` records both paths (blas-rows.json).
+# threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch under
+# load holds a few dozen rows at most, and BLAS costs less per query from a handful of rows on (the
+# lists picked are the same): `python -m lab.blas_rows` measures both paths on a machine and records
+# where they cross (loadtests/records/blas-rows.json).
 BLAS_MIN_ROWS = 6
 
 

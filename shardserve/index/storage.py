@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import posixpath
 import uuid
 from dataclasses import dataclass
@@ -12,6 +13,15 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 
 from shardserve.errors import ShardserveError
+
+CACHE_ENV = "SHARDSERVE_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """Where a node keeps what it downloads or computes once (shards of a remote index, exact
+    ground truth): $SHARDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/shardserve, else ~/.cache/shardserve."""
+    return os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,18 @@
 """The HTTP contract: the request and response models (they document the API at /docs and name the
-fields the parser enforces), the error every refusal raises, and a validated query."""
+fields the parser enforces), the error every refusal raises (`ApiError`, defined in shardserve.errors
+and shared with the client), and a validated query."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 from pydantic import BaseModel, ConfigDict, Field
+
+from shardserve.errors import ApiError
+
+__all__ = ["KNOWN_PARAMS", "ApiError", "BatchHits", "Coverage", "Limits", "ParsedQuery", "SearchRequest",
+           "SearchResponse", "Timing"]
 
 KNOWN_PARAMS = ("nprobe", "efSearch")
 
@@ -43,7 +48,9 @@ class Timing(BaseModel):
     queue: float
 
 
-class Hits(BaseModel):
+class BatchHits(BaseModel):
+    """One query's answer inside a batch response (the client's `Hits` holds it as numpy arrays)."""
+
     ids: list[int]
     distances: list[float]
     metadata: list[dict] | None = None
@@ -53,22 +60,11 @@ class SearchResponse(BaseModel):
     ids: list[int] | None = None
     distances: list[float] | None = None
     metadata: list[dict] | None = None
-    results: list[Hits] | None = None
+    results: list[BatchHits] | None = None
     coverage: Coverage
     timing_ms: Timing
     index: str
     matched: int | None = Field(None, description="with a filter: the rows that match it, over all shards")
-
-
-class ApiError(Exception):
-    """A client error: HTTP status, the offending field, a message that says how to fix it."""
-
-    def __init__(self, status: int, field: str | None, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.field, self.message, self.retry_after = status, field, message, retry_after
-
-    def body(self) -> bytes:
-        return orjson.dumps({"error": self.message, "field": self.field})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,8 @@
-"""Search one shard, and assign queries to IVF lists once for all shards: the plain objects a Serve
-replica (shard or router) wraps, and in-process eval uses the same way."""
+"""Search one shard (with the router's IVF list assignments, which shardserve.index.assigner makes
+once for all shards): the plain object a shard replica wraps, and in-process eval uses the same way."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,19 +10,17 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from shardserve.index.assigner import EXACT_SHARE, FILTER_WIDEN, filtered_nprobe
 from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from shardserve.index.metadata import MetadataTable
-from shardserve.index.storage import Location
+from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
+from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
 from shardserve.query.list_scan import nonempty_lists, search_by_lists
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
 
-# Shards on remote storage (s3://, ...) are downloaded here once per node, then memory-mapped.
-CACHE_DIR = os.environ.get("SHARDSERVE_CACHE_DIR",
-                           os.path.join(os.path.expanduser("~"), ".cache", "shardserve"))
+__all__ = ["Exclusion", "FilterPlan", "ShardSearcher", "both_selected", "load_all_shards"]
 
 
 # From this many rows an IVF-Flat shard scans a batch list by list (shardserve.query.list_scan): each list is
@@ -37,7 +34,6 @@ GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (in a
 # matching ids (8 bytes a row) and the selectors over them (a hash set or a bitmap).
 SELECTED_BYTES = 64 << 20
 SELECTOR_BYTES = 64 << 20
-MAX_FILTERED_EF = 4096  # the widest HNSW search a selective filter may ask for
 LIST_ORDER_ROWS = 64
 
 
@@ -51,17 +47,6 @@ class Exclusion:
     ids: np.ndarray  # the excluded ids (distinct)
     selector: faiss.IDSelector
     held: tuple = field(default=(), repr=False)
-
-
-@dataclass(frozen=True)
-class FilterPlan:
-    """How a shard searches under a filter that `share` of its rows match (`answer_filtered`):
-    "exact" (compare with each matching row), "routed" (the first `probe` lists of the router's
-    ranking) or "search" (the index's own search at the widened `params`)."""
-
-    kind: str
-    params: dict
-    probe: int = 0
 
 
 class ShardSearcher:
@@ -100,7 +85,8 @@ class ShardSearcher:
         before (FAISS ignores the flag for them); fast-scan IVF lists are copied too."""
         entry = manifest.shards[shard]
         if mmap:
-            path = shard_file_checked(location, entry, CACHE_DIR)
+            # a shard on remote storage (s3://, ...) is downloaded once per node, then memory-mapped
+            path = shard_file_checked(location, entry, cache_root())
             index = faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
         else:
             index = index_from_bytes(read_shard_checked(location, entry))
@@ -199,27 +185,8 @@ class ShardSearcher:
         return distances, ids, (time.perf_counter() - start) * 1000.0, matched
 
     def filter_plan(self, query: ShardQuery, params: dict, share: float) -> FilterPlan:
-        """Up to EXACT_SHARE, the matching rows are compared one by one (their vectors gathered once
-        per filter): exact, and a filter that follows the data's clusters, such as a class label,
-        leaves a query's nearest lists with no match at all, so probing more of them would not be
-        enough. Above it, IVF probes FILTER_WIDEN x nprobe / s lists and HNSW widens efSearch the
-        same way (capped). A plain IVF shard takes those lists from the front of the router's
-        ranking (CoarseAssigner.query ranks as many as any shard may take): the quantizer runs
-        once per batch, in the router, as unfiltered; without one it runs its own (the same lists)."""
-        params = dict(params)
-        if share <= EXACT_SHARE:  # compare with each matching row: no probe or graph walk misses one
-            return FilterPlan("exact", params)
-        ivf = faiss.try_extract_index_ivf(unwrap_id_map(self.index))
-        if ivf is not None:
-            probe = filtered_nprobe(params.get("nprobe", int(ivf.nprobe)), share, int(ivf.nlist))
-            params["nprobe"] = probe
-            if (self.ivf is not None and query.assign is not None and query.coarse is not None
-                    and query.assign.shape[1] >= probe):
-                return FilterPlan("routed", params, probe)
-        elif isinstance(unwrap_id_map(self.index), faiss.IndexHNSW):
-            wanted = params.get("efSearch", int(unwrap_id_map(self.index).hnsw.efSearch))  # type: ignore[attr-defined]
-            params["efSearch"] = min(MAX_FILTERED_EF, int(np.ceil(FILTER_WIDEN * wanted / share)))
-        return FilterPlan("search", params)
+        """The plan for a batch under a filter `share` of this shard's rows match (query.filter_plan)."""
+        return plan_filter(self.index, self.ivf is not None, query, params, share)
 
     def search_by_plan(self, query: ShardQuery, where: str, selected: np.ndarray, plan: FilterPlan,
                        exclude: Exclusion | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -359,14 +326,6 @@ class ShardSearcher:
                                       faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
                                       faiss.swig_ptr(ids), False, params)
         return distances, ids
-
-
-def both_selected(first: faiss.IDSelector, second: faiss.IDSelector) -> faiss.IDSelector:
-    """What both selectors keep. FAISS's IDSelectorAnd holds raw pointers to the two: the Python
-    object references them, so they live at least as long as it does."""
-    both = faiss.IDSelectorAnd(first, second)
-    both.referenced_objects = [first, second]  # type: ignore[attr-defined]
-    return both
 
 
 def load_all_shards(uri: str, mmap: bool = True) -> tuple[Manifest, list[ShardSearcher]]:

@@ -113,6 +113,7 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
     node = ray._private.worker.global_worker.node
+    assert node is not None, "prestart_workers runs in a Ray worker (a replica), where Ray is initialised"
     request = node_manager_pb2.PrestartWorkersRequest(  # type: ignore[attr-defined]
         language=common_pb2.PYTHON, num_workers=count, keep_alive_duration_secs=keep_alive_s)  # type: ignore[attr-defined]
     request.runtime_env_info.serialized_runtime_env = "{}"  # matches replicas with no runtime_env

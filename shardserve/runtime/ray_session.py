@@ -13,8 +13,8 @@ from shardserve.runtime import procfs
 # - the serving code preloaded into every Python worker the raylet starts, so the idle workers
 #   shardserve.runtime.warm_pool keeps have already imported it and a new shard replica skips those imports;
 # - Serve's controller loop every 0.25 s instead of 0.1 s: the controller is the stack's largest idle
-#   process, and this halves it and the GCS work it drives (4.2 -> 2.2 and 1.7 -> 0.9 % of a core, in
-#   loadtests/records/control-loop-ab.json); autoscaling decisions come at most 0.15 s later.
+#   process, and its loop and the GCS work it drives run less often; autoscaling decisions come at
+#   most 0.15 s later (`python -m lab.hygiene` measures it: loadtests/records/control-loop-ab.json).
 SERVING_NODE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -25,7 +25,7 @@ SERVING_NODE_ENV = {
 
 def apply_serving_node_env() -> None:
     """Must run before `ray.serve` is imported in this process: Serve reads the flags at import time,
-    and a driver whose Serve constants disagree with the cluster's measured ~2x slower here."""
+    and a driver whose Serve constants disagree with the cluster's takes Serve's slower paths."""
     for key, value in SERVING_NODE_ENV.items():
         os.environ.setdefault(key, value)
 

@@ -1,8 +1,8 @@
-"""A warm pool of idle Ray workers on each serving node, so a new shard replica starts in ~1 s.
+"""A warm pool of idle Ray workers on each serving node, so a new shard replica skips the imports.
 
 A scale-up's new replica is otherwise a new Ray worker process: spawn, `import ray`, Ray Serve (with
-pandas), FAISS and this package, then the index — about 2 s of CPU, which on a node whose cores the
-burst already saturates took 4–6 s of wall time (loadtests/records/autoscale.json, before this).
+pandas), FAISS and this package, then the index — seconds of CPU, on a node whose cores the burst
+already saturates (`python -m loadtests.autoscale` measures a scale-up: loadtests/records/autoscale.json).
 Ray's raylet can start idle workers ahead of need and keep them alive (`shardserve.runtime.ray_private.
 prestart_workers`), and with `RAY_preload_python_modules` in the environment Ray starts with
 (`runtime.ray_session.SERVING_NODE_ENV`) those workers have already imported the serving code. An actor
@@ -14,7 +14,7 @@ named by the node's raylet pid tops the pool up (the others retry the lock; the 
 when its holder dies). Idle workers are the raylet's children titled "ray::IDLE"; workers still
 starting count too, so a top-up is not repeated while the last one is under way.
 
-Filling the pool costs CPU (a preloaded worker imports ~1 s of CPU at Ray's worker priority, above
+Filling the pool costs CPU (a preloaded worker does those imports at Ray's worker priority, above
 the serving replicas'), so the keeper fills from spare cycles only: one worker at a time, once the
 pool has been short for `refill_after_s`, and only while the node has `min_idle_cores` idle. During
 a burst, when the replicas being started need the CPU, it waits (in a trial run before this rule,

@@ -60,6 +60,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from shardserve.errors import ShardserveError
 from shardserve.transport.flow import Deadline, FlowControl
 
 _HEADER = struct.Struct("<IQB")
@@ -122,8 +123,9 @@ class LinkLimits:
     max_in_flight: int = 64
 
 
-class ShardLinkError(RuntimeError):
-    """The shard answered with an error (its message is the shard's exception)."""
+class ShardLinkError(ShardserveError, RuntimeError):
+    """The shard answered with an error (its message is the shard's exception). Still a RuntimeError,
+    as it was before the family had a base."""
 
 
 class _Corrupt(Exception):
