@@ -133,6 +133,16 @@ def timeline(csv_path: Path, t0_ns: int, stall_ms: float) -> dict:
                               for s, v in sorted(slow.items())}}
 
 
+def _wait_until_serving(server: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until the server prints that it is serving (its start-up is over then, not at its first
+    healthy answer): the soak's first second is a user's first second."""
+    deadline = time.monotonic() + timeout_s
+    while "shardserve: serving" not in log.read_text(errors="replace"):
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"shardserve serve did not start (see {log})")
+        time.sleep(0.2)
+
+
 def run(index: str, load: float, duration_s: float, capacity: float | None, stall_ms: float,
         work: Path, nprobe: int) -> dict:
     exe = Path(sys.executable).parent / "shardserve"
@@ -146,9 +156,7 @@ def run(index: str, load: float, duration_s: float, capacity: float | None, stal
                               env=env, stdout=server_log, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
-        from deployments.run import wait_until_healthy
-
-        wait_until_healthy(url, timeout_s=240)
+        _wait_until_serving(server, work / "serve.log", timeout_s=300)
         healthy_s = time.monotonic() - started
         if capacity is None:  # a short probe now: the soak's rate; re-measured at the end
             capacity = attack(targets, "concurrency", 32, 10, work, "capacity-before")["qps"]

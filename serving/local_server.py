@@ -89,6 +89,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
                                       else "haproxy not installed") + "): the router sheds"
+        if started:  # start-up ends with the node's pool of warm workers filled: nothing fills under load
+            _wait_for_warm_pool()
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
               f"({manifest.num_vectors} vectors, {len(manifest.shards)} shards) at {url}")
         print(f"  overload: {shedding}")
@@ -104,6 +106,19 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         pass
     finally:
         _stop(front, joining, mark)
+
+
+def _wait_for_warm_pool(timeout_s: float = 60.0) -> None:
+    """Until the Ray this command started holds its warm workers (runtime.warm_pool): each imports
+    the serving stack at a priority above the replicas', which would stall them under load."""
+    from deployments.config import AppArgs
+    from shardserve.runtime.warm_pool import raylet_of, wait_filled
+
+    target = AppArgs.model_fields["warm_workers"].default
+    raylet = raylet_of(os.getpid())
+    if target and raylet is not None and not wait_filled(raylet, target, timeout_s):
+        print(f"shardserve: the warm worker pool is not full after {timeout_s:.0f} s: it fills "
+              "while the node has a core idle", flush=True)
 
 
 def _stop(front: EdgeProcess | None, joining: bool, mark: str) -> None:

@@ -104,3 +104,16 @@ def test_next_actor_runs_in_a_prestarted_worker() -> None:
     assert age > time.monotonic() - asked + 0.05
     for actor in (keeper, probe):
         ray.kill(actor)
+
+
+def test_wait_filled_waits_for_the_pool_and_gives_up_at_its_timeout() -> None:
+    """`shardserve serve` says it is serving once the pool is full; a node that cannot fill it
+    within the timeout does not hold the command forever. Time is moved, not slept."""
+    import itertools
+
+    from shardserve.runtime import warm_pool
+
+    now = itertools.count()  # each clock read one second later
+    moved = {"clock": lambda: next(now), "sleep": lambda s: None}
+    assert not warm_pool.wait_filled(os.getpid(), 1, timeout_s=5, **moved)  # this process has no pool
+    assert warm_pool.wait_filled(os.getpid(), 0, timeout_s=5, **moved)

@@ -18,7 +18,11 @@ Filling the pool costs CPU (a preloaded worker does those imports at Ray's worke
 the serving replicas'), so the keeper fills from spare cycles only: one worker at a time, once the
 pool has been short for `refill_after_s`, and only while the node has `min_idle_cores` idle. During
 a burst, when the replicas being started need the CPU, it waits (in a trial run before this rule,
-four workers prestarted at once made a light load's latency jump for a second).
+four workers prestarted at once made a light load's latency jump for a second). A steady load that
+leaves less than a core idle waits too: a worker's imports run at Ray's worker priority, above the
+serving replicas' nice 19, and one top-up under an open loop at 0.6x capacity stalled the shards long
+enough for the edge to shed (loadtests/records/soak.json's process events). `shardserve serve`
+waits for the pool before it says it is serving (`wait_filled`), so its first minutes fill nothing.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class WarmPool:
     (a daemon thread; started from a Ray worker, whose parent is the raylet)."""
 
     def __init__(self, target: int, period_s: float = 1.0, refill_after_s: float = 5.0,
-                 min_idle_cores: float = 0.5):
+                 min_idle_cores: float = 1.0):
         self.target, self.period_s, self.refill_after_s = target, period_s, refill_after_s
         self.min_idle_cores = min_idle_cores
         self.cores = os.cpu_count() or 1
@@ -137,3 +141,23 @@ class WarmPool:
         except Exception as exc:  # best effort: a replica serves whether or not the pool fills
             logger.warning("warm pool: prestarting %d workers failed: %s", count, exc)
             self._stop.wait(30 * self.period_s)
+
+
+def raylet_of(driver_pid: int) -> int | None:
+    """The raylet a driver started (`ray.init` of a local Ray starts it as the driver's child)."""
+    for child in _children(driver_pid):
+        if b"raylet" in procfs.cmdline(child).split(b"\0", 1)[0]:
+            return child
+    return None
+
+
+def wait_filled(raylet_pid: int, target: int, timeout_s: float, period_s: float = 0.5,
+                clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Wait until the node's pool holds `target` idle workers (the keeper fills it from a shard
+    replica); False when it did not within `timeout_s` (a busy node fills later)."""
+    deadline = clock() + timeout_s
+    while pooled_workers(raylet_pid) < target:
+        if clock() >= deadline:
+            return False
+        sleep(period_s)
+    return True
