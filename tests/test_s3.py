@@ -75,6 +75,7 @@ def test_a_bucket_dataset_builds_into_a_bucket_what_local_files_build(bucket, tm
         np.testing.assert_array_equal(got[0], want[0])
 
 
+@pytest.mark.slow  # starts Ray: not in `make test-fast`
 def test_ray_workers_read_and_write_the_bucket(bucket, ray_cluster, tmp_path: Path) -> None:
     """The streaming build on Ray: its tasks read the row groups from the bucket and write the shards
     to it in Ray worker processes (AWS variables from their node), byte-equal to a local build."""
