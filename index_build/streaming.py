@@ -89,8 +89,10 @@ class ParquetSource:
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.row_groups)
 
-    def read(self) -> Iterator[VectorRows]:
-        """The vectors, ids (or None) and metadata table of each row group, in file order."""
+    def read(self, metadata: bool = True) -> Iterator[VectorRows]:
+        """The vectors, ids (or None) and metadata table of each row group, in file order; with
+        `metadata=False` the metadata columns are not read (the driver's pass needs none of them:
+        reading them only grew its peak memory)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -100,10 +102,12 @@ class ParquetSource:
             try:
                 if opened is None or opened[0] != number:
                     opened = (number, pq.ParquetFile(path))
-                table = opened[1].read_row_group(group, columns=list(self.columns))
+                wanted = [c for c in self.columns if metadata or c not in self.metadata_columns]
+                table = opened[1].read_row_group(group, columns=wanted)
             except (pa.ArrowException, OSError) as exc:
                 raise ShardserveError(f"{path}: cannot read parquet ({exc})") from None
-            yield parquet_arrays(path, table, self.columns[0], self.id_column, list(self.metadata_columns))
+            yield parquet_arrays(path, table, self.columns[0], self.id_column,
+                                 list(self.metadata_columns) if metadata else [])
 
 
 NPY_CHUNK_ROWS = 65536  # rows per read of a .npy file: 32 MB at 128 float32 dims
@@ -134,7 +138,7 @@ class NpySource:
     def rows(self) -> int:
         return sum(rows for _, _, rows in self.row_groups)
 
-    def read(self) -> Iterator[VectorRows]:
+    def read(self, metadata: bool = True) -> Iterator[VectorRows]:
         """The vectors of each chunk (no ids, no metadata), in file order."""
         opened: tuple[int, np.ndarray] | None = None
         for number, first, rows in self.row_groups:
@@ -181,10 +185,10 @@ def in_sorted(values: np.ndarray, x: np.ndarray) -> np.ndarray:
     return values[at] == x
 
 
-def pieces(source: Source, base_rows: int) -> Iterator[Piece]:
+def pieces(source: Source, base_rows: int, metadata: bool = True) -> Iterator[Piece]:
     queries = self_query_rows(base_rows)
     start = 0
-    for matrix, ids, table in source.read():
+    for matrix, ids, table in source.read(metadata):
         rows = np.arange(start, start + len(matrix))
         yield Piece(matrix, ids, table, start, rows, in_sorted(queries, rows), rows < base_rows)
         start += len(matrix)
@@ -222,7 +226,7 @@ def scan(source: Source, metric: str, train_rows: np.ndarray | None, limit: int 
     # The sample is filled in place: one copy of it in memory, however many row groups feed it.
     train: np.ndarray | None = None
     queries, ids, dim, filled = [], [], None, 0
-    for piece in pieces(source, base_rows):
+    for piece in pieces(source, base_rows, metadata=False):
         matrix, base = piece.matrix, piece.base
         if dim is None:
             dim = matrix.shape[1]

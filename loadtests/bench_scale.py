@@ -156,6 +156,8 @@ def main() -> None:
     cli.add_argument("--work", default=None,
                      help="keep the data and index here (default: a temp dir, removed at the end)")
     cli.add_argument("--name", default="bench-scale")
+    cli.add_argument("--build-only", action="store_true",
+                     help="record the build (time, peak RSS) and stop: no serving, no eval")
     args = cli.parse_args()
     with work_dir(args.work, "bench-scale-") as work:
         run(args, work)
@@ -202,6 +204,9 @@ def run(args: argparse.Namespace, work: Path) -> None:
                             "that_process": peak.worker_name, "samples": peak.samples},
             "goal_mb": {"driver": 1024, "any_ray_process": 1536}}
         print(f"build: {record['build']}", flush=True)
+        if args.build_only:
+            print(save(record, plot_levels=False))
+            return
 
         from shardserve.runtime.ray_session import apply_serving_node_env
 
