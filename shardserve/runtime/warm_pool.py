@@ -43,6 +43,7 @@ IDLE_TITLE = b"ray::IDLE"
 STARTING = b"default_worker.py"  # a worker's command line before it retitles itself
 KEEP_ALIVE_S = 3600  # the raylet does not reap a prestarted idle worker before this
 SETTLE_S = 2.0  # between two top-ups: a preloaded worker's start is ~1.4 s of CPU
+QUIET_CPU_S = 0.02  # an idle worker that used less CPU than this over a wait_filled period has started
 
 
 def workers_to_start(pooled: int, target: int, now: float, not_before: float | None,
@@ -153,11 +154,18 @@ def raylet_of(driver_pid: int) -> int | None:
 
 def wait_filled(raylet_pid: int, target: int, timeout_s: float, period_s: float = 0.5,
                 clock=time.monotonic, sleep=time.sleep) -> bool:
-    """Wait until the node's pool holds `target` idle workers (the keeper fills it from a shard
-    replica); False when it did not within `timeout_s` (a busy node fills later)."""
+    """Wait until the node's pool holds `target` idle workers that have finished starting: titled
+    ray::IDLE and quiet (under QUIET_CPU_S of CPU over the last `period_s`: a worker is titled before
+    its preloaded imports end). False when it did not within `timeout_s` (a busy node fills later)."""
     deadline = clock() + timeout_s
-    while pooled_workers(raylet_pid) < target:
+    before: dict[int, float] = {}
+    while True:
+        now = {pid: procfs.cpu_seconds(pid) for pid in pooled_pids(raylet_pid)
+               if procfs.cmdline(pid).startswith(IDLE_TITLE)}
+        quiet = [pid for pid, cpu in now.items() if pid in before and cpu - before[pid] < QUIET_CPU_S]
+        if len(quiet) >= target:
+            return True
         if clock() >= deadline:
             return False
+        before = now
         sleep(period_s)
-    return True
