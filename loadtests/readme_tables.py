@@ -426,7 +426,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             if (records / name).exists()]
     return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
             "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
-            "admission": admission_table(admission), "soak": soak_table(soak), "headline": headline_table(bench, admission),
+            "admission": admission_table(admission), "soak": soak_table(soak),
+            "headline": headline_table(bench, admission),
             "bench-filter": filter_table(bench_filter),
             "autoscale": autoscale_table(autoscale),
             "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
@@ -459,7 +460,8 @@ def soak_table(record: dict) -> str:
             "worst minute p99 | max | seconds with a stall | RSS growth after 1 min (largest) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in record["runs"]:
-        other = ", ".join(f"{code}: {n:,}" for code, n in sorted(run["status_codes"].items()) if code != "200")
+        other = ", ".join(f"{code}: {n:,}" for code, n in sorted(run["status_codes"].items())
+                          if code != "200")
         name, growth = _rss_growth(run["rss_mb"])
         rows.append(f"| {run['load_x_capacity']} (of {run['capacity_qps']:,.0f}) | {run['rate']:,} | "
                     f"{run['duration_s'] / 60:g} | {run['requests']:,} | {run['success_ratio']:.4%} | "
