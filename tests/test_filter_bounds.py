@@ -224,14 +224,14 @@ def test_equal_filters_have_one_canonical_form_whatever_their_spelling() -> None
 
 
 def test_a_filters_widening_counts_in_the_work_budget() -> None:
-    """A filter may widen each query's probes by FILTER_WIDEN / EXACT_SHARE before the shards know
-    how selective it is: the budget counts that, so a batch fine unfiltered is refused filtered."""
-    matrix = np.zeros((512, 4), np.float32)
-    plain = ParsedQuery(matrix=matrix, k=10, params=(("nprobe", 16),), single=False, require_full=False)
+    """A filter widens each query's probes by at least FILTER_WIDEN: the budget counts that, so a
+    batch fine unfiltered is refused filtered."""
+    matrix = np.zeros((600, 4), np.float32)
+    plain = ParsedQuery(matrix=matrix, k=10, params=(("nprobe", 32),), single=False, require_full=False)
     check_work(plain, 65536)
-    filtered = ParsedQuery(matrix=matrix, k=10, params=(("nprobe", 16),), single=False, require_full=False,
+    filtered = ParsedQuery(matrix=matrix, k=10, params=(("nprobe", 32),), single=False, require_full=False,
                            filter='{"label":{"$eq":1}}')
-    with pytest.raises(ApiError, match="widened to 256 by the filter") as refused:
+    with pytest.raises(ApiError, match="widened to 128 by the filter") as refused:
         check_work(filtered, 65536)
     assert refused.value.field == "params"
 

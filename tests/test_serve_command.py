@@ -133,6 +133,15 @@ def _group_alive(pgid: int) -> list[int]:
     return [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid and procfs.alive(p.pid)]
 
 
+def _group_gone(pgid: int, timeout_s: float = 10) -> list[int]:
+    """Processes of the server's group still alive once they had `timeout_s` to exit (an orphan is
+    no descendant any more, but it stays in the group)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := _group_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def _pgid(pid: int) -> int:
     try:
         return os.getpgid(pid)
@@ -226,7 +235,8 @@ def test_a_stop_at_any_stage_of_start_up_leaves_no_process_and_frees_the_port(
         # what is left is looked at before any clean-up of the test's own
         left = _gone(server)
         described = [procfs.cmdline(pid)[:80] for pid in left]
-        group = _group_alive(server.process.pid)
+        group = _group_gone(server.process.pid)
+        described += [procfs.cmdline(pid)[:80] for pid in group]
         port_free = _port_free(server.port)
     finally:
         server.kill()

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from shardserve.index.assigner import EXACT_SHARE, FILTER_WIDEN
+from shardserve.index.assigner import FILTER_WIDEN
 from shardserve.index.indexes import prepare_vectors
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import KNOWN_PARAMS, ApiError, Limits, ParsedQuery
@@ -313,14 +313,15 @@ def _checked(matrix: np.ndarray, field: str, dim: int, metric: str) -> np.ndarra
 
 def check_work(query: ParsedQuery, max_work: int) -> None:
     """Bound what one request may ask of the shards: query vectors x probes (nprobe / efSearch),
-    a filter's probes counted as widened as far as its plan may widen them (FILTER_WIDEN x probes /
-    EXACT_SHARE: the shards only learn how selective it is once they scan).
+    a filter's probes counted widened by FILTER_WIDEN, the least its plan widens them (by
+    FILTER_WIDEN / share, share > EXACT_SHARE: the shards only learn the share once they scan; a
+    filter matching less compares each matching row instead, bounded by the filter's own work).
 
     FAISS cannot be stopped once it scans, so a request past its deadline would keep the shards
     busy for everyone after it: refuse it up front instead.
     """
     probes = max((number for _, number in query.params), default=1)
-    widened = math.ceil(FILTER_WIDEN * probes / EXACT_SHARE) if query.filter is not None else probes
+    widened = math.ceil(FILTER_WIDEN * probes) if query.filter is not None else probes
     work = len(query.matrix) * widened
     if work > max_work:
         how = f"{probes} probes" + (f" widened to {widened} by the filter" if widened > probes else "")
