@@ -218,7 +218,8 @@ def _admission(args: argparse.Namespace):
     if burst is None and args.edge_queue is not None:  # a queue alone still admits the default's clients
         burst = max(DEFAULT_BURST, args.edge_queue)
     given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
-             "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms}
+             "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms,
+             "burst_ms": args.edge_burst_ms}
     try:
         return Admission(**{key: value for key, value in given.items() if value is not None})
     except ValueError as exc:
@@ -236,6 +237,7 @@ def _api_key() -> str | None:
 def _edge_options(cmd: argparse.ArgumentParser) -> None:
     from serving.edge import (
         DEFAULT_BURST,
+        DEFAULT_BURST_MS,
         DEFAULT_DELAY_MS,
         DEFAULT_IN_FLIGHT,
         DEFAULT_QUEUE,
@@ -247,6 +249,9 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--edge-burst", type=_at_least(0), help="requests that may wait at the edge while it "
                      "sheds nothing: waiting clients, bursts; one more starts the shedding "
                      f"(default {DEFAULT_BURST}, or --edge-queue if larger)")
+    cmd.add_argument("--edge-burst-ms", type=_at_least(0), help="while the edge sheds nothing, as many may "
+                     "wait as the router answers in this long, when more than --edge-burst: a stall this "
+                     f"short is absorbed, not shed (default {DEFAULT_BURST_MS}; 0: --edge-burst alone)")
     cmd.add_argument("--edge-queue", type=_at_least(0), help="requests that may wait at the edge while it "
                      "is shedding (shed within 1 s); a new one that finds more gets 503 at once "
                      f"(default {DEFAULT_QUEUE})")

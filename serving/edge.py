@@ -64,6 +64,13 @@ DEFAULT_QUEUE_TIMEOUT_MS = 1000
 # whose answers come slower, gets D where the counts alone let its wait grow. At D = 35 ms, nprobe
 # 128 lost a third of its goodput to batches too small (admission-delay-nprobe128.json).
 DEFAULT_DELAY_MS = 70
+# While it sheds nothing, the edge lets wait at least B and at most what the router answers in this
+# long at its last second's rate (D_B): a stall of the router or its node (a scheduler hiccup on a
+# busy node, a collection) shorter than this is absorbed, not shed. B alone is a count: at 0.8x
+# capacity on 2 cores, K + B = 128 is ~70 ms of arrivals, and stalls of 77-82 ms shed 129 of
+# 1,078,802 requests (loadtests/records/soak.json, before this rule). The price is an overload's
+# onset: until the first shed, what is admitted may wait up to ~D_B longer; once shedding, Q and D cut it.
+DEFAULT_BURST_MS = 250
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
 # Health checks one client address may send per second: a load balancer checks a few times a second
 # at most, so past this a source is flooding, and gets 429 at the edge; the checks of every other
@@ -89,6 +96,8 @@ class Admission:
     queue_timeout_ms: the longest an admitted request waits in the queue before a 503 (backstop).
     delay_ms: while shedding, more requests inside (router + queue) than the router's answer rate x
         this (but at least max_queue) get 503 too (D); 0: the counts alone.
+    burst_ms: while not shedding, up to the router's answer rate x this may wait (D_B), when that
+        is more than max_burst; 0: max_burst alone.
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
@@ -96,10 +105,13 @@ class Admission:
     max_queue: int = DEFAULT_QUEUE
     queue_timeout_ms: int = DEFAULT_QUEUE_TIMEOUT_MS
     delay_ms: int = DEFAULT_DELAY_MS
+    burst_ms: int = DEFAULT_BURST_MS
 
     def __post_init__(self) -> None:
-        if min(self.max_in_flight, self.queue_timeout_ms) < 1 or min(self.max_queue, self.delay_ms) < 0:
-            raise ValueError("max_in_flight and queue_timeout_ms must be >= 1, max_queue and delay_ms >= 0")
+        if min(self.max_in_flight, self.queue_timeout_ms) < 1 or min(self.max_queue, self.delay_ms,
+                                                                      self.burst_ms) < 0:
+            raise ValueError("max_in_flight and queue_timeout_ms must be >= 1, max_queue, delay_ms and "
+                             "burst_ms >= 0")
         if self.max_burst < self.max_queue:
             raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
@@ -189,10 +201,10 @@ defaults
     {_returns(429, _HEALTH_FLOOD, "Retry-After 1")} if health {{ sc_http_req_rate(1) gt {health_rate} }}
 {key_rules}    # the router sees a request only once its body is here: a trickled upload holds no router slot
     http-request wait-for-body time 10s
-    # Admission, in C: more than {a.max_burst} waiting is an overflow, past capacity; while the
-    # edge has shed in the last second, more than {a.max_queue} waiting is a standing queue: shed it.
-    acl overflow queue(shardserve) gt {a.max_burst}
-    acl standing queue(shardserve) gt {a.max_queue}
+    # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past
+    # capacity; while the edge has shed in the last second, more than {a.max_queue} waiting is a
+    # standing queue: shed it.
+{_overflow_rules(a)}    acl standing queue(shardserve) gt {a.max_queue}
     acl shedding int(0),table_gpc0_rate(shed_meter) gt 0
 {_late_rules(a)}    http-request set-var(txn.shed) bool(1) if {shed_when}
     http-request track-sc0 int(0) table shed_meter if {{ var(txn.shed) -m bool }}
@@ -254,6 +266,22 @@ core.register_service("shardserve_refuse", "http", function(applet)
         left = left - #chunk
     end
 end)
+"""
+
+
+def _burst_words(a: Admission) -> str:
+    return f", and more than the router answers in {a.burst_ms} ms," if a.burst_ms else ""
+
+
+def _overflow_rules(a: Admission) -> str:
+    """`overflow`: more than B waiting and, with D_B, more than the router's last second of answers
+    x D_B (read only past B: the rate is looked up for no request below it)."""
+    if not a.burst_ms:
+        return f"    acl overflow queue(shardserve) gt {a.max_burst}\n"
+    return f"""    acl past_burst queue(shardserve) gt {a.max_burst}
+    http-request set-var(txn.queued) queue(shardserve) if past_burst
+    http-request set-var(txn.burst_room) be_sess_rate(shardserve),mul({a.burst_ms}),div(1000) if past_burst
+    acl overflow var(txn.queued),sub(txn.burst_room) -m int gt 0
 """
 
 

@@ -81,7 +81,9 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             front = EdgeProcess(f"127.0.0.1:{front_port}", f"{host}:{port}", a, api_key, access_log)
             front.start()
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-            shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_burst} queued ({a.max_queue} "
+            shedding = (f"edge: {a.max_in_flight} requests in flight, {a.max_burst} queued"
+                        + (f" or the router's {a.burst_ms} ms of answers" if a.burst_ms else "")
+                        + f" ({a.max_queue} "
                         f"while shedding, and at most {a.delay_ms} ms of answers inside), beyond that 503 at "
                         f"once (router door 127.0.0.1:{front_port})"
                         + ("; API key required" if api_key else ""))

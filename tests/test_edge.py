@@ -45,7 +45,11 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 24" in text
     # while shedding, the requests inside are cut to the router's answer rate x the delay target
     assert "be_sess_rate(shardserve),mul(70),div(1000)" in text and "shedding crowded late" in text
-    assert "be_sess_rate" not in edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0))
+    # while not shedding, B grows to the router's answer rate x D_B: a short stall is absorbed
+    assert "be_sess_rate(shardserve),mul(250),div(1000) if past_burst" in text
+    assert "be_sess_rate" not in edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0, burst_ms=0))
+    assert "queue(shardserve) gt 96\n" in edge_config("127.0.0.1:8000", admission=Admission(
+        max_burst=96, burst_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
     with pytest.raises(ValueError):
@@ -182,6 +186,34 @@ def test_edge_queues_closed_loop_clients_and_cuts_the_queue_of_an_overload(slow_
     assert health and health == [200] * len(health), health
     checks = [line for line in access_log.read_text().splitlines() if "/v1/health" in line]
     assert len(checks) == len(health) and all(" shardserve_health/router " in line for line in checks)
+
+
+@pytest.mark.slow
+def test_edge_lets_a_burst_wait_up_to_the_routers_answers_in_burst_ms(slow_app: bytes,
+                                                                     tmp_path: Path) -> None:
+    """K=2, B=2, and D_B long enough that the slow shard's few answers a second cover a burst of 16:
+    every one of them is queued and answered, more than B of them waited (the edge's own log),
+    where B alone would have shed 12 of them (the first test's burst)."""
+    access_log = tmp_path / "access.log"
+    edge = EdgeProcess(f"127.0.0.1:{PORT}", f"127.0.0.1:{EDGE_PORT}",
+                       Admission(max_in_flight=2, max_burst=2, max_queue=2, queue_timeout_ms=30_000,
+                                 burst_ms=30_000), access_log=access_log, route_prefix="/edge").start()
+
+    async def at_once(tags: list[str]) -> list[int]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            answers = await asyncio.gather(*[client.post(_url(tag), content=slow_app) for tag in tags])
+            return [answer.status_code for answer in answers]
+    try:
+        assert asyncio.run(at_once(["rate-0", "rate-1"])) == [200, 200]  # the router's rate is > 0
+        assert asyncio.run(at_once([f"wave-{i}" for i in range(16)])) == [200] * 16
+    finally:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_logged_searches(access_log)) < 18:
+            time.sleep(0.1)
+        edge.stop()
+    waited = [line.queued_before for tag, line in _logged_searches(access_log).items()
+              if tag.startswith("wave")]
+    assert len(waited) == 16 and max(waited) > 2, waited
 
 
 def _url(tag: str) -> str:
@@ -369,8 +401,9 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     text = (tmp_path / "a" / "edge-haproxy.cfg").read_text()
     assert "queue(shardserve) gt 96" in text and "queue(shardserve) gt 64" not in text
     assert "mul(70)" in text  # the default delay target while shedding
-    counts = subprocess.run([str(exe), "edge-config", "--edge-delay-ms", "0", "--dir", str(tmp_path / "c")],
-                            capture_output=True, text=True)
+    assert "mul(250)" in text  # the default burst time while shedding nothing
+    counts = subprocess.run([str(exe), "edge-config", "--edge-delay-ms", "0", "--edge-burst-ms", "0",
+                             "--dir", str(tmp_path / "c")], capture_output=True, text=True)
     assert counts.returncode == 0, counts.stderr
     assert "be_sess_rate" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
     bad = subprocess.run([str(exe), "edge-config", "--edge-burst", "8", "--edge-queue", "16",
