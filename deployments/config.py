@@ -91,6 +91,7 @@ class AppArgs(BaseModel):
         description="search params of the gate queries (those the new index does not take are dropped)")
     max_k: int = Field(100, ge=1)
     max_vectors: int = Field(1024, ge=1, description="vectors per batch request")
+    max_write_points: int = Field(1000, ge=1, description="ids per upsert or delete request")
     max_work: int = Field(
         65536, ge=1, description="query vectors x probes (nprobe or efSearch) one request may ask for; "
                                  "more gets a 422 naming the limit (FAISS cannot be stopped mid-scan)")

@@ -110,8 +110,8 @@ class RouterMetrics:
         self.shard_names = [s.name for s in manifest.shards]
         self.index_generation.set(generation)
 
-    def observe_request(self, started: float, status: int) -> None:
-        self.request_ms.observe((time.perf_counter() - started) * 1000.0, "search", str(status))
+    def observe_request(self, started: float, status: int, route: str = "search") -> None:
+        self.request_ms.observe((time.perf_counter() - started) * 1000.0, route, str(status))
 
     async def export_histograms(self) -> None:
         """Runs for the replica's life: the histograms' totals to Ray every EXPORT_EVERY_S."""

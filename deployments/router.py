@@ -33,6 +33,8 @@ from shardserve.runtime.heap import settled
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
+from shardserve.writes.accept import WriteFront
+from shardserve.writes.log import log_path
 
 logger = logging.getLogger("ray.serve")
 
@@ -65,7 +67,7 @@ class Router(ReportsCoresWanted):
 
     async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
         self.args = a = AppArgs.model_validate(args)
-        self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes)
+        self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes, a.max_write_points)
         self.control, self.use_links = control, a.shard_transport == "link"
         self.replica_id = (context := serve.get_replica_context()).replica_id.unique_id
         try:  # a replica started after a swap serves the pointer's version, not the config's
@@ -78,6 +80,9 @@ class Router(ReportsCoresWanted):
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
+        # writes: parsed and appended to the log (an fsync) in their own thread, in arrival order
+        self.writes = WriteFront(log_path(a.index), a.max_write_points, retry_after_s=a.retry_after_s)
+        self.write_executor, self.writes_in_flight = ThreadPoolExecutor(1, "writes"), 0
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
@@ -104,6 +109,8 @@ class Router(ReportsCoresWanted):
         method, route = request.method, request.path.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
             return await self.search(request)
+        if route in ("/v1/upsert", "/v1/delete") and method == "POST":
+            return await self.write(request, route == "/v1/upsert")
         if method == "GET" and route == "/v1/health":
             return await self.health()
         if method == "GET" and route == "/v1/index":
@@ -143,6 +150,28 @@ class Router(ReportsCoresWanted):
                 self.in_flight -= 1
                 self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.observe_request(started, status)
+
+    async def write(self, request: HttpRequest, upsert: bool) -> Reply:
+        """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
+        started, status = time.perf_counter(), 200
+        try:
+            if self.writes_in_flight >= self.args.max_in_flight:
+                raise ApiError(503, None, f"overloaded: {self.writes_in_flight} writes in flight",
+                               self.args.retry_after_s)
+            self.writes_in_flight += 1
+            try:
+                accept = self.writes.upsert if upsert else self.writes.delete
+                manifest = self.active.manifest  # the served version: its dim, columns, log position
+                answer = await asyncio.get_running_loop().run_in_executor(
+                    self.write_executor, accept, request.body, manifest)
+            finally:
+                self.writes_in_flight -= 1
+            return _json(answer)
+        except ApiError as error:
+            status = error.status
+            return _error(error)
+        finally:
+            self.metrics.observe_request(started, status, "upsert" if upsert else "delete")
 
     async def health(self) -> Reply:
         """200 when every shard of the served index answers, else 503 with Retry-After."""

@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.config import INDEX_INGRESS
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
-from shardserve.index.manifest import read_version
+from shardserve.index.manifest import read_shard_checked, read_version
 from shardserve.index.storage import Location
 from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.heap import settled
@@ -23,10 +23,13 @@ from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, 
 from shardserve.runtime.warm_pool import WarmPool
 from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, shard_secret
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
+from shardserve.writes.follow import ShardWrites
+from shardserve.writes.log import log_path
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
 WITHDRAW_TIMEOUT_S = 2.0  # of a stopping replica's graceful shutdown budget
+FOLLOW_EVERY_S = 0.25  # an idle replica applies new writes this often (a search applies them anyway)
 logger = logging.getLogger("ray.serve")
 
 
@@ -52,7 +55,13 @@ class ShardDeployment:
         location, loading = Location.parse(index), time.monotonic()
         manifest = read_version(location, index_version)
         self.searcher = await asyncio.to_thread(ShardSearcher.load, location, manifest, shard, mmap)
-        self.metadata_table = self.searcher.metadata
+        trained = manifest.trained
+        # The write log's requests past this version, applied before the first answer and again
+        # before each one (shardserve.writes.follow): a 200 to a write is visible to any search after it.
+        self.writes = ShardWrites(self.searcher, shard, len(manifest.shards), log_path(index),
+                                  manifest.log_position,
+                                  lambda: read_shard_checked(location, trained) if trained else None)
+        await asyncio.to_thread(self.writes.catch_up)
         loaded_s = time.monotonic() - loading
         self.bounds = self.searcher.query_bounds(
             max_rows=max_rows, max_k=max_k,
@@ -79,6 +88,7 @@ class ShardDeployment:
         self.pauses = settled(logger)  # start-up's objects frozen out of every full collection
         # The node's pool of idle workers that the next replica placed here takes (runtime.warm_pool).
         self.warm_pool = WarmPool(warm_workers).start()
+        self._follower = asyncio.get_running_loop().create_task(self._follow_log())
         self.startup = {"process_age_s": round(age_seconds(os.getpid()), 3),
                         "constructor_s": round(time.monotonic() - constructing, 3),
                         "cpu_s": round(cpu_seconds(os.getpid()), 3), "index_load_s": round(loaded_s, 3),
@@ -109,10 +119,22 @@ class ShardDeployment:
         if where is not None and not self.searcher.filter_ready(where):
             return None  # a new filter's first pass over the rows runs off the event loop
         faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
-        return encode_answer(*self.searcher.answer(decoded))
+        return encode_answer(*self.writes.answer(decoded))
 
     def _answer(self, query: bytes) -> bytes:
-        return encode_answer(*self.searcher.answer(ShardQuery.decode(query, self.bounds)))
+        return encode_answer(*self.writes.answer(ShardQuery.decode(query, self.bounds)))
+
+    async def _follow_log(self) -> None:
+        """Apply new writes while idle too, in the search thread: the next search finds less to do."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            try:
+                await loop.run_in_executor(self.executor, self.writes.catch_up)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a gap, a locked log: searches report it too, keep trying
+                logger.warning("write log: %s", exc)
 
     async def _announce(self, host: str, port: int) -> None:
         """Tell the index version's directory where this replica listens, again every few seconds
@@ -135,6 +157,7 @@ class ShardDeployment:
     async def __del__(self):
         """Serve's graceful shutdown (it awaits this): stop announcing, withdraw the directory entry
         so routers stop dialling this port (another process may take it once it is free), close."""
+        self._follower.cancel()
         if self._announcer is not None:
             self._announcer.cancel()
             try:
@@ -148,12 +171,11 @@ class ShardDeployment:
 
     def metadata(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """The metadata of those `ids` this shard holds (None for the others'); `include` answers."""
-        if self.metadata_table is None:
-            return [None] * len(ids)
-        return self.metadata_table.lookup(ids, columns)
+        return self.writes.lookup(ids, columns)
 
     def info(self) -> dict:
-        return {"name": self.searcher.name, "ntotal": int(self.searcher.index.ntotal),
+        return {"name": self.searcher.name, "ntotal": self.writes.live_rows(),
+                "log_position": self.writes.position,
                 "index_version": self.searcher.index_version, "node_id": self.node_id,
                 "startup": self.startup}
 

@@ -168,6 +168,15 @@ def _swap(args: argparse.Namespace) -> None:
           f"(generation {report['generation']}, {gate}, {report['seconds']})")
 
 
+def _compact(args: argparse.Namespace) -> None:
+    from index_build.compact import compact
+
+    manifest = compact(args.index_dir)
+    print(f"compacted {args.index_dir}: version {manifest.index_version} folds the write log up to "
+          f"position {manifest.log_position} ({manifest.num_vectors} vectors); a running server moves "
+          f"to it with: shardserve swap {args.index_dir} --address ADDRESS")
+
+
 # `shardserve plan`'s record when none is given: the one a checkout carries (an installed wheel has none).
 CHECKOUT_LAYOUTS = Path(__file__).resolve().parent.parent / "loadtests" / "records" / "layouts.json"
 
@@ -378,6 +387,10 @@ def parser() -> argparse.ArgumentParser:
     swap.add_argument("--keep-previous", action="store_true", help="keep the old version deployed")
     swap.add_argument("--rollback", action="store_true", help="serve the previous index again")
     swap.set_defaults(func=_swap)
+
+    cp = sub.add_parser("compact", help="fold the write log (upserts, deletes) into a new index version")
+    cp.add_argument("index_dir", help="the index directory the server writes to")
+    cp.set_defaults(func=_compact)
 
     pl = sub.add_parser("plan", help="capacity model from a layouts record: knee QPS per layout, "
                                      "layout for a target QPS")

@@ -4,6 +4,8 @@
     hits = client.search(vector, k=10, params={"nprobe": 16}, include=["caption"])
     hits.ids, hits.distances, hits.metadata
     many = client.search_batch(matrix, k=10)        # one Hits per row
+    client.upsert([70001, 70002], matrix[:2], metadata=[{"label": 3}, None])  # {"position": ...}
+    client.delete([70001])                           # a 200: durable, and seen by any later search
 
 `AsyncClient` has the same methods, awaited. Vectors go out as JSON (numpy arrays serialised by
 orjson); an answer that is not 200 raises `ApiError` carrying the server's message and the field it
@@ -75,6 +77,17 @@ def _batch(payload: dict) -> list[Hits]:
 _JSON = {"content-type": "application/json"}
 
 
+def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> bytes:
+    body: dict[str, Any] = {"ids": [int(i) for i in ids], "vectors": np.asarray(vectors, np.float32)}
+    if metadata is not None:
+        body["metadata"] = metadata
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _delete_body(ids: Any) -> bytes:
+    return orjson.dumps({"ids": [int(i) for i in ids]})
+
+
 class Client:
     """A blocking client of one shardserve endpoint. Arguments:
     url: the endpoint, e.g. http://127.0.0.1:8000.
@@ -97,6 +110,16 @@ class Client:
         """The k nearest neighbours of every row of `vectors`, in one request."""
         body = _body(vectors, "vectors", k, params, include, options)
         return _batch(_answer(self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
+        """Insert or replace points (ids int64 >= 0, one vector row each, metadata aligned or None).
+        Returns {"position", "upserted"} once the write is durable and visible to every later search."""
+        body = _upsert_body(ids, vectors, metadata)
+        return _answer(self._http.post("/v1/upsert", content=body, headers=_JSON))
+
+    def delete(self, ids: Any) -> dict:
+        """Delete points by id (an unknown id is no error). Returns {"position", "deleted"}."""
+        return _answer(self._http.post("/v1/delete", content=_delete_body(ids), headers=_JSON))
 
     def health(self) -> dict:
         return _answer(self._http.get("/v1/health"))
@@ -130,6 +153,13 @@ class AsyncClient:
                            include: list[str] | None = None, **options: Any) -> list[Hits]:
         body = _body(vectors, "vectors", k, params, include, options)
         return _batch(_answer(await self._http.post("/v1/search", content=body, headers=_JSON)))
+
+    async def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
+        body = _upsert_body(ids, vectors, metadata)
+        return _answer(await self._http.post("/v1/upsert", content=body, headers=_JSON))
+
+    async def delete(self, ids: Any) -> dict:
+        return _answer(await self._http.post("/v1/delete", content=_delete_body(ids), headers=_JSON))
 
     async def health(self) -> dict:
         return _answer(await self._http.get("/v1/health"))

@@ -81,6 +81,9 @@ class Manifest(_Strict):
     trained: ShardEntry | None = None
     # Per shard, its rows' metadata columns (shardserve.index.metadata), when the build was given some.
     metadata: list[MetadataEntry] | None = None
+    # The last write-log position this version includes (shardserve.writes.log): 0 for a build from
+    # data; a compacted version folds the log up to here, and its shards apply what follows.
+    log_position: int = Field(0, ge=0)
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str

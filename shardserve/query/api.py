@@ -93,3 +93,4 @@ class Limits:
     max_vectors: int
     max_work: int
     max_body_bytes: int
+    max_write_points: int = 1000

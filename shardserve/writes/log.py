@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
+from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
 
 SCHEMA_VERSION = 1
@@ -41,6 +43,7 @@ CREATE TABLE IF NOT EXISTS ops (
     PRIMARY KEY (position, seq)
 ) WITHOUT ROWID;
 """
+WRITE_LOG = "writes/log.sqlite"  # in the index directory, beside manifest.json and versions/
 BUSY_TIMEOUT_MS = 10_000  # a reader or a checkpoint holding a lock: wait, do not fail the write
 
 
@@ -51,9 +54,11 @@ class WriteLog:
     def __init__(self, path: str | Path, readonly: bool = False):
         self.path = Path(path)
         self.readonly = readonly
-        if readonly:
-            uri = f"file:{self.path}?mode=ro"
+        if readonly:  # read-write at the file level (a WAL reader may have to create the -shm
+            # file after a clean shutdown removed it), never creating the database, never writing
+            uri = f"file:{self.path}?mode=rw"
             self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA query_only = ON")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -121,10 +126,32 @@ class WriteLog:
         return list(requests.items())
 
     def last_position(self) -> int:
-        """The newest request's position (0: none ever), truncation or not."""
+        """The newest request's position (0: none ever, or the writer has not created the tables
+        yet), truncation or not."""
         with self._lock:
-            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
-        return 0 if row is None else int(row[0])
+            try:
+                rows = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchall()
+            except sqlite3.OperationalError as exc:  # a reader opened the file before its schema
+                if "no such table" not in str(exc):
+                    raise
+                return 0
+        # fetchall: the statement runs to its end, so its read transaction ends here, not at the next
+        return int(rows[0][0]) if rows else 0
+
+    def upserts_after(self, position: int) -> tuple[int, int]:
+        """(the newest position, how many upserts the requests past `position` hold, up to it): the
+        write backlog a served version has not folded in yet (one snapshot)."""
+        with self._lock:
+            cursor = self._db.cursor()
+            cursor.execute("BEGIN")
+            try:
+                row = cursor.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
+                last = 0 if row is None else int(row[0])
+                count = cursor.execute("SELECT count(*) FROM ops WHERE position > ? AND position <= ? "
+                                       "AND vector IS NOT NULL", (position, last)).fetchone()[0]
+            finally:
+                cursor.execute("COMMIT")
+        return last, int(count)
 
     def first_position(self) -> int | None:
         """The oldest request still kept (None: none kept). A replica that applied less than
@@ -146,6 +173,19 @@ class WriteLog:
                 if self._db.in_transaction:
                     cursor.execute("ROLLBACK")
                 raise
+
+
+def log_path(index: str) -> Path | None:
+    """Where the write log of the index at `index` (its directory, or one of its published version
+    directories) lives; None when the index is not on a local disk (the log needs one: WAL mode
+    shares memory between its processes, which network filesystems and object stores cannot)."""
+    local = Location.parse(index).local_path(MANIFEST)
+    if local is None:
+        return None
+    root = Path(local).resolve().parent
+    if root.parent.name == VERSIONS_DIR:  # a published version: the log is its index's
+        root = root.parent.parent
+    return root / WRITE_LOG
 
 
 def _row(seq: int, op: Op) -> tuple[int, int, bytes | None, bytes | None]:

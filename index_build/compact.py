@@ -1,0 +1,151 @@
+"""`shardserve compact INDEX`: fold the write log into a new immutable index version.
+
+The published version's shards, minus every id the log touched since its `log_position`, plus each
+id's latest upsert in the shard its id hashes to (shardserve.writes.route: where the served deltas
+hold it), with metadata to match. The result is published like a build (its own `versions/<id>/`,
+then one atomic replace of manifest.json) with `log_position` = the last request folded in, so a
+shard replica of it applies only what the log received afterwards: no write arriving during the
+compaction is lost, and none is applied twice.
+
+Why this is exact: an IVF shard gets each point with `add_with_ids`, which places it in its nearest
+list with the same quantizer and codes the served delta used (a copy of the trained empty index),
+and a flat shard stores vectors as they are: a search after the swap answers what it answered
+before it, at the same log position (tests/test_compact.py).
+
+The swap (`shardserve swap INDEX --address ...`) then moves a running server onto it with its
+recall gate. The log is kept whole: older versions on disk may still be served, and each needs the
+requests past its own position (truncation below the oldest kept version is not built yet).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+import time
+
+import faiss
+import numpy as np
+import pyarrow as pa
+
+from index_build.publish import TRAINED_FILE, write_file, write_shard
+from shardserve.errors import ShardserveError
+from shardserve.index.indexes import index_from_bytes
+from shardserve.index.manifest import (
+    VERSIONS_DIR,
+    BuildInfo,
+    Manifest,
+    MetadataEntry,
+    published,
+    read_manifest,
+    read_shard_checked,
+    write_manifest,
+)
+from shardserve.index.metadata import MetadataTable, write_metadata
+from shardserve.index.partition import Partition
+from shardserve.index.storage import Location
+from shardserve.writes.log import WriteLog, log_path
+from shardserve.writes.ops import Op, Upsert
+from shardserve.writes.route import WriteRoute
+
+
+def latest_ops(log: WriteLog, after: int, upto: int) -> dict[int, Op]:
+    """Each id's last operation among the log's requests (after, upto]."""
+    latest: dict[int, Op] = {}
+    position = after
+    while position < upto:
+        requests = log.read(position, 1000)
+        if not requests or requests[0][0] != position + 1:
+            raise ShardserveError(f"the write log no longer holds request {position + 1}: this version "
+                                  "cannot be compacted (a newer one already folded it)")
+        for number, ops in requests:
+            if number > upto:
+                return latest
+            for op in ops:
+                latest[op.id] = op
+            position = number
+    return latest
+
+
+def compact(index: str) -> Manifest:
+    """Publish a new version of `index` with its log folded in; return its (published) manifest.
+    Refused, changing nothing, when there is nothing to fold."""
+    started, location = time.perf_counter(), Location.parse(index)
+    current = read_manifest(location)
+    path = log_path(index)
+    if path is None or not path.exists():
+        raise ShardserveError(f"{index}: no write log (nothing was ever written): nothing to compact")
+    log = WriteLog(path, readonly=True)
+    try:
+        upto = log.last_position()
+        if upto <= current.log_position:
+            raise ShardserveError(f"{index}: version {current.index_version} already includes the whole "
+                                  f"log (position {upto}): nothing to compact")
+        latest = latest_ops(log, current.log_position, upto)
+    finally:
+        log.close()
+    touched = np.array(sorted(latest), np.int64)
+    upserts = [op for op in latest.values() if isinstance(op, Upsert)]
+    ids = np.array([op.id for op in upserts], np.int64)
+    vectors = (np.stack([op.vector for op in upserts]) if upserts
+               else np.zeros((0, current.dim), np.float32))
+    home = WriteRoute(Partition(len(current.shards))).shard_of(ids, vectors) if upserts else ids
+    created = dt.datetime.now(dt.UTC)
+    version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+    target = location.child(version_dir)
+    try:
+        target.fs.create_dir(target.root, recursive=True)
+        entries, metadata = [], []
+        for shard, entry in enumerate(current.shards):
+            mine = np.flatnonzero(home == shard)
+            index_ = _folded(index_from_bytes(read_shard_checked(location, entry)), touched,
+                             ids[mine], vectors[mine])
+            entries.append(write_shard(target, shard, index_))
+            if current.metadata is not None:
+                metadata.append(_folded_metadata(location, current.metadata[shard], target, shard,
+                                                 touched, [upserts[i] for i in mine.tolist()]))
+        trained = (write_file(target, TRAINED_FILE, read_shard_checked(location, current.trained), 0)
+                   if current.trained else None)
+        meta = metadata or None
+        manifest = Manifest(
+            index_version=Manifest.content_version(entries, current.index_factory, current.metric, meta),
+            dim=current.dim, metric=current.metric, index_factory=current.index_factory,
+            num_vectors=sum(e.num_vectors for e in entries), shards=entries, trained=trained,
+            metadata=meta, log_position=upto, dataset=current.dataset,
+            build=BuildInfo(params={**current.build.params, "compacted_from": current.index_version,
+                                    "log_from": current.log_position, "log_position": upto},
+                            seconds=round(time.perf_counter() - started, 3),
+                            ray_version=current.build.ray_version, faiss_version=faiss.__version__),
+            created_at=created.isoformat(timespec="seconds"))
+        write_manifest(target, manifest)
+        write_manifest(location, published(manifest, version_dir))
+    except BaseException:
+        target.delete_dir()  # only this compaction's directory: the published version is untouched
+        raise
+    return published(manifest, version_dir)
+
+
+def _folded(index: faiss.Index, touched: np.ndarray, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
+    """One shard's index minus the touched ids plus its upserts (a writable, in-memory copy)."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and ivf.direct_map.type != faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
+        ivf.set_direct_map_type(faiss.DirectMap.NoMap)  # type: ignore[attr-defined]  # rebuilt on load
+    try:
+        if len(touched):
+            index.remove_ids(faiss.IDSelectorBatch(touched))
+        if len(ids):
+            index.add_with_ids(np.ascontiguousarray(vectors, np.float32), ids)
+    except RuntimeError as exc:  # HNSW cannot remove: only a rebuild changes it
+        raise ShardserveError(f"compaction cannot change a {type(index).__name__} shard ({exc}): "
+                              "rebuild the index instead") from None
+    return index
+
+
+def _folded_metadata(location: Location, entry: MetadataEntry, target: Location, shard: int,
+                     touched: np.ndarray, upserts: list[Upsert]) -> MetadataEntry:
+    """One shard's metadata: its rows not touched, plus its upserts' (a missing column is null)."""
+    table = MetadataTable.load(location, entry)
+    keep = np.flatnonzero(~np.isin(table.ids, touched))
+    kept = table.table.take(pa.array(keep))
+    added = pa.Table.from_pylist([op.metadata or {} for op in upserts], schema=kept.schema)
+    ids = np.concatenate([table.ids[keep], np.array([op.id for op in upserts], np.int64)])
+    return write_metadata(target, shard, ids, pa.concat_tables([kept, added]))

@@ -1,0 +1,325 @@
+"""Acknowledged writes survive SIGKILLs, and a 200 is visible at once: the default `shardserve serve`
+under a steady load of single upserts, deletes and searches, while a shard replica, the router
+replica, or every process of the server is killed with SIGKILL (the whole server is then started
+again with the same command, on the same index directory).
+
+Throughout, each write's 200 is followed by a search on another connection: an upsert must be found
+by its own vector, a deleted id must be absent (read-your-writes). At the end, every acknowledged
+upsert still live is found by a search with its own vector, and no acknowledged delete comes back.
+A write whose answer never arrived (the process died first) is neither: it may or may not have
+been committed, and an id it touched is left out of both checks.
+
+    python -m loadtests.crash_writes --index indexes/fashion-mnist-ivf1024-4 --kills 5
+      -> loadtests/records/crash-writes.json
+
+tests/test_writes_served.py runs the same with one kill of each kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from shardserve.client import Client
+from shardserve.errors import ApiError
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.runtime import procfs
+from shardserve.runtime.ports import free_port
+
+RECORDS = Path(__file__).parent / "records"
+RUN_ENV = "SHARDSERVE_CRASH_RUN"  # every process a server starts inherits it: how kills find them
+NEW_IDS = 1 << 40  # upserted ids start here, far from any base row number
+KINDS = ("shard", "router", "server")
+
+
+class Server:
+    """One `shardserve serve` (the default command) in its own session, its processes marked."""
+
+    def __init__(self, index: Path, port: int, log: Path):
+        self.run, self.port, self.index = uuid.uuid4().hex, port, index
+        self._log = log.open("a")
+        exe = Path(sys.executable).parent / "shardserve"
+        self.process = subprocess.Popen([str(exe), "serve", str(index), "--port", str(port)],
+                                        env={**os.environ, "RAY_ADDRESS": "", RUN_ENV: self.run},
+                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def pids(self) -> list[int]:
+        return [pid for pid in procfs.pids_with_environment(RUN_ENV, self.run) if procfs.alive(pid)]
+
+    def replica(self, deployment: bytes) -> int | None:
+        """The pid of a Serve replica of `deployment` (b"Router", b"shard-000") of this server."""
+        for pid in self.pids():
+            command = procfs.cmdline(pid).split(b"\0", 1)[0]
+            if command.startswith(b"ray::ServeReplica:") and command.rsplit(b":", 1)[-1] == deployment:
+                return pid
+        return None
+
+    def wait_healthy(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.process.returncode}: see {self._log.name}")
+            try:
+                if httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.url} not healthy after {timeout_s} s")
+
+    def kill_all(self) -> int:
+        """SIGKILL every process of the server at once (the command, Ray, the edge); wait until gone."""
+        pids = self.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return len(pids)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            procfs.interrupt(self.process, timeout_s=60)
+        procfs.stop(self.pids(), grace_s=5)
+        self._log.close()
+
+
+@dataclass
+class Ledger:
+    """What the writer was told: acknowledged upserts (id -> vector), acknowledged deletes, and the
+    ids an unanswered write touched (unknown: left out of every check)."""
+
+    upserted: dict[int, np.ndarray] = field(default_factory=dict)
+    deleted: dict[int, np.ndarray] = field(default_factory=dict)  # id -> the vector it had
+    unknown: set[int] = field(default_factory=set)
+    # right after each 200, was the id among its vector's top 10 (None: that search failed, a kill)
+    seen_at_once: list[bool | None] = field(default_factory=list)  # upserts
+    gone_at_once: list[bool | None] = field(default_factory=list)  # deletes
+    refused: dict[str, int] = field(default_factory=dict)
+    acks: int = 0  # 200s so far, of either kind
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def acked(self) -> int:
+        return self.acks
+
+
+class Load:
+    """One writer (single upserts, every 4th op a delete of an earlier upsert or of a base row) and
+    one searcher, each on its own connection, until stopped."""
+
+    def __init__(self, url: str, dim: int, base: np.ndarray, seed: int = 0):
+        self.url, self.dim, self.base = url, dim, base
+        self.ledger, self.stopping = Ledger(), threading.Event()
+        self.rng = np.random.default_rng(seed)
+        self.next_id, self.searches = NEW_IDS, 0
+        self.threads = [threading.Thread(target=self._write, daemon=True),
+                        threading.Thread(target=self._search, daemon=True)]
+
+    def start(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+    def wait_acked(self, more: int, timeout_s: float = 600) -> None:
+        """Until `more` writes past now are acknowledged (writes resumed after a kill)."""
+        target, deadline = self.ledger.acked() + more, time.monotonic() + timeout_s
+        while self.ledger.acked() < target:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"writes did not resume: {self.ledger.acked()} of {target} acknowledged")
+            time.sleep(0.05)
+
+    def _write(self) -> None:
+        writer, reader = Client(self.url, timeout_s=30), Client(self.url, timeout_s=30)
+        ops = 0
+        while not self.stopping.is_set():
+            ops += 1
+            if ops % 4 == 0:
+                self._delete_one(writer, reader)
+            else:
+                self._upsert_one(writer, reader)
+
+    def _upsert_one(self, writer: Client, reader: Client) -> None:
+        id_, self.next_id = self.next_id, self.next_id + 1
+        vector = (self.base[self.rng.integers(len(self.base))]
+                  + self.rng.normal(0, 8, self.dim)).astype(np.float32)
+        if not self._acked(lambda: writer.upsert([id_], vector[None]), id_):
+            return
+        with self.ledger.lock:
+            self.ledger.upserted[id_] = vector
+        self.ledger.seen_at_once.append(self._found(reader, vector, id_))
+
+    def _delete_one(self, writer: Client, reader: Client) -> None:
+        with self.ledger.lock:
+            earlier = [i for i in self.ledger.upserted if i not in self.ledger.unknown]
+        if earlier and self.rng.random() < 0.5:
+            id_ = int(earlier[self.rng.integers(len(earlier))])
+            vector = self.ledger.upserted[id_]
+        else:  # a base row
+            id_ = int(self.rng.integers(len(self.base)))
+            vector = self.base[id_]
+        if id_ in self.ledger.deleted or not self._acked(lambda: writer.delete([id_]), id_):
+            return
+        with self.ledger.lock:
+            self.ledger.upserted.pop(id_, None)
+            self.ledger.deleted[id_] = vector
+        self.ledger.gone_at_once.append(self._found(reader, vector, id_))
+
+    def _acked(self, send, id_: int) -> bool:
+        try:
+            send()
+            self.ledger.acks += 1
+            return True
+        except ApiError as error:  # refused before the log: nothing written (503 while restarting)
+            self._refused(str(error.status))
+        except httpx.ConnectError:  # never sent: nothing written (the server is down)
+            self._refused("no connection")
+            time.sleep(0.05)
+        except httpx.HTTPError:  # no answer: it may or may not have been committed
+            with self.ledger.lock:
+                self.ledger.unknown.add(id_)
+                self.ledger.upserted.pop(id_, None)
+                self.ledger.deleted.pop(id_, None)
+            time.sleep(0.05)
+        return False
+
+    def _refused(self, why: str) -> None:
+        self.ledger.refused[why] = self.ledger.refused.get(why, 0) + 1
+
+    @staticmethod
+    def _found(reader: Client, vector: np.ndarray, id_: int) -> bool | None:
+        """Is `id_` among the top 10 of its own vector (None: the search failed, a kill meanwhile)."""
+        try:
+            return bool(id_ in reader.search(vector, k=10, require_full=True).ids)
+        except (ApiError, httpx.HTTPError):
+            return None
+
+    def _search(self) -> None:
+        reader = Client(self.url, timeout_s=30)
+        while not self.stopping.is_set():
+            try:
+                reader.search(self.base[self.rng.integers(len(self.base))], k=10)
+                self.searches += 1
+            except (ApiError, httpx.HTTPError):
+                time.sleep(0.05)
+
+
+def check(url: str, ledger: Ledger) -> dict:
+    """After the kills: every acknowledged upsert still live found by its own vector, no
+    acknowledged delete answered (ids an unanswered write touched are left out)."""
+    client = Client(url, timeout_s=120)
+    live = {i: v for i, v in ledger.upserted.items() if i not in ledger.unknown}
+    lost, top1 = [], 0
+    items = list(live.items())
+    for start in range(0, len(items), 256):
+        chunk = items[start:start + 256]
+        hits = client.search_batch(np.stack([v for _, v in chunk]), k=10, require_full=True)
+        for (id_, _), found in zip(chunk, hits, strict=True):
+            lost += [] if id_ in found.ids else [id_]
+            top1 += int(len(found.ids) > 0 and found.ids[0] == id_)
+    gone = sorted(set(ledger.deleted) - ledger.unknown)
+    returned = []
+    for start in range(0, len(gone), 256):
+        ids = gone[start:start + 256]
+        hits = client.search_batch(np.stack([ledger.deleted[id_] for id_ in ids]), k=10, require_full=True)
+        returned += [id_ for id_, found in zip(ids, hits, strict=True) if id_ in found.ids]
+    return {"upserts_checked": len(live), "upserts_lost": lost, "upserts_top1": top1,
+            "deletes_checked": len(gone), "deletes_returned": returned}
+
+
+def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None = None,
+        port: int | None = None) -> dict:
+    """`kills` of each kind in turn, `writes_between` acknowledged writes before each kill and after
+    each recovery; returns the record."""
+    from shardserve.data.datasets import load_dataset
+
+    manifest = read_manifest(Location.parse(str(index)))
+    base = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, **manifest.dataset.columns()).base
+    work = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"crash-writes-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    server = Server(index, port, work / "serve.log")
+    events: list[dict] = []
+    load: Load | None = None
+    try:
+        server.wait_healthy()
+        load = Load(server.url, manifest.dim, base).start()
+        load.wait_acked(writes_between)
+        for round_ in range(kills):
+            for kind in KINDS:
+                acked = load.ledger.acked()
+                started = time.monotonic()
+                if kind == "server":
+                    killed = server.kill_all()
+                    server = Server(index, port, work / "serve.log")
+                    server.wait_healthy()
+                else:
+                    pid = server.replica(b"Router" if kind == "router" else b"shard-000")
+                    if pid is None:
+                        raise RuntimeError(f"no {kind} replica to kill")
+                    os.kill(pid, signal.SIGKILL)
+                    killed = 1
+                load.wait_acked(writes_between)
+                events.append({"round": round_, "kind": kind, "processes_killed": killed,
+                               "acked_before": acked, "acked_after": load.ledger.acked(),
+                               "writes_resumed_after_s": round(time.monotonic() - started, 2)})
+        load.stop()
+        checked = check(server.url, load.ledger)
+    finally:
+        if load is not None:
+            load.stop()
+        server.stop()
+    ledger = load.ledger
+    return {
+        "name": "crash-writes", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "index": manifest.index_version, "command": f"shardserve serve {index} --port PORT",
+        "kills": events, "upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
+        "unknown": len(ledger.unknown), "refused": ledger.refused, "searches": load.searches,
+        "read_your_writes": {
+            "upserts_found": sum(x is True for x in ledger.seen_at_once),
+            "upserts_missed": sum(x is False for x in ledger.seen_at_once),
+            "deletes_absent": sum(x is False for x in ledger.gone_at_once),
+            "deletes_found": sum(x is True for x in ledger.gone_at_once),
+            "searches_failed": sum(x is None for x in ledger.seen_at_once + ledger.gone_at_once)},
+        **checked,
+    }
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--index", required=True)
+    cli.add_argument("--kills", type=int, default=5, help="kills of each kind")
+    cli.add_argument("--writes-between", type=int, default=30)
+    cli.add_argument("--out", default=str(RECORDS / "crash-writes.json"))
+    args = cli.parse_args()
+    record = run(Path(args.index), args.kills, args.writes_between)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "kills"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

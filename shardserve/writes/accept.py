@@ -1,0 +1,80 @@
+"""The router's write path, plain Python: a write request's body checked against the served index
+(shardserve.query.parse_writes), the backlog bounded, the request appended to the log, the answer.
+
+A 200 is sent only once `WriteLog.append` returned: the request is committed and fsynced, so it
+survives a SIGKILL of any process or a power cut, and every shard replica applies it before its next
+answer (shardserve.writes.follow). Nothing before the append changes any state: a refused request
+(422, 503) left nothing behind.
+
+Backpressure: every upsert since the served version's `log_position` sits in some shard's delta
+(memory) until compaction folds it into a new version. The router refuses an upsert that would
+take the log's backlog past one delta's bound (a bound on the largest delta whatever the dealing:
+a delta holds at most every upsert), with a 503 + Retry-After; deletes are always taken (a
+tombstone is a bit per base row, bounded by the base).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from shardserve.index.manifest import Manifest
+from shardserve.query.api import ApiError
+from shardserve.query.parse_writes import parse_delete, parse_upsert
+from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.log import WriteLog
+from shardserve.writes.ops import Op, Upsert
+
+MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
+
+
+class WriteFront:
+    """`upsert(body, manifest)` / `delete(body, manifest)` → the JSON answer, or ApiError. Blocking
+    (parsing and the log's fsync): the router calls it from a thread. `path` None: the index is not
+    on a local disk, and writes are refused with a 501 saying so."""
+
+    def __init__(self, path: Path | None, max_points: int = MAX_WRITE_POINTS,
+                 max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1):
+        self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
+        self.retry_after_s = retry_after_s
+        self._log: WriteLog | None = None
+        self._lock = threading.Lock()
+        self._counted: tuple[int, int, int] = (-1, 0, 0)  # (base position, counted up to, upserts)
+
+    def upsert(self, body: bytes, manifest: Manifest) -> dict:
+        ops = parse_upsert(body, manifest.dim, manifest.metric, manifest.dataset.metadata_kinds,
+                           self.max_points)
+        return {"position": self._append(ops, manifest), "upserted": len(ops)}
+
+    def delete(self, body: bytes, manifest: Manifest) -> dict:
+        ops = parse_delete(body, self.max_points)
+        return {"position": self._append(ops, manifest), "deleted": len(ops)}
+
+    def backlog(self, base_position: int) -> int:
+        """Upserts in the log past `base_position` (counted incrementally; caller holds _lock)."""
+        assert self._log is not None
+        base, counted_to, upserts = self._counted
+        if base != base_position:
+            counted_to, upserts = base_position, 0
+        last, more = self._log.upserts_after(counted_to)
+        self._counted = (base_position, last, upserts + more)
+        return upserts + more
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+    def _append(self, ops: Sequence[Op], manifest: Manifest) -> int:
+        if self.path is None:
+            raise ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "
+                                      "file beside its manifest): this index is on remote storage")
+        with self._lock:
+            if self._log is None:
+                self._log = WriteLog(self.path)
+            adding = sum(isinstance(op, Upsert) for op in ops)
+            if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
+                raise ApiError(503, None, f"write backlog full: {self.max_backlog} upserts wait to be "
+                                          "compacted into a new index version (`shardserve compact`)",
+                               self.retry_after_s)
+            return self._log.append(list(ops))

@@ -1,0 +1,131 @@
+"""The write path without Ray: the router's WriteFront (backpressure, nothing half-written), a shard
+replica following the log (ShardWrites), and compaction, whose version answers exactly what the
+base plus the log answered at the same log position."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from index_build.compact import compact
+from index_build.job import build_index
+from serving.evaluate import sharded_search
+from shardserve.errors import ApiError, ShardserveError
+from shardserve.index.assigner import load_assigner
+from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
+from shardserve.index.storage import Location
+from shardserve.query.filters import check_filter
+from shardserve.query.searcher import ShardSearcher
+from shardserve.writes.accept import WriteFront
+from shardserve.writes.follow import LogGap, ShardWrites
+from shardserve.writes.log import WriteLog, log_path
+from tests.shared import DIM, ROWS, source_id, write_parquet
+
+
+@pytest.fixture()
+def index(tmp_path: Path) -> Path:
+    source = write_parquet(tmp_path / "emb")
+    build_index(str(source), 2, "IVF32,Flat", str(tmp_path / "idx"), backend="local", vector_column="emb",
+                id_column="doc_id", metadata_columns=["caption"])
+    return tmp_path / "idx"
+
+
+def _replicas(index: Path) -> tuple[Manifest, list[ShardWrites]]:
+    """Each shard as a replica serves it: the published version's base plus the log past it."""
+    location = Location.parse(str(index))
+    manifest = read_manifest(location)
+    trained = manifest.trained
+    shards = len(manifest.shards)
+    return manifest, [ShardWrites(ShardSearcher.load(location, manifest, s, mmap=True), s, shards,
+                                  log_path(str(index)), manifest.log_position,
+                                  lambda: read_shard_checked(location, trained) if trained else None)
+                      for s in range(shards)]
+
+
+def _body(ids: list[int], vectors: np.ndarray, captions: list[str] | None = None) -> bytes:
+    payload: dict = {"ids": ids, "vectors": vectors.tolist()}
+    if captions is not None:
+        payload["metadata"] = [{"caption": c} for c in captions]
+    return orjson.dumps(payload)
+
+
+def _writes(front: WriteFront, manifest: Manifest, rng: np.random.Generator) -> None:
+    """New ids, overwrites of base rows (with new captions), deletes of base rows and of new ids."""
+    for round_ in range(30):
+        new = [(1 << 50) + 10 * round_ + i for i in range(5)]
+        vectors = rng.normal(0, 1, (5, DIM)).astype(np.float32) + rng.integers(0, 6000)
+        front.upsert(_body(new, vectors, [f"new {i}" for i in new]), manifest)
+        rows = rng.choice(ROWS, 6, replace=False)
+        base = [int(i) for i in source_id(rows)]
+        front.upsert(_body(base[:3], rng.normal(0, 3, (3, DIM)).astype(np.float32) + 3000,
+                           ["moved"] * 3), manifest)
+        front.delete(orjson.dumps({"ids": base[3:] + new[:2]}), manifest)
+
+
+def test_compaction_answers_what_base_plus_log_answered(index: Path) -> None:
+    rng = np.random.default_rng(11)
+    manifest, before = _replicas(index)
+    front = WriteFront(log_path(str(index)))
+    _writes(front, manifest, rng)
+    queries = rng.normal(0, 2, (40, DIM)).astype(np.float32) + rng.integers(0, 6000, (40, 1))
+    queries[:, 0] = rng.integers(0, 6000, 40)
+    assigner = load_assigner(str(index))
+    where = check_filter({"caption": "moved"}, manifest.dataset.metadata_kinds)
+    served = sharded_search(before, queries, 10, {"nprobe": 8}, manifest.metric, assigner)
+    filtered = {"nprobe": 8, "filter": where}
+    served_moved = sharded_search(before, queries, 10, filtered, manifest.metric, assigner)
+    assert all(len(set(ids[ids >= 0].tolist())) == len(ids[ids >= 0]) for ids in served[1])  # once each
+
+    compacted = compact(str(index))
+    assert compacted.log_position == WriteLog(log_path(str(index)), readonly=True).last_position() == 90
+    assert compacted.build.params["compacted_from"] == manifest.index_version
+    new_manifest, after = _replicas(index)
+    assert new_manifest.index_version == compacted.index_version and all(r.delta is None for r in after)
+    assert all(r.catch_up() == 90 and r.delta is None for r in after)  # nothing past its position
+    folded = sharded_search(after, queries, 10, {"nprobe": 8}, manifest.metric, assigner)
+    np.testing.assert_array_equal(folded[1], served[1])
+    np.testing.assert_allclose(folded[0], served[0], rtol=1e-5)
+    folded_moved = sharded_search(after, queries, 10, filtered, manifest.metric, assigner)
+    np.testing.assert_array_equal(folded_moved[1], served_moved[1])
+    assert (served_moved[1] >= 0).sum() > 0
+    # metadata: the overwrites' captions, the deletes gone, in the compacted files
+    lookups = [r.lookup([int(i) for i in served_moved[1][0] if i >= 0], ["caption"]) for r in after]
+    assert all(row is None or row == {"caption": "moved"} for rows in lookups for row in rows)
+    with pytest.raises(ShardserveError, match="nothing to compact"):
+        compact(str(index))
+
+
+def test_the_write_backlog_is_bounded_and_a_refusal_writes_nothing(index: Path) -> None:
+    manifest = read_manifest(Location.parse(str(index)))
+    front = WriteFront(log_path(str(index)), max_backlog=3)
+    vectors = np.ones((2, DIM), np.float32)
+    assert front.upsert(_body([1, 2], vectors), manifest) == {"position": 1, "upserted": 2}
+    with pytest.raises(ApiError) as full:
+        front.upsert(_body([3, 4], vectors), manifest)
+    assert full.value.status == 503 and full.value.retry_after == 1
+    assert front.delete(orjson.dumps({"ids": [1]}), manifest) == {"position": 2, "deleted": 1}  # deletes pass
+    with pytest.raises(ApiError) as bad:
+        front.upsert(_body([5], np.ones((1, DIM + 1), np.float32)), manifest)
+    assert bad.value.status == 422 and bad.value.field == "vectors"
+    assert WriteLog(log_path(str(index)), readonly=True).last_position() == 2  # the refused: nowhere
+    with pytest.raises(ApiError) as remote:
+        WriteFront(None).upsert(_body([1], vectors[:1]), manifest)
+    assert remote.value.status == 501
+
+
+def test_a_replica_applies_nothing_until_written_and_refuses_a_truncated_log(index: Path) -> None:
+    manifest, [replica, _] = _replicas(index)
+    assert replica.catch_up() == 0 and replica.delta is None  # no log at all: the base alone
+    front = WriteFront(log_path(str(index)))
+    front.delete(orjson.dumps({"ids": [int(source_id(np.array([0]))[0])]}), manifest)
+    assert replica.catch_up() == 1 and replica.delta is not None
+    assert replica.live_rows() == int(replica.searcher.index.ntotal) - len(replica.delta.tombstones)
+    _, [late, _] = _replicas(index)
+    front.delete(orjson.dumps({"ids": [5]}), manifest)
+    WriteLog(log_path(str(index))).truncate_below(2)
+    with pytest.raises(LogGap, match="starts at request 2"):
+        late.catch_up()
+    assert replica.catch_up() == 2  # it had request 1 already: the rest is there

@@ -1,0 +1,149 @@
+"""Online writes through real Serve over HTTP: a 200 is durable and visible to the next search
+through any replica, an id is answered at most once with its latest vector and metadata, a deleted
+id never comes back (under a filter, after a SIGKILL of any process, after a restart), and a refused
+write leaves nothing behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from index_build.job import build_index
+from loadtests.crash_writes import KINDS
+from loadtests.crash_writes import run as crash_run
+from shardserve.client import AsyncClient, Client
+from shardserve.data.datasets import load_dataset
+from shardserve.errors import ApiError
+from tests.conftest import SERVE_PORT as PORT
+from tests.shared import DIM, write_parquet
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def writable(ray_cluster, tmp_path_factory: pytest.TempPathFactory):
+    """A 2-shard IVF index with a `caption` column, 2 replicas per shard, served under /writes."""
+    from deployments.run import deploy, undeploy
+
+    root = tmp_path_factory.mktemp("writes")
+    source = write_parquet(root / "emb")
+    build_index(str(source), 2, "IVF32,Flat", str(root / "idx"), backend="local", vector_column="emb",
+                id_column="doc_id", metadata_columns=["caption"])
+    url = deploy(str(root / "idx"), port=PORT, app_name="writes", route_prefix="/writes",
+                 replicas_per_shard=2, shard_num_cpus=0.1, router_num_cpus=0.1, warm_workers=0)
+    data = load_dataset(str(source), vector_column="emb", id_column="doc_id")
+    yield url, data
+    undeploy("writes")
+
+
+def _vector(rng: np.random.Generator) -> np.ndarray:
+    return rng.normal(0, 3, DIM).astype(np.float32)
+
+
+def test_a_write_is_seen_by_the_next_search_on_any_replica(writable) -> None:
+    url, data = writable
+    rng = np.random.default_rng(3)
+    with Client(url) as writer, Client(url) as reader:
+        summary = reader.index()
+        assert summary["max_write_points"] == 1000 and summary["metadata_kinds"] == {"caption": "string"}
+        new, vector = 7 << 50, _vector(rng)
+        first = writer.upsert([new], vector[None], metadata=[{"caption": "fresh"}])
+        assert first["upserted"] == 1 and first["position"] >= 1
+        for _ in range(12):  # 2 replicas per shard: each answers some of these
+            hits = reader.search(vector, k=5, include=["caption"])
+            assert hits.ids[0] == new and hits.metadata[0] == {"caption": "fresh"}
+        hits = reader.search(vector, k=5, filter={"caption": "fresh"})
+        assert hits.ids.tolist() == [new] and hits.extra["matched"] == 1
+
+        # an overwrite of a base row: answered once, with its new vector and metadata
+        base_id = int(reader.search(data.queries[0], k=1).ids[0])
+        moved = _vector(rng) + 40.0
+        second = writer.upsert([base_id], moved[None], metadata=[{"caption": "moved"}])
+        assert second["position"] > first["position"]
+        hits = reader.search(moved, k=5, include=["caption"])
+        assert hits.ids[0] == base_id and hits.metadata[0] == {"caption": "moved"}
+        assert hits.distances[0] == pytest.approx(0.0, abs=1e-3)
+        everywhere = reader.search(data.queries[0], k=100)
+        assert len(set(everywhere.ids.tolist())) == len(everywhere.ids)  # never twice
+        assert reader.search(data.queries[0], k=100, filter={"caption": "moved"}).ids.tolist() \
+            == [base_id]
+
+        # deletes: gone at once, under a filter too
+        gone = writer.delete([new, base_id])
+        assert gone == {"position": second["position"] + 1, "deleted": 2}
+        for _ in range(6):
+            assert new not in reader.search(vector, k=10).ids
+            assert base_id not in reader.search(moved, k=10).ids
+        either = {"caption": {"$in": ["fresh", "moved"]}}
+        assert reader.search(vector, k=5, filter=either).ids.size == 0
+
+
+def test_a_refused_write_leaves_nothing_behind(writable) -> None:
+    """Each bad write is a 422 naming its field, and the next good one takes the very next log
+    position: nothing of the refused ones reached the log."""
+    url, _ = writable
+    rng = np.random.default_rng(4)
+    with Client(url) as client:
+        before = client.upsert([9 << 50], _vector(rng)[None])["position"]
+        bad = [
+            ({"ids": [1], "vectors": [[0.0] * (DIM + 1)]}, "vectors"),
+            ({"ids": [1, 1], "vectors": [[0.0] * DIM] * 2}, "ids"),
+            ({"ids": [-1], "vectors": [[0.0] * DIM]}, "ids"),
+            ({"ids": [2**63], "vectors": [[0.0] * DIM]}, "ids"),
+            ({"ids": [1], "vectors": [[0.0] * DIM], "metadata": [{"nope": 1}]}, "metadata"),
+            ({"ids": [1], "vectors": [[0.0] * DIM], "metadata": [{"caption": 3}]}, "metadata"),
+            ({"ids": list(range(1001)), "vectors": [[0.0] * DIM] * 1001}, "ids"),
+            ({"ids": [1], "vectors": [[0.0] * DIM], "wait": "maybe"}, "wait"),
+        ]
+        for body, field in bad:
+            answer = httpx.post(f"{url}/v1/upsert", content=orjson.dumps(body), timeout=30)
+            assert answer.status_code == 422 and answer.json()["field"] == field, (body, answer.text)
+        nan = httpx.post(f"{url}/v1/upsert", content=b'{"ids": [1], "vectors": [[NaN' + b', 0' * (DIM - 1)
+                         + b']]}', timeout=30)
+        assert nan.status_code == 422 and nan.json()["field"] == "vectors"
+        with pytest.raises(ApiError) as refused:
+            client.delete([])
+        assert refused.value.status == 422 and refused.value.field == "ids"
+        after = client.upsert([10 << 50], _vector(rng)[None])["position"]
+        assert after == before + 1
+
+
+def test_the_async_client_writes_too(writable) -> None:
+    import asyncio
+
+    url, _ = writable
+    vector = _vector(np.random.default_rng(5)) + 80.0
+
+    async def round_trip() -> tuple[dict, list[int], dict, list[int]]:
+        async with AsyncClient(url) as client:
+            done = await client.upsert([11 << 50], vector[None])
+            found = (await client.search(vector, k=3)).ids.tolist()
+            gone = await client.delete([11 << 50])
+            return done, found, gone, (await client.search(vector, k=3)).ids.tolist()
+
+    done, found, gone, after = asyncio.run(round_trip())
+    assert done["upserted"] == 1 and found[0] == 11 << 50
+    assert gone["deleted"] == 1 and (11 << 50) not in after
+
+
+@pytest.mark.haproxy
+def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_and_the_whole_server(
+        tmp_path: Path) -> None:
+    """The default `shardserve serve` under single upserts, deletes and searches; one SIGKILL of a
+    shard replica, of the router replica, and of every process of the server (then started again on
+    the same index directory): every acknowledged upsert is found by its own vector, no acknowledged
+    delete comes back, and each 200 was seen by a search on another connection right after it."""
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    record = crash_run(index, kills=1, writes_between=20, work=tmp_path / "work")
+    assert [event["kind"] for event in record["kills"]] == list(KINDS)
+    assert all(event["acked_after"] >= event["acked_before"] + 20 for event in record["kills"])
+    assert record["upserts_checked"] > 0 and record["deletes_checked"] > 0
+    assert record["upserts_lost"] == [] and record["deletes_returned"] == []
+    seen = record["read_your_writes"]
+    assert seen["upserts_found"] > 0 and seen["upserts_missed"] == 0, seen
+    assert seen["deletes_absent"] > 0 and seen["deletes_found"] == 0, seen
