@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -99,6 +99,26 @@ SOAK_SECONDS ?= 600
 bench-soak: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.soak --index $(INDEX) --duration $(SOAK_SECONDS)
 
+# The peer the write benchmark compares with: Chroma's server, in its own venv (its dependencies
+# are not Ray's), pinned.
+PEER_VENV := .venv-peer
+peer: $(PEER_VENV)/bin/chroma
+$(PEER_VENV)/bin/chroma:
+	$(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q chromadb==1.5.9
+
+# Online writes on the default `shardserve serve` beside Chroma's server, same base, one run:
+# loadtests/records/bench-writes.json.
+bench-writes: install data vegeta haproxy peer $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.bench_writes --index $(INDEX)
+
+# SIGKILLs of a shard replica, the router and the whole server under single writes (5 each), on a
+# copy of the index: loadtests/records/crash-writes.json.
+bench-crash: install data haproxy $(INDEX)/manifest.json
+	rm -rf $(INDEX)-crash && cp -r $(INDEX) $(INDEX)-crash
+	$(BIN)/python -m loadtests.crash_writes --index $(INDEX)-crash --kills 5
+	rm -rf $(INDEX)-crash
+
 # Filtered search on the default `shardserve serve`: recall and req/s at 32 clients per selectivity
 # (Fashion-MNIST's labels): loadtests/records/bench-filter.json.
 bench-filter: install data vegeta haproxy $(INDEX)/manifest.json
@@ -110,4 +130,4 @@ bench-scale: install
 	$(BIN)/python -m loadtests.bench_scale
 
 clean:
-	rm -rf $(VENV) .bin indexes
+	rm -rf $(VENV) $(PEER_VENV) .bin indexes

@@ -61,6 +61,30 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
                        request.headers.get("content-type", "")), root
 
 
+async def _first_index(control: DeploymentHandle, replica_id: str, args: AppArgs, app_name: str,
+                       use_links: bool) -> IndexSet:
+    """What a starting replica serves: the pointer's version (a replica started after a swap), or
+    the configured index when the pointer cannot be reached."""
+    try:
+        p = await asyncio.wait_for(control.poll.remote(replica_id, -1, 0), 10.0)
+        return await IndexSet.load(p["generation"], p["index"], p["app"], use_links)
+    except Exception as exc:
+        logger.warning("index pointer not reachable (%s): serving the configured index", exc)
+        return await IndexSet.load(0, args.index, index_app_name(app_name), use_links)
+
+
+async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
+    """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
+    started, status = time.perf_counter(), 200
+    try:
+        return _json(await router.writes.accept(request.body, upsert, router.active.manifest))
+    except ApiError as error:
+        status = error.status
+        return _error(error)
+    finally:
+        router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+
+
 @serve.deployment(max_ongoing_requests=512)
 class Router(ReportsCoresWanted):
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
@@ -70,19 +94,12 @@ class Router(ReportsCoresWanted):
         self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes, a.max_write_points)
         self.control, self.use_links = control, a.shard_transport == "link"
         self.replica_id = (context := serve.get_replica_context()).replica_id.unique_id
-        try:  # a replica started after a swap serves the pointer's version, not the config's
-            p = await asyncio.wait_for(self.control.poll.remote(self.replica_id, -1, 0), 10.0)
-            self.active = await IndexSet.load(p["generation"], p["index"], p["app"], self.use_links)
-        except Exception as exc:
-            logger.warning("index pointer not reachable (%s): serving the configured index", exc)
-            self.active = await IndexSet.load(0, a.index, index_app_name(context.app_name), self.use_links)
+        self.active = await _first_index(control, self.replica_id, a, context.app_name, self.use_links)
         self.metrics = RouterMetrics(context.app_name)
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
-        # writes: parsed and appended to the log (an fsync) in their own thread, in arrival order
         self.writes = WriteFront(log_path(a.index), a.max_write_points, retry_after_s=a.retry_after_s)
-        self.write_executor, self.writes_in_flight = ThreadPoolExecutor(1, "writes"), 0
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
@@ -110,7 +127,7 @@ class Router(ReportsCoresWanted):
         if route == "/v1/search" and method == "POST":
             return await self.search(request)
         if route in ("/v1/upsert", "/v1/delete") and method == "POST":
-            return await self.write(request, route == "/v1/upsert")
+            return await _write(self, request, route == "/v1/upsert")
         if method == "GET" and route == "/v1/health":
             return await self.health()
         if method == "GET" and route == "/v1/index":
@@ -150,28 +167,6 @@ class Router(ReportsCoresWanted):
                 self.in_flight -= 1
                 self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.observe_request(started, status)
-
-    async def write(self, request: HttpRequest, upsert: bool) -> Reply:
-        """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
-        started, status = time.perf_counter(), 200
-        try:
-            if self.writes_in_flight >= self.args.max_in_flight:
-                raise ApiError(503, None, f"overloaded: {self.writes_in_flight} writes in flight",
-                               self.args.retry_after_s)
-            self.writes_in_flight += 1
-            try:
-                accept = self.writes.upsert if upsert else self.writes.delete
-                manifest = self.active.manifest  # the served version: its dim, columns, log position
-                answer = await asyncio.get_running_loop().run_in_executor(
-                    self.write_executor, accept, request.body, manifest)
-            finally:
-                self.writes_in_flight -= 1
-            return _json(answer)
-        except ApiError as error:
-            status = error.status
-            return _error(error)
-        finally:
-            self.metrics.observe_request(started, status, "upsert" if upsert else "delete")
 
     async def health(self) -> Reply:
         """200 when every shard of the served index answers, else 503 with Retry-After."""

@@ -43,12 +43,14 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
                 ) -> tuple[np.ndarray, Dataset, np.ndarray]:
     """Eval's queries and exact ground truth of the data the index was built from (checked by
     fingerprint, so a gate can never grade an index against the wrong data)."""
-    dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=manifest.num_vectors,
-                           **manifest.dataset.columns())
+    # a compacted version (index_build.compact) is graded against the data its lineage was built
+    # from: the rows writes deleted or moved then count as misses, so heavy churn lowers its recall
+    rows = int(manifest.build.params.get("dataset_rows", manifest.num_vectors))
+    dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=rows, **manifest.dataset.columns())
     if dataset.fingerprint() != manifest.dataset.fingerprint:
         raise ShardserveError(
             f"the recall gate needs the dataset the index was built from ({manifest.dataset.name}, "
-            f"{manifest.num_vectors} vectors): pass it with --dataset")
+            f"{rows} vectors): pass it with --dataset")
     dataset = graded_as(dataset, manifest.metric)  # after the fingerprint check: that is the data's
     truth = ground_truth(dataset)[:queries]
     own = None if dataset.query_rows is None else dataset.query_rows[:queries]

@@ -13,8 +13,10 @@ and a flat shard stores vectors as they are: a search after the swap answers wha
 before it, at the same log position (tests/test_compact.py).
 
 The swap (`shardserve swap INDEX --address ...`) then moves a running server onto it with its
-recall gate. The log is kept whole: older versions on disk may still be served, and each needs the
-requests past its own position (truncation below the oldest kept version is not built yet).
+recall gate. The log is truncated only below the oldest version still on disk (`truncate_log`):
+any version there may be served again (`swap --rollback`, a restart pinned to it) and needs the
+requests past its own position. Deleting an old version's directory lets the next compaction
+truncate further.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import time
 import faiss
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from index_build.publish import TRAINED_FILE, write_file, write_shard
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import index_from_bytes
 from shardserve.index.manifest import (
+    MANIFEST,
     VERSIONS_DIR,
     BuildInfo,
     Manifest,
@@ -112,6 +116,7 @@ def compact(index: str) -> Manifest:
             num_vectors=sum(e.num_vectors for e in entries), shards=entries, trained=trained,
             metadata=meta, log_position=upto, dataset=current.dataset,
             build=BuildInfo(params={**current.build.params, "compacted_from": current.index_version,
+                                    "dataset_rows": _dataset_rows(current),
                                     "log_from": current.log_position, "log_position": upto},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=current.build.ray_version, faiss_version=faiss.__version__),
@@ -121,7 +126,32 @@ def compact(index: str) -> Manifest:
     except BaseException:
         target.delete_dir()  # only this compaction's directory: the published version is untouched
         raise
+    truncate_log(index)
     return published(manifest, version_dir)
+
+
+def truncate_log(index: str) -> int:
+    """Forget the log's requests that every version on disk already includes; return the first
+    position kept."""
+    location = Location.parse(index)
+    versions = location.child(VERSIONS_DIR)
+    kept = [info.base_name for info in versions.fs.get_file_info(pafs.FileSelector(versions.root))
+            if info.type == pafs.FileType.Directory]
+    oldest = min((read_manifest(versions.child(name)).log_position for name in kept
+                  if versions.child(name).exists(MANIFEST)), default=0)
+    path = log_path(index)
+    if path is not None and path.exists() and oldest > 0:
+        log = WriteLog(path)
+        try:
+            log.truncate_below(oldest + 1)
+        finally:
+            log.close()
+    return oldest + 1
+
+
+def _dataset_rows(manifest: Manifest) -> int:
+    """The rows of the data the version's lineage was built from (what the swap's gate grades with)."""
+    return int(manifest.build.params.get("dataset_rows", manifest.num_vectors))
 
 
 def _folded(index: faiss.Index, touched: np.ndarray, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:

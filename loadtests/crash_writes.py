@@ -87,15 +87,17 @@ class Server:
 
     def kill_all(self) -> int:
         """SIGKILL every process of the server at once (the command, Ray, the edge); wait until gone."""
-        pids = self.pids()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait(timeout=60)
+        killed: set[int] = set()
         deadline = time.monotonic() + 60
-        while self.pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return len(pids)
+        # again until none is left: a process may be starting one (Ray's agents) as it is killed
+        while (left := self.pids()) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            killed.update(left)
+            time.sleep(0.2)
+        self.process.wait(timeout=60)
+        return len(killed)
 
     def stop(self) -> None:
         if self.process.poll() is None:

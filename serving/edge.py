@@ -68,7 +68,7 @@ DEFAULT_DELAY_MS = 70
 # long at its last second's rate (D_B): a stall of the router or its node (a scheduler hiccup on a
 # busy node, a collection) shorter than this is absorbed, not shed. B alone is a count: at 0.8x
 # capacity on 2 cores, K + B = 128 is ~70 ms of arrivals, and stalls of 77-82 ms shed 129 of
-# 1,078,802 requests (loadtests/records/soak.json, before this rule). The price is an overload's
+# 1,078,802 requests (loadtests/records/soak-before-burst-time.json). The price is an overload's
 # onset: until the first shed, what is admitted may wait up to ~D_B longer; once shedding, Q and D cut it.
 DEFAULT_BURST_MS = 250
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
@@ -210,14 +210,14 @@ defaults
     http-request track-sc0 int(0) table shed_meter if {{ var(txn.shed) -m bool }}
     http-request sc-inc-gpc0(0) if {{ var(txn.shed) -m bool }}
     {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.shed) -m bool }}
-    # a load balancer's health check is never queued behind searches nor shed with them: an
+{_answer_rules(a)}    # a load balancer's health check is never queued behind searches nor shed with them: an
     # overloaded node that a health check saw as down would push its load onto the others
     use_backend shardserve_health if health
     default_backend shardserve
 backend shed_meter
     # one counter: the requests the edge shed, as a rate over the last second
     stick-table type integer size 1 expire 10s store gpc0_rate(1s)
-backend health_meter
+{_answer_meter(a)}backend health_meter
     # health checks per client address over the last second
     stick-table type ipv6 size 100k expire 10s store http_req_rate(1s)
 backend shardserve_health
@@ -274,14 +274,35 @@ def _burst_words(a: Admission) -> str:
 
 
 def _overflow_rules(a: Admission) -> str:
-    """`overflow`: more than B waiting and, with D_B, more than the router's last second of answers
-    x D_B (read only past B: the rate is looked up for no request below it)."""
+    """`overflow`: more than B waiting and, with D_B, more than the router's answers over the last
+    second x D_B (`answer_meter`; read only past B: no lookup for a request below it)."""
     if not a.burst_ms:
         return f"    acl overflow queue(shardserve) gt {a.max_burst}\n"
+    room = f"int(0),table_gpc0_rate(answer_meter),mul({a.burst_ms}),div(1000)"
     return f"""    acl past_burst queue(shardserve) gt {a.max_burst}
     http-request set-var(txn.queued) queue(shardserve) if past_burst
-    http-request set-var(txn.burst_room) be_sess_rate(shardserve),mul({a.burst_ms}),div(1000) if past_burst
+    http-request set-var(txn.burst_room) {room} if past_burst
     acl overflow var(txn.queued),sub(txn.burst_room) -m int gt 0
+"""
+
+
+def _answer_rules(a: Admission) -> str:
+    """Count the router's answers (D_B's rate): the admitted searches are tracked, and their
+    responses counted. Not the admitted arrivals (be_sess_rate): at an overload's onset those
+    run at the overload's rate, and D_B of them would be a wait of D_B x the overload."""
+    if not a.burst_ms:
+        return ""
+    return """    http-request track-sc2 int(0) table answer_meter if !health
+    http-response sc-inc-gpc0(2) if { sc2_tracked }
+"""
+
+
+def _answer_meter(a: Admission) -> str:
+    if not a.burst_ms:
+        return ""
+    return """backend answer_meter
+    # one counter: the router's answers to admitted searches, as a rate over the last second
+    stick-table type integer size 1 expire 10s store gpc0_rate(1s)
 """
 
 

@@ -213,6 +213,16 @@ def test_the_openapi_document_describes_npy_bodies() -> None:
     assert {p["name"] for p in search["parameters"]} >= {"k", "nprobe", "include", "require_full"}
 
 
+def test_the_openapi_document_describes_the_writes() -> None:
+    from shardserve.query.openapi import openapi_document
+
+    paths = openapi_document()["paths"]
+    for route in ("/v1/upsert", "/v1/delete"):
+        post = paths[route]["post"]
+        assert "application/json" in post["requestBody"]["content"]
+        assert {"200", "422", "503", "501"} <= set(post["responses"])
+
+
 @pytest.mark.parametrize("declared", ["\u00b2", "\u0663", "1" * 5000])
 def test_a_content_length_of_non_ascii_digits_is_no_500(declared: str) -> None:
     """Only ASCII digits are a length: anything else is read as no length (the body is counted)."""

@@ -4,13 +4,14 @@ base plus the log answered at the same log position."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
 
-from index_build.compact import compact
+from index_build.compact import compact, truncate_log
 from index_build.job import build_index
 from serving.evaluate import sharded_search
 from shardserve.errors import ApiError, ShardserveError
@@ -43,6 +44,11 @@ def _replicas(index: Path) -> tuple[Manifest, list[ShardWrites]]:
                                   log_path(str(index)), manifest.log_position,
                                   lambda: read_shard_checked(location, trained) if trained else None)
                       for s in range(shards)]
+
+
+def manifest_folder(manifest: Manifest) -> str:
+    """The version directory a published manifest's shards live in."""
+    return str(Path(manifest.shards[0].path).parent)
 
 
 def _body(ids: list[int], vectors: np.ndarray, captions: list[str] | None = None) -> bytes:
@@ -96,6 +102,11 @@ def test_compaction_answers_what_base_plus_log_answered(index: Path) -> None:
     assert all(row is None or row == {"caption": "moved"} for rows in lookups for row in rows)
     with pytest.raises(ShardserveError, match="nothing to compact"):
         compact(str(index))
+    # the log is kept from the oldest version on disk: the build's (position 0) keeps all of it
+    log = WriteLog(log_path(str(index)), readonly=True)
+    assert log.first_position() == 1
+    shutil.rmtree(index / manifest_folder(manifest))  # the build's version, gone
+    assert truncate_log(str(index)) == 91 and log.first_position() is None  # all folded in
 
 
 def test_the_write_backlog_is_bounded_and_a_refusal_writes_nothing(index: Path) -> None:

@@ -46,8 +46,10 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     # while shedding, the requests inside are cut to the router's answer rate x the delay target
     assert "be_sess_rate(shardserve),mul(70),div(1000)" in text and "shedding crowded late" in text
     # while not shedding, B grows to the router's answer rate x D_B: a short stall is absorbed
-    assert "be_sess_rate(shardserve),mul(250),div(1000) if past_burst" in text
-    assert "be_sess_rate" not in edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0, burst_ms=0))
+    assert "table_gpc0_rate(answer_meter),mul(250),div(1000) if past_burst" in text
+    assert "http-response sc-inc-gpc0(2) if { sc2_tracked }" in text  # the router's answers, counted
+    counts = edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0, burst_ms=0))
+    assert "be_sess_rate" not in counts and "answer_meter" not in counts
     assert "queue(shardserve) gt 96\n" in edge_config("127.0.0.1:8000", admission=Admission(
         max_burst=96, burst_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed

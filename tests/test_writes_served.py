@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from index_build.job import build_index
+from loadtests.compact_under_load import run as compact_run
 from loadtests.crash_writes import KINDS
 from loadtests.crash_writes import run as crash_run
 from shardserve.client import AsyncClient, Client
@@ -147,3 +148,21 @@ def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_and_the_whol
     seen = record["read_your_writes"]
     assert seen["upserts_found"] > 0 and seen["upserts_missed"] == 0, seen
     assert seen["deletes_absent"] > 0 and seen["deletes_found"] == 0, seen
+
+
+@pytest.mark.haproxy
+def test_compaction_and_its_swap_under_searches_and_upserts_answer_everything(tmp_path: Path) -> None:
+    """`shardserve compact` then `shardserve swap` while the default server takes an open loop of
+    searches and single upserts: every request answered 200, every acknowledged upsert found after,
+    and the server now serves the compacted version, at its log position."""
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    record = compact_run(index, tmp_path / "work", searches_per_s=40, upserts_per_s=10, seconds=60,
+                         compact_after_s=8)
+    assert [step["command"] for step in record["steps"]] == ["shardserve compact", "shardserve swap"]
+    assert record["searches"]["success_ratio"] == 1.0, record["searches"]
+    upserts = record["upserts"]
+    assert set(upserts["statuses"]) == {"200"} and upserts["lost"] == [], upserts
+    assert record["compacted_log_position"] > 0
+    assert record["served_after"] == {"index_version": record["compacted_version"],
+                                      "log_position": record["compacted_log_position"]}

@@ -67,6 +67,29 @@ class SearchResponse(BaseModel):
     matched: int | None = Field(None, description="with a filter: the rows that match it, over all shards")
 
 
+class UpsertRequest(BaseModel):
+    """Points to insert or replace (the schema /docs shows; query.parse_writes checks bodies)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(..., description="int64 >= 0, each once, at most max_write_points")
+    vectors: list[list[float]] = Field(..., description="one per id, of the index's dim")
+    metadata: list[dict | None] | None = Field(
+        None, description="aligned with ids: {column: value} of the columns in GET /v1/index "
+                          "(metadata_kinds); null or a missing column is null")
+
+
+class DeleteRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(..., description="ids to delete (an id the index does not hold is no error)")
+
+
+class WriteResponse(BaseModel):
+    position: int = Field(..., description="the request's place in the write log: durable, and seen by "
+                                           "every search that starts after this answer")
+    upserted: int | None = None
+    deleted: int | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParsedQuery:
     """A validated request: float32 (n, dim) matrix plus what decides how it is searched."""

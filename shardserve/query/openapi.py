@@ -13,7 +13,7 @@ import orjson
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from shardserve.query.api import SearchRequest, SearchResponse
+from shardserve.query.api import DeleteRequest, SearchRequest, SearchResponse, UpsertRequest, WriteResponse
 from shardserve.query.parse import NPY_CONTENT_TYPE
 from shardserve.transport.http_front import Reply
 
@@ -30,6 +30,19 @@ def _describe() -> FastAPI:
     @app.post("/v1/search", response_model=SearchResponse, responses=_ERRORS)
     def search(request: SearchRequest) -> SearchResponse:  # pragma: no cover - schema only
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
+        raise NotImplementedError
+
+    writes = {**_ERRORS, 501: {"description": "the index is on remote storage: no write log"},
+              503: {"description": "write backlog full: compact (Retry-After)"}}
+
+    @app.post("/v1/upsert", response_model=WriteResponse, responses=writes)
+    def upsert(request: UpsertRequest) -> WriteResponse:  # pragma: no cover - schema only
+        """Insert or replace points; a 200 means durable and visible to every later search."""
+        raise NotImplementedError
+
+    @app.post("/v1/delete", response_model=WriteResponse, responses=writes)
+    def delete(request: DeleteRequest) -> WriteResponse:  # pragma: no cover - schema only
+        """Delete points by id; a 200 means no later search answers them."""
         raise NotImplementedError
 
     @app.get("/v1/health", responses={503: {"description": "a shard is not loaded"}})

@@ -15,8 +15,10 @@ tombstone is a bit per base row, bounded by the base).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from shardserve.index.manifest import Manifest
@@ -31,16 +33,29 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 
 class WriteFront:
     """`upsert(body, manifest)` / `delete(body, manifest)` → the JSON answer, or ApiError. Blocking
-    (parsing and the log's fsync): the router calls it from a thread. `path` None: the index is not
-    on a local disk, and writes are refused with a 501 saying so."""
+    (parsing and the log's fsync); `accept` runs them in this front's own thread, in arrival order.
+    `path` None: the index is not on a local disk, and writes are refused with a 501 saying so."""
 
     def __init__(self, path: Path | None, max_points: int = MAX_WRITE_POINTS,
-                 max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1):
+                 max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256):
         self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.max_waiting, self.waiting = retry_after_s, max_waiting, 0
         self._log: WriteLog | None = None
         self._lock = threading.Lock()
         self._counted: tuple[int, int, int] = (-1, 0, 0)  # (base position, counted up to, upserts)
+        self._thread = ThreadPoolExecutor(1, "writes")
+
+    async def accept(self, body: bytes, upsert: bool, manifest: Manifest) -> dict:
+        """A write request from an event loop: parsed and appended in the writes thread, a 503 at
+        once when `max_waiting` are already waiting for it."""
+        if self.waiting >= self.max_waiting:
+            raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
+        self.waiting += 1
+        try:
+            work = self.upsert if upsert else self.delete
+            return await asyncio.get_running_loop().run_in_executor(self._thread, work, body, manifest)
+        finally:
+            self.waiting -= 1
 
     def upsert(self, body: bytes, manifest: Manifest) -> dict:
         ops = parse_upsert(body, manifest.dim, manifest.metric, manifest.dataset.metadata_kinds,
@@ -62,6 +77,7 @@ class WriteFront:
         return upserts + more
 
     def close(self) -> None:
+        self._thread.shutdown(wait=True)
         if self._log is not None:
             self._log.close()
 

@@ -1,0 +1,304 @@
+"""`make bench-writes`: online writes on the default `shardserve serve`, side by side in one run with a
+real peer's server (Chroma's `chroma run`, its own venv: .venv-peer) holding the same 60K x 784
+Fashion-MNIST base. Both are driven by the same Python harness over HTTP on loopback:
+
+- batches of 100 upserts, one client: vectors/s;
+- single upserts from 8 clients: upserts/s and the acknowledgement p50/p99;
+- read-your-writes: 500 single upserts, each searched by its own vector on another connection
+  right after its 200; 1,000 deletes (batches of 100), each deleted id searched after its 200;
+- deletes in batches of 100: ids/s;
+- shardserve only: searches/s at 32 clients (vegeta, closed loop) without, then with, an ingest of
+  200 single upserts/s beside them.
+
+    python -m loadtests.bench_writes --index indexes/fashion-mnist-ivf1024-4
+      -> loadtests/records/bench-writes.json
+
+The index is copied first: the writes go to the copy's log, never to the index given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+from loadtests.crash_writes import Server
+from loadtests.vegeta_run import attack, make_targets, write_targets
+from shardserve.data.datasets import load_dataset
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.runtime.ports import free_port
+
+RECORDS = Path(__file__).parent / "records"
+PEER = Path(__file__).resolve().parent.parent / ".venv-peer" / "bin" / "chroma"
+NEW_IDS = 1_000_000_000  # written ids start here, far from the base's row numbers
+CHROMA = "/api/v2/tenants/default_tenant/databases/default_database/collections"
+
+
+class Shardserve:
+    """The default `shardserve serve` on a copy of the index."""
+
+    name = "shardserve"
+
+    def __init__(self, index: Path, work: Path):
+        copy = work / "index"
+        shutil.copytree(index, copy)
+        self.server = Server(copy, free_port(), work / "serve.log")
+        self.server.wait_healthy()
+        self.url = self.server.url
+
+    def upsert(self, http: httpx.Client, ids: list[int], vectors: np.ndarray) -> None:
+        body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
+        _ok(http.post(f"{self.url}/v1/upsert", content=body, headers=_JSON))
+
+    def delete(self, http: httpx.Client, ids: list[int]) -> None:
+        _ok(http.post(f"{self.url}/v1/delete", content=orjson.dumps({"ids": ids}), headers=_JSON))
+
+    def query(self, http: httpx.Client, vector: np.ndarray, k: int) -> list[int]:
+        body = orjson.dumps({"vector": vector, "k": k}, option=orjson.OPT_SERIALIZE_NUMPY)
+        return orjson.loads(_ok(http.post(f"{self.url}/v1/search", content=body, headers=_JSON)))["ids"]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class Chroma:
+    """Chroma's own server (`chroma run`, persistent, on loopback), the base loaded first."""
+
+    name = "chroma"
+
+    def __init__(self, base: np.ndarray, work: Path):
+        if not PEER.exists():
+            raise SystemExit(f"{PEER} missing: `make peer` installs Chroma in its own venv")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = (work / "chroma.log").open("w")
+        command = [str(PEER), "run", "--path", str(work / "chroma"), "--host", "127.0.0.1",
+                   "--port", str(port)]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "ANONYMIZED_TELEMETRY": "False"})
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/api/v2/heartbeat", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"chroma did not start: see {self._log.name}")
+            time.sleep(0.3)
+        with httpx.Client(timeout=600) as http:
+            created = _ok(http.post(f"{self.url}{CHROMA}", json={
+                "name": "fashion_mnist", "metadata": {"hnsw:space": "l2"}}))
+            self.collection = f"{self.url}{CHROMA}/{orjson.loads(created)['id']}"
+            started = time.perf_counter()
+            for start in range(0, len(base), 1000):
+                self.upsert(http, list(range(start, min(start + 1000, len(base)))), base[start:start + 1000])
+            self.load_s = round(time.perf_counter() - started, 1)
+
+    def upsert(self, http: httpx.Client, ids: list[int], vectors: np.ndarray) -> None:
+        body = orjson.dumps({"ids": [str(i) for i in ids], "embeddings": vectors},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        _ok(http.post(f"{self.collection}/upsert", content=body, headers=_JSON))
+
+    def delete(self, http: httpx.Client, ids: list[int]) -> None:
+        _ok(http.post(f"{self.collection}/delete", content=orjson.dumps({"ids": [str(i) for i in ids]}),
+                      headers=_JSON))
+
+    def query(self, http: httpx.Client, vector: np.ndarray, k: int) -> list[int]:
+        body = orjson.dumps({"query_embeddings": vector[None], "n_results": k, "include": []},
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+        found = orjson.loads(_ok(http.post(f"{self.collection}/query", content=body, headers=_JSON)))
+        return [int(i) for i in found["ids"][0]]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _ok(response: httpx.Response) -> bytes:
+    if response.status_code not in (200, 201):
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    return response.content
+
+
+class Points:
+    """New points: base rows plus noise, each id used once."""
+
+    def __init__(self, base: np.ndarray, seed: int):
+        self.base, self.rng, self.next = base, np.random.default_rng(seed), NEW_IDS
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> tuple[list[int], np.ndarray]:
+        with self.lock:
+            ids = list(range(self.next, self.next + n))
+            self.next += n
+            rows = self.rng.integers(0, len(self.base), n)
+            return ids, (self.base[rows] + self.rng.normal(0, 8, (n, self.base.shape[1]))).astype(np.float32)
+
+
+def _percentiles(ms: list[float]) -> dict[str, float]:
+    return {f"p{q}_ms": round(float(np.percentile(ms, q)), 2) for q in (50, 99)}
+
+
+def batch_upserts(target, points: Points, batches: int = 40, size: int = 100) -> dict:
+    ms: list[float] = []
+    with httpx.Client(timeout=120) as http:
+        started = time.perf_counter()
+        for _ in range(batches):
+            ids, vectors = points.take(size)
+            t = time.perf_counter()
+            target.upsert(http, ids, vectors)
+            ms.append((time.perf_counter() - t) * 1000)
+        elapsed = time.perf_counter() - started
+    return {"vectors_per_s": round(batches * size / elapsed, 1), **_percentiles(ms)}
+
+
+def single_upserts(target, points: Points, clients: int = 8, seconds: float = 20.0) -> dict:
+    ms: list[list[float]] = [[] for _ in range(clients)]
+    stop = time.perf_counter() + seconds
+
+    def client(who: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            while time.perf_counter() < stop:
+                ids, vectors = points.take(1)
+                t = time.perf_counter()
+                target.upsert(http, ids, vectors)
+                ms[who].append((time.perf_counter() - t) * 1000)
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(who,)) for who in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done = [m for each in ms for m in each]
+    return {"clients": clients, "upserts": len(done),
+            "upserts_per_s": round(len(done) / (time.perf_counter() - started), 1), **_percentiles(done)}
+
+
+def read_your_writes(target, points: Points, upserts: int = 500, deletes: int = 1000) -> dict:
+    found = absent = 0
+    written: list[tuple[int, np.ndarray]] = []
+    with httpx.Client(timeout=120) as writer, httpx.Client(timeout=120) as reader:
+        for _ in range(upserts):
+            ids, vectors = points.take(1)
+            target.upsert(writer, ids, vectors)
+            found += ids[0] in target.query(reader, vectors[0], 10)
+            written.append((ids[0], vectors[0]))
+        extra_ids, extra = points.take(deletes - len(written))
+        _in_batches(target.upsert, writer, extra_ids, extra)
+        written += list(zip(extra_ids, extra, strict=True))
+        started = time.perf_counter()
+        for start in range(0, deletes, 100):
+            chunk = written[start:start + 100]
+            target.delete(writer, [i for i, _ in chunk])
+        deletes_s = time.perf_counter() - started
+        for id_, vector in written[:deletes]:
+            absent += id_ not in target.query(reader, vector, 10)
+    return {"upserts_found_at_once": found, "upserts": upserts, "deleted_absent": absent, "deletes": deletes,
+            "deletes_per_s": round(deletes / deletes_s, 1)}
+
+
+def _in_batches(send: Callable, http: httpx.Client, ids: list[int], vectors: np.ndarray) -> None:
+    for start in range(0, len(ids), 100):
+        send(http, ids[start:start + 100], vectors[start:start + 100])
+
+
+def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points, work: Path,
+                        seconds: float = 20.0, ingest_per_s: float = 200.0) -> dict:
+    targets = write_targets(work / "targets.jsonl", make_targets(queries, server.url, k=10,
+                                                                 params={"nprobe": 16}))
+    quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet")
+    stop, sent = threading.Event(), [0]
+
+    def ingest() -> None:
+        with httpx.Client(timeout=120) as http:
+            start = time.perf_counter()
+            while not stop.is_set():
+                ids, vectors = points.take(1)
+                server.upsert(http, ids, vectors)
+                sent[0] += 1
+                ahead = sent[0] / ingest_per_s - (time.perf_counter() - start)
+                if ahead > 0:
+                    time.sleep(ahead)
+    thread = threading.Thread(target=ingest)
+    started = time.perf_counter()
+    thread.start()
+    busy = attack(targets, "concurrency", 32, seconds, work, "search-ingest")
+    stop.set()
+    thread.join()
+    rate = sent[0] / (time.perf_counter() - started)
+    keep = ("requests", "success_ratio", "qps", "p50_ms", "p99_ms")
+    return {"quiet": {k: quiet.get(k) for k in keep}, "ingesting": {k: busy.get(k) for k in keep},
+            "ingest_per_s": round(rate, 1),
+            "qps_ratio": round(busy["qps"] / quiet["qps"], 3)}
+
+
+def run(index: Path, work: Path) -> dict:
+    manifest = read_manifest(Location.parse(str(index)))
+    data = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, num_queries=1000,
+                        **manifest.dataset.columns())
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    shardserve = Shardserve(index, work / "shardserve")
+    chroma = None
+    try:
+        chroma = Chroma(data.base, work / "chroma")
+        for name, target in (("shardserve", shardserve), ("chroma", chroma)):
+            points = Points(data.base, seed=1)
+            results[name] = {"batch_100": batch_upserts(target, points),
+                             "single_8_clients": single_upserts(target, points),
+                             **read_your_writes(target, points)}
+        results["shardserve"]["search_32_clients"] = search_under_ingest(
+            shardserve, data.queries, Points(data.base, seed=2), work / "vegeta")
+    finally:
+        shardserve.stop()
+        if chroma is not None:
+            chroma.stop()
+    s, c = results["shardserve"], results["chroma"]
+    return {
+        "name": "bench-writes", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "index": manifest.index_version, "peer": "chroma (chroma run, .venv-peer)",
+        "peer_load_s": chroma.load_s if chroma else None, "results": results,
+        "ratios": {
+            "batch_100_vectors_per_s": round(s["batch_100"]["vectors_per_s"]
+                                             / c["batch_100"]["vectors_per_s"], 2),
+            "single_upserts_per_s": round(s["single_8_clients"]["upserts_per_s"]
+                                          / c["single_8_clients"]["upserts_per_s"], 2),
+            "single_ack_p99": round(s["single_8_clients"]["p99_ms"] / c["single_8_clients"]["p99_ms"], 3),
+            "deletes_per_s": round(s["deletes_per_s"] / c["deletes_per_s"], 2),
+        },
+    }
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--index", required=True)
+    cli.add_argument("--work", default=None, help="work directory (default: a new one in TMPDIR)")
+    cli.add_argument("--out", default=str(RECORDS / "bench-writes.json"))
+    args = cli.parse_args()
+    work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-writes-{os.getpid()}")
+    record = run(Path(args.index), work)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({"ratios": record["ratios"], **record["results"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
