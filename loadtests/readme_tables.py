@@ -23,10 +23,17 @@ README = ROOT / "README.md"
 def pages() -> list[Path]:
     """Every page that may hold generated blocks: README.md and docs/*.md."""
     return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
 CLASSES = ["ingress (HAProxy)", "router", "shards", "other Serve replicas", "Ray system", SERVE_COMMAND,
            "baseline (uvicorn)", "total (servers)", "load generator", SELF_CLASS]
 MACHINE = [("busy_percent", "machine busy, % of its cores"), ("idle_percent", "machine idle, % of its cores"),
            ("busy_unaccounted_percent", "busy in no process above, %")]
+# The `make bench` ratios followed run by run (bench_runs_table): the headline, the `shardserve serve`
+# command against uvicorn + FAISS in alternating rounds, and 256-query batches against FAISS in-process.
+HEADLINE_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_uvicorn_c1_p50_ms")
+BATCH_RATIOS = ("batch256_vs_inprocess_batched", "batch256_npy_vs_inprocess_batched")
+LEDGER_RATIOS = HEADLINE_RATIOS + BATCH_RATIOS
 
 
 def _cell(value: object) -> str:
@@ -35,17 +42,6 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
     return str(value)
-
-
-def bench_table(record: dict) -> str:
-    rows = ["| system | clients | req/s | queries/s | p50 ms | p99 ms | compute p50 ms | server CPU ms/req |",
-            "|---|---|---|---|---|---|---|---|"]
-    for level in record["levels"]:
-        cpu = level.get("cpu_ms_per_request", {})
-        rows.append("| " + " | ".join(_cell(v) for v in (
-            level["label"], level["value"], level["qps"], level["queries_per_s"], level["p50_ms"],
-            level["p99_ms"], level.get("compute_p50_ms"), cpu.get("total (servers)"))) + " |")
-    return "\n".join(rows)
 
 
 def cpu_table(record: dict, clients: int = 32) -> str:
@@ -65,28 +61,12 @@ def cpu_table(record: dict, clients: int = 32) -> str:
 
 
 def ratios_table(record: dict) -> str:
-    rows = ["| ratio (one run) | value | target | met |", "|---|---|---|---|"]
+    """The newest run's ratios but the ledger's (bench_runs_table shows those for every run)."""
+    rows = ["| ratio (newest run) | value | target | met |", "|---|---|---|---|"]
     for name, check in record.get("ratios", {}).items():
+        if name in LEDGER_RATIOS:
+            continue
         rows.append(f"| {name} | {check['value']} | {check['target']} | {'yes' if check['met'] else 'no'} |")
-    return "\n".join(rows)
-
-
-def hop_table(record: dict) -> str:
-    rows = [f"| 4-way fan-out, no FAISS ({record['fanouts']} in a row) | rows | wall p50 ms | "
-            "CPU ms per fan-out |", "|---|---|---|---|"]
-    for result in record["results"]:
-        rows.append(f"| {result['variant']} | {result['rows']} | {_cell(result['wall_ms_p50'])} | "
-                    f"{_cell(result['cpu_ms_per_fanout']['total'])} |")
-    return "\n".join(rows)
-
-
-def profile_table(record: dict, top: int = 10) -> str:
-    level = record["levels"][0]
-    rows = [f"| top own frames under c={level['value']} ({_cell(level['qps'])} req/s) | share of samples |",
-            "|---|---|"]
-    for process, profile in record["profiles"].items():
-        rows.append(f"| **{process}** ({profile['samples']} samples) | |")
-        rows += [f"| `{row['frame']}` | {row['share']:.1%} |" for row in profile["own"][:top]]
     return "\n".join(rows)
 
 
@@ -116,20 +96,20 @@ def headline_table(bench: dict, admission: dict) -> str:
 
 
 def filter_table(record: dict) -> str:
-    """Filtered search on the default `shardserve serve`, per selectivity."""
+    """Filtered search on the default `shardserve serve`, per selectivity, with the median time all
+    shards took to choose the filter's rows (from posting lists, or a pass over the columns)."""
     base = record["levels"][0]["qps"]
+    chosen = {c["filter_label"]: c for c in record.get("selection", [])}
     rows = ["| filter | matching rows | recall@10 (HTTP, vs brute force) | req/s at 32 clients (vs none) "
-            "| p99 ms | 200 |", "|---|---|---|---|---|---|"]
+            "| p99 ms | 200 | choosing its rows, ms: posting lists / a pass over the columns |",
+            "|---|---|---|---|---|---|---|"]
     for level in record["levels"]:
         ratio = _cell(round(level["qps"] / base, 3))
+        choice = chosen.get(level["filter_label"], {})
         rows.append(f"| {level['filter_label']} | {_cell(level['matching_rows'])} | {_cell(level['recall'])} "
                     f"| {_cell(level['qps'])} ({ratio}) | {_cell(level['p99_ms'])} "
-                    f"| {_cell(100 * level['success_ratio'])} % |")
-    if record.get("selection"):
-        rows += ["", "| choosing a filter's rows, all shards (median) | posting lists ms | a pass over the "
-                 "columns ms |", "|---|---|---|"]
-        rows += [f"| {c['filter_label']} | {_cell(c['ms_postings'])} | {_cell(c['ms_scan'])} |"
-                 for c in record["selection"]]
+                    f"| {_cell(100 * level['success_ratio'])} % | {_cell(choice.get('ms_postings'))} / "
+                    f"{_cell(choice.get('ms_scan'))} |")
     return "\n".join(rows)
 
 
@@ -147,9 +127,10 @@ def admission_table(record: dict) -> str:
                     f"{other} | {_cell(level['p50_ms'])} | {_cell(by_status.get('200'))} | "
                     f"{_cell(by_status.get('503'))} |")
     v, stop = record["verdict"], record["ctrl_c"]
-    rows += ["", "| goal | met |", "|---|---|"]
-    rows += [f"| {name} | {'yes' if met else '**no**'} |" for name, met in v["checks"].items()]
-    rows += ["", f"Under overload the 200s' p99 was {_cell(v['admitted_p99_ms'])} ms against a bound of "
+    met = [name for name, ok in v["checks"].items() if ok]
+    missed = [f"**{name}**" for name, ok in v["checks"].items() if not ok]
+    rows += ["", f"Goals met: {', '.join(met) or 'none'}; missed: {', '.join(missed) or 'none'}. "
+             f"Under overload the 200s' p99 was {_cell(v['admitted_p99_ms'])} ms against a bound of "
              f"{_cell(v['admitted_p99_bound_ms'])} ms; goodput {_cell(v['goodput_x_c32'])}x the 32-client "
              f"throughput. Ctrl-C: exit {stop['exit_code']} after {_cell(stop['seconds'])} s."]
     return "\n".join(rows)
@@ -207,23 +188,6 @@ def shard_start_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-def scan_cost_table(record: dict) -> str:
-    """FAISS alone, per query: what the sharded path computes (shards dealt by IVF list as built, and
-    the same vectors dealt by row) against the unsharded index."""
-    shards = record["index"]["shards"]
-    rows = [f"| batch | quantizer ms | {shards} shard scans (whole lists, as served) ms | the same, query "
-            "by query ms | query by query, rows in arrival order ms | "
-            f"{shards} shard scans dealt by row ms | unsharded scan ms | "
-            "unsharded full search ms | sharded FAISS / unsharded full search |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    rows += [f"| {r['batch']} | {r['quantizer_ms']:.3f} | {r['shard_scans_ms']:.3f} | "
-             f"{r['shard_scans_query_major_ms']:.3f} | "
-             f"{r['shard_scans_arrival_order_ms']:.3f} | {r['shard_scans_by_rows_ms']:.3f} | "
-             f"{r['unsharded_scan_ms']:.3f} | {r['monolith_ms']:.3f} | {r['sharded_vs_monolith']:.2f} |"
-             for r in record["scan_cost"]]
-    return "\n".join(rows)
-
-
 def bench_scale_table(record: dict) -> str:
     """The streaming build at scale: memory, speed against one process, recall over HTTP."""
     d, b, served, single = record["dataset"], record["build"], record["served"], record["single_process"]
@@ -268,67 +232,22 @@ def glove_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-def hygiene_table(record: dict) -> str:
-    """Each process-hygiene knob against the default, mean of the rounds (fresh Ray each)."""
-    summary = record["summary"]
-    rows = [f"| variant ({record['rounds']} rounds, fresh Ray each) | idle stack, % of a core | level | "
-            "req/s (runs) | vs default | server CPU ms/req | vs default |", "|---|---|---|---|---|---|---|"]
-    for name, entry in summary.items():
-        for level, values in entry["levels"].items():
-            runs = ", ".join(f"{q:,.0f}" for q in values["qps_runs"])
-            rows.append(f"| {name} | {_cell(entry['idle_percent_of_a_core'])} | {level} | "
-                        f"{_cell(values['qps'])} ({runs}) | {_cell(values.get('qps_vs_default'))} | "
-                        f"{values['cpu_ms_per_request']:.3f} | {_cell(values.get('cpu_vs_default'))} |")
-    idle = record["runs"]["default"][0]["idle_percent_of_a_core"]
-    rows += ["", "| idle, default (round 1): process | % of a core |", "|---|---|"]
-    rows += [f"| {name} | {value} |" for name, value in sorted(idle.items(), key=lambda kv: -kv[1]) if value]
-    return "\n".join(rows)
-
-
-def blas_rows_table(record: dict) -> str:
-    """The router's coarse quantizer per query by batch rows: FAISS's per-query kernels vs BLAS."""
-    rows = ["| batch rows | per-query kernels, us per query | BLAS, us per query | BLAS / kernels |",
-            "|---|---|---|---|"]
-    rows += [f"| {r['rows']} | {r['kernels_ms_per_query'] * 1000:.1f} | {r['blas_ms_per_query'] * 1000:.1f} "
-             f"| {r['blas_vs_kernels']} |" for r in record["rows"]]
-    return "\n".join(rows)
-
-
-def _revision_label(record: dict, revision: str) -> str:
-    subject = record["revisions"].get(revision.partition("+")[0], "")
-    return f"`{revision}` {subject[:70]}{'…' if len(subject) > 70 else ''}"
-
-
-def _index_label(record: dict, revision: str) -> str:
-    served = record["runs"][revision][0]["index"]
-    return f"shards dealt by {served['partition']['kind']} (version `{served['version']}`)"
-
-
-def ab_table(record: dict, subject: str = "revision", label=_revision_label) -> str:
-    """An interleaved A/B (lab.ab_revisions): medians, and ratios to the first; each row
-    named by `label(record, revision)` (the revision, or the index it served)."""
-    levels = list(next(iter(record["summary"].values())))
-    rows = [f"| {subject} ({record['rounds']} rounds, fresh Ray each) | " + " | ".join(
-        f"{level} queries/s (vs first) | {level} CPU ms/req (vs first)" for level in levels) + " |",
-        "|---" * (1 + 2 * len(levels)) + "|"]
-    for revision, by_level in record["summary"].items():
-        rows.append(f"| {label(record, revision)} | " + " | ".join(
-            f"{_cell(v['queries_per_s'])} ({v['qps_vs_first']}) | {v['cpu_ms_per_request']:.3f} "
-            f"({v['cpu_vs_first']})" for v in by_level.values()) + " |")
-    return "\n".join(rows)
-
-
 def idle_table(record: dict) -> str:
     """What each Serve system of `make bench` costs serving nothing (steady state, warm pool full)."""
     idle = record.get("idle_percent_of_a_core", {})
     systems = list(idle)
     left_out = ("warm_pool", SELF_CLASS)
     classes = sorted({c for values in idle.values() for c in values if c not in left_out})
+    totals = {s: round(sum(v for c, v in idle[s].items() if c not in left_out), 2) for s in systems}
+    rates = {s: next((lv["qps"] for lv in record["levels"] if lv["label"] == s and lv["value"] == 32), None)
+             for s in systems}
     rows = ["| idle, % of a core | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
     for name in classes:
         rows.append(f"| {name} | " + " | ".join(_cell(idle[s].get(name)) for s in systems) + " |")
-    rows.append("| total | " + " | ".join(
-        _cell(round(sum(v for c, v in idle[s].items() if c not in left_out), 2)) for s in systems) + " |")
+    rows.append("| total | " + " | ".join(_cell(totals[s]) for s in systems) + " |")
+    # % of a core is 10 x that many ms of CPU per second: spread over the 32-client level's requests
+    rows.append("| total, in ms per request at its 32-client rate | " + " | ".join(
+        f"{totals[s] * 10 / rates[s]:.3f}" if rates[s] else "–" for s in systems) + " |")
     if any(SELF_CLASS in idle[s] for s in systems):
         rows.append(f"| {SELF_CLASS} (not in total) | " + " | ".join(
             _cell(idle[s].get(SELF_CLASS)) for s in systems) + " |")
@@ -337,110 +256,71 @@ def idle_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-# (record, what it served): the serving side of each committed `make bench` run, oldest first, from
-# the revision it ran on. A median row per kind.
-ROW_DEALT, LIST_DEALT = "index dealt by row, 2 batches", "index dealt by list, 2 batches"
-ONE_BATCH = "index dealt by list, 1 batch per shard replica"
-LARGE_OVERLAP = "index dealt by list, 1 batch per shard replica + 1 for >= 32 queued vectors"
-BLAS_QUANTIZER = LARGE_OVERLAP + ", router quantizer on BLAS from 6 rows"
-LIST_SCAN = BLAS_QUANTIZER + ", shards scan 64+ rows list by list"
-# From here the c=32 / c=1 ratios are measured through the edge as `shardserve serve` runs it.
-DEFAULT_SERVE = LIST_SCAN + "; ratios through the default edge, authenticated links, llhttp door"
-CONTROL_LOOP = DEFAULT_SERVE + ", Serve's controller loop every 0.25 s"
-HISTOGRAM_TOTALS = CONTROL_LOOP + "; histograms exported as totals, 1 warm worker (since reverted to 4)"
-HISTOGRAM_TOTALS_4_WARM = CONTROL_LOOP + "; histograms exported as totals, 4 warm workers"
-# From here the headline ratios are the `shardserve serve` command itself, alternating with uvicorn.
-SERVE_COMMAND_ALTERNATING = HISTOGRAM_TOTALS_4_WARM + "; headline: the serve command, 2 alternating rounds"
-EDGE_DELAY_RULE = SERVE_COMMAND_ALTERNATING + "; the edge's delay rule while shedding"
-BENCH_RUNS = (("bench-run-1.json", ROW_DEALT), ("bench-run-2.json", ROW_DEALT),
-              ("bench-run-3.json", ROW_DEALT), ("bench-run-4.json", ROW_DEALT),
-              ("bench-run-5.json", ROW_DEALT), ("bench-run-6.json", ROW_DEALT),
-              ("bench-run-7.json", LIST_DEALT), ("bench-run-8.json", LIST_DEALT),
-              ("bench-run-9.json", LIST_DEALT), ("bench-run-10.json", ONE_BATCH),
-              ("bench-run-11.json", ONE_BATCH), ("bench-run-12.json", ONE_BATCH),
-              ("bench-run-13.json", LARGE_OVERLAP), ("bench-run-14.json", LARGE_OVERLAP),
-              ("bench-run-15.json", BLAS_QUANTIZER), ("bench-run-16.json", BLAS_QUANTIZER),
-              ("bench-run-17.json", LIST_SCAN), ("bench-run-18.json", LIST_SCAN),
-              ("bench-run-19.json", DEFAULT_SERVE), ("bench-run-20.json", CONTROL_LOOP),
-              ("bench-run-21.json", CONTROL_LOOP), ("bench-run-22.json", HISTOGRAM_TOTALS),
-              ("bench-run-23.json", HISTOGRAM_TOTALS), ("bench-run-24.json", HISTOGRAM_TOTALS_4_WARM),
-              ("bench-run-25.json", SERVE_COMMAND_ALTERNATING),
-              ("bench-run-26.json", SERVE_COMMAND_ALTERNATING), ("bench.json", EDGE_DELAY_RULE))
-RUN_RATIOS = ("qps_c32_vs_uvicorn", "cpu_per_request_c32_vs_uvicorn", "c1_p50_minus_compute_p50_ms",
-              "c1_1shard_p50_minus_compute_p50_ms", "batch256_vs_inprocess_batched",
-              "qps_c32_npy_vs_uvicorn_npy", "cpu_per_request_c32_npy_vs_uvicorn_npy",
-              "batch256_npy_vs_inprocess_batched")  # the .npy ones: runs since bodies could be .npy
+def bench_runs(records: Path = RECORDS) -> list[tuple[str, dict]]:
+    """(file name, record) of every committed `make bench` run whose headline is the `shardserve
+    serve` command alternating with uvicorn (the records with a `headline`): bench.json and the runs
+    kept beside it as bench-run-N.json, oldest first; a copy of a run counts once. Earlier runs
+    measured the headline another way and are in git's history only (docs/experiments.md)."""
+    runs: dict[str, tuple[str, dict]] = {}
+    for path in [*sorted(records.glob("bench-run-*.json")), records / "bench.json"]:
+        record = json.loads(path.read_text())
+        if "headline" in record:
+            runs.setdefault(record["created_at"], (path.name, record))
+    return [runs[at] for at in sorted(runs)]
 
 
-def bench_runs_table(runs: list[tuple[dict, str]]) -> str:
-    """The #10 targets over the committed `make bench` runs (oldest first, each with what it
-    served), and the median of each kind: one run's ratio moves by ~10% here (the baseline's own
-    QPS moved as much between runs). A ratio added later shows "–" before it."""
-    rows = ["| run | served | " + " | ".join(RUN_RATIOS) + " |", "|---" * (len(RUN_RATIOS) + 2) + "|"]
-    for record, served in runs:
-        label = f"`{record['name']}` {record['created_at'][:16]}, index `{record['index']['version']}`"
-        rows.append(f"| {label} | {served} | " + " | ".join(
-            str(record["ratios"][name]["value"]) if name in record["ratios"] else "–"
-            for name in RUN_RATIOS) + " |")
+def bench_runs_table(runs: list[tuple[str, dict]]) -> str:
+    """The ledger: per run, the headline ratios (each round's in brackets) and the 256-query batch's,
+    then the median of the runs and the targets as the newest run states them."""
+    def headline(record: dict, name: str) -> str:
+        rounds = ", ".join(str(r[name]) for r in record["headline"]["per_round"])
+        return f"{record['ratios'][name]['value']} ({rounds})"
 
-    series = list(dict.fromkeys(served for _, served in runs))  # a new index or default: a new one
-
-    def median(current: list[dict], name: str) -> str:
-        values = [r["ratios"][name]["value"] for r in current if name in r["ratios"]]
+    def median(name: str) -> str:
+        values = [record["ratios"][name]["value"] for _, record in runs if name in record["ratios"]]
         return str(round(statistics.median(values), 3)) if values else "–"
 
-    for kind in series:
-        current = [record for record, served in runs if served == kind]
-        rows.append(f"| median of the {len(current)} run(s) | {kind} | "
-                    + " | ".join(median(current, name) for name in RUN_RATIOS) + " |")
-    targets = [runs[-1][0]["ratios"][name]["target"] for name in RUN_RATIOS]  # the newest has all
-    rows.append("| target | | " + " | ".join(targets) + " |")
+    rows = ["| run | index | req/s at 32 clients: `shardserve serve` / uvicorn | queries/s vs uvicorn "
+            "(rounds) | CPU per request vs uvicorn (rounds) | one client's p50 minus uvicorn's, ms "
+            "(rounds) | 256-query batch vs in-process FAISS: JSON / .npy |", "|---|---|---|---|---|---|---|"]
+    for name, record in runs:
+        served, uvicorn = record["headline"]["headline-served"], record["headline"]["headline-uvicorn"]
+        batches = " / ".join(_cell(record["ratios"].get(n, {}).get("value")) for n in BATCH_RATIOS)
+        rows.append(f"| `{name}` {record['created_at'][:16]} | `{record['index']['version']}` | "
+                    f"{_cell(served['qps_c32'])} / {_cell(uvicorn['qps_c32'])} | "
+                    + " | ".join(headline(record, n) for n in HEADLINE_RATIOS) + f" | {batches} |")
+    rows.append(f"| median of the {len(runs)} runs | | | " + " | ".join(median(n) for n in HEADLINE_RATIOS)
+                + " | " + " / ".join(median(n) for n in BATCH_RATIOS) + " |")
+    targets = runs[-1][1]["ratios"]
+    rows.append("| target | | | " + " | ".join(targets[n]["target"] for n in HEADLINE_RATIOS) + " | "
+                + " / ".join(targets[n]["target"] for n in BATCH_RATIOS) + " |")
     return "\n".join(rows)
 
 
+def link_mac_line(record: dict) -> str:
+    """What the shard links' MAC adds to sealing and opening one frame (lab.link_mac)."""
+    frames = [f"a {f['bytes']:,}-byte {kind} frame {_cell(f['us_with_mac'])} µs with the MAC, "
+              f"{_cell(f['us_without_mac'])} µs without" for kind, f in record["frames"].items()]
+    return (f"Seal and open, one thread, best of {record['rounds']} rounds of {record['number']:,}: "
+            + "; ".join(frames) + ".")
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
-    bench = json.loads((records / "bench.json").read_text())
-    hop = json.loads((records / "hop.json").read_text())
-    profile = json.loads((records / "profile-hot-path.json").read_text())
-    admission = json.loads((records / "admission.json").read_text())
-    soak = json.loads((records / "soak.json").read_text())
-    bench_filter = json.loads((records / "bench-filter.json").read_text())
-    autoscale = json.loads((records / "autoscale.json").read_text())
-    spare_core = json.loads((records / "autoscale-spare-core.json").read_text())
-    shard_start = json.loads((records / "shard-start.json").read_text())
-    scan_cost = json.loads((records / "scan-cost.json").read_text())
-    scale = json.loads((records / "bench-scale.json").read_text())
-    hygiene = json.loads((records / "hygiene.json").read_text())
-    glove = json.loads((records / "bench-glove.json").read_text())
-    hot_path = json.loads((records / "hot-path-ab.json").read_text())
-    partition_ab = json.loads((records / "partition-ab.json").read_text())
-    batches = json.loads((records / "hot-path-batches.json").read_text())
-    batches_ab = json.loads((records / "batches-ab.json").read_text())
-    one_batch_ab = json.loads((records / "one-batch-ab.json").read_text())
-    large_overlap_ab = json.loads((records / "large-overlap-ab.json").read_text())
-    early_release_ab = json.loads((records / "early-release-ab.json").read_text())
-    blas_rows = json.loads((records / "blas-rows.json").read_text())
-    blas_rows_ab = json.loads((records / "blas-rows-ab.json").read_text())
-    list_scan_ab = json.loads((records / "list-scan-ab.json").read_text())
-    runs = [(json.loads((records / name).read_text()), served) for name, served in BENCH_RUNS
-            if (records / name).exists()]
-    return {"bench": bench_table(bench), "bench-cpu": cpu_table(bench),
-            "bench-ratios": ratios_table(bench), "hop": hop_table(hop), "profile": profile_table(profile),
-            "admission": admission_table(admission), "soak": soak_table(soak),
-            "headline": headline_table(bench, admission),
-            "bench-filter": filter_table(bench_filter),
-            "autoscale": autoscale_table(autoscale),
-            "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
-            "shard-start": shard_start_table(shard_start), "scan-cost": scan_cost_table(scan_cost),
-            "bench-scale": bench_scale_table(scale), "hygiene": hygiene_table(hygiene),
-            "bench-glove": glove_table(glove), "hot-path-ab": ab_table(hot_path),
-            "hot-path-batches": ab_table(batches), "batches-ab": ab_table(batches_ab),
-            "one-batch-ab": ab_table(one_batch_ab), "large-overlap-ab": ab_table(large_overlap_ab),
-            "bench-runs": bench_runs_table(runs),
-            "bench-idle": idle_table(bench),
-            "early-release-ab": ab_table(early_release_ab), "blas-rows": blas_rows_table(blas_rows),
-            "blas-rows-ab": ab_table(blas_rows_ab), "list-scan-ab": ab_table(list_scan_ab),
-            "partition-ab": ab_table(partition_ab, "index served", _index_label)}
+    def load(name: str) -> dict:
+        return json.loads((records / name).read_text())
+
+    bench, admission = load("bench.json"), load("admission.json")
+    spare_core = load("autoscale-spare-core.json")
+    return {"headline": headline_table(bench, admission),
+            "bench-runs": bench_runs_table(bench_runs(records)), "bench-cpu": cpu_table(bench),
+            "bench-idle": idle_table(bench), "bench-ratios": ratios_table(bench),
+            "link-mac": link_mac_line(load("link-mac.json")), "admission": admission_table(admission),
+            "soak": soak_table(load("soak.json")), "bench-filter": filter_table(load("bench-filter.json")),
+            "bench-scale": bench_scale_table(load("bench-scale.json")),
+            "bench-glove": glove_table(load("bench-glove.json")),
+            "shard-start": shard_start_table(load("shard-start.json")),
+            "autoscale": autoscale_table(load("autoscale.json")),
+            "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core)}
 
 
 def _rss_growth(samples: list[dict], after_s: float = 60.0) -> tuple[str, float]:

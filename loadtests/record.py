@@ -1,4 +1,4 @@
-"""Records (contract: README, "Load tests, records and the knee"): one JSON per run plus a PNG of
+"""Records (docs/operations.md, "Sweeps and the knee"): one JSON per run plus a PNG of
 latency and QPS against load.
 
 CLI used by the shell scripts:

@@ -2,9 +2,9 @@
 
 Why not `@serve.batch`: it forms a batch when requests arrive (waiting at most batch_wait_timeout_s)
 and only then waits for a free slot, so under steady open-loop arrivals its batches stay at 1-2
-requests however long the queue grows (measured on 2 cores: 4-shard throughput stuck at ~230 req/s
-open-loop vs ~650 closed-loop). Here the batch is formed when a slot frees, so batch size follows the
-queue: one request at low load (no added latency), everything in flight under a burst.
+requests however long the queue grows, and open-loop throughput stays far below closed-loop
+(docs/experiments.md, the `@serve.batch` row). Here the batch is formed when a slot frees, so batch
+size follows the queue: one request at low load (no added latency), everything in flight under a burst.
 
 Beyond `at_once` batches in flight, a batch starts only for large work (at least `overlap_min_size`
 vectors queued): a shard replica scans one batch at a time, so a second small batch only overlaps
