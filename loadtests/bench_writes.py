@@ -52,6 +52,7 @@ class Shardserve:
 
     def __init__(self, index: Path, work: Path):
         copy = work / "index"
+        work.mkdir(parents=True, exist_ok=True)
         shutil.copytree(index, copy)
         self.server = Server(copy, free_port(), work / "serve.log")
         self.server.wait_healthy()
@@ -82,6 +83,7 @@ class Chroma:
             raise SystemExit(f"{PEER} missing: `make peer` installs Chroma in its own venv")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        work.mkdir(parents=True, exist_ok=True)
         self._log = (work / "chroma.log").open("w")
         command = [str(PEER), "run", "--path", str(work / "chroma"), "--host", "127.0.0.1",
                    "--port", str(port)]

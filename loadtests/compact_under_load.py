@@ -98,14 +98,16 @@ def _cli(*args: str, log: Path) -> dict:
 
 
 def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: float = 50,
-        seconds: float = 150, compact_after_s: float = 20) -> dict:
+        seconds: float = 150, compact_after_s: float = 20, num_cpus: int = 4) -> dict:
     manifest = read_manifest(Location.parse(str(index)))
     data = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, num_queries=1000,
                         **manifest.dataset.columns())
     work.mkdir(parents=True, exist_ok=True)
     copy = work / "index"
     shutil.copytree(index, copy)
-    server = Server(copy, free_port(), work / "serve.log")
+    # a swap runs the new version beside the old until the switch: Ray must count room for both
+    # (logical CPUs; the default counts the machine's cores, which one version of 4 shards fills)
+    server = Server(copy, free_port(), work / "serve.log", ("--num-cpus", str(num_cpus)))
     steps: list[dict] = []
     try:
         server.wait_healthy()
@@ -144,7 +146,7 @@ def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: flo
         "name": "compact-under-load", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "index": manifest.index_version, "compacted_version": compacted.index_version,
         "searches_per_s": searches_per_s, "upserts_per_s": upserts_per_s, "seconds": seconds,
-        "steps": steps, "searches": {k: searches.get(k) for k in (
+        "serve_flags": f"--num-cpus {num_cpus}", "steps": steps, "searches": {k: searches.get(k) for k in (
             "requests", "success_ratio", "status_codes", "p50_ms", "p99_ms", "max_ms")},
         "upserts": {"statuses": {str(k): v for k, v in upserts.statuses.items()}, "acked": len(acked),
                     "lost": lost},

@@ -49,11 +49,11 @@ KINDS = ("shard", "router", "server")
 class Server:
     """One `shardserve serve` (the default command) in its own session, its processes marked."""
 
-    def __init__(self, index: Path, port: int, log: Path):
+    def __init__(self, index: Path, port: int, log: Path, flags: tuple[str, ...] = ()):
         self.run, self.port, self.index = uuid.uuid4().hex, port, index
         self._log = log.open("a")
         exe = Path(sys.executable).parent / "shardserve"
-        self.process = subprocess.Popen([str(exe), "serve", str(index), "--port", str(port)],
+        self.process = subprocess.Popen([str(exe), "serve", str(index), "--port", str(port), *flags],
                                         env={**os.environ, "RAY_ADDRESS": "", RUN_ENV: self.run},
                                         stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

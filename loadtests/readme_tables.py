@@ -305,6 +305,47 @@ def link_mac_line(record: dict) -> str:
             + "; ".join(frames) + ".")
 
 
+def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
+    """Online writes: what SIGKILLs left of acknowledged writes, read-your-writes, compaction under
+    load (loadtests.crash_writes, .compact_under_load), then the write rates beside the peer's and
+    searches while ingesting (loadtests.bench_writes)."""
+    kinds = ", ".join(sorted({event["kind"] for event in crash["kills"]}))
+    seen, searches, upserts = crash["read_your_writes"], compaction["searches"], compaction["upserts"]
+    rows = ["| check | result |", "|---|---|",
+            f"| SIGKILLs under single writes ({kinds}; {len(crash['kills'])} in all) | "
+            f"acknowledged upserts found: {crash['upserts_checked'] - len(crash['upserts_lost']):,} of "
+            f"{crash['upserts_checked']:,}; acknowledged deletes back: {len(crash['deletes_returned'])} of "
+            f"{crash['deletes_checked']:,} |",
+            f"| read-your-writes through the kills | upserts found at once: {seen['upserts_found']:,} of "
+            f"{seen['upserts_found'] + seen['upserts_missed']:,}; deletes absent at once: "
+            f"{seen['deletes_absent']:,} of {seen['deletes_absent'] + seen['deletes_found']:,} |",
+            f"| compact + swap under {compaction['searches_per_s']:g} searches/s and "
+            f"{compaction['upserts_per_s']:g} upserts/s | searches answered 200: "
+            f"{searches['success_ratio']:.2%} (p99 {searches['p99_ms']:.0f} ms); upserts by status: "
+            f"{upserts['statuses']}; acknowledged upserts lost: {len(upserts['lost'])} of "
+            f"{upserts['acked']:,} |"]
+    s, c, ratio = bench["results"]["shardserve"], bench["results"]["chroma"], bench["ratios"]
+    one, peer_one = s["single_8_clients"], c["single_8_clients"]
+    search = s["search_32_clients"]
+    rows += ["", "| writes, one run | shardserve | Chroma's server | ratio |", "|---|---|---|---|",
+             f"| batches of 100 upserts, vectors/s | {s['batch_100']['vectors_per_s']:,.0f} | "
+             f"{c['batch_100']['vectors_per_s']:,.0f} | {ratio['batch_100_vectors_per_s']:.2f}x |",
+             f"| single upserts, 8 clients, /s | {one['upserts_per_s']:,.0f} | "
+             f"{peer_one['upserts_per_s']:,.0f} | {ratio['single_upserts_per_s']:.2f}x |",
+             f"| acknowledgement p50 / p99 | {one['p50_ms']} / {one['p99_ms']} ms | "
+             f"{peer_one['p50_ms']} / {peer_one['p99_ms']} ms | p99 {ratio['single_ack_p99']:.2f}x |",
+             f"| deletes, batches of 100, ids/s | {s['deletes_per_s']:,.0f} | {c['deletes_per_s']:,.0f} | "
+             f"{ratio['deletes_per_s']:.2f}x |",
+             f"| upserts found right after their 200 | {s['upserts_found_at_once']} of {s['upserts']} | "
+             f"{c['upserts_found_at_once']} of {c['upserts']} | |",
+             f"| deleted ids absent right after | {s['deleted_absent']} of {s['deletes']} | "
+             f"{c['deleted_absent']} of {c['deletes']} | |",
+             f"| searches/s at 32 clients, quiet / with {search['ingest_per_s']:g} upserts/s | "
+             f"{search['quiet']['qps']:,.0f} / {search['ingesting']['qps']:,.0f} | | "
+             f"{search['qps_ratio']:.2f}x |"]
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     def load(name: str) -> dict:
         return json.loads((records / name).read_text())
@@ -315,7 +356,10 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-runs": bench_runs_table(bench_runs(records)), "bench-cpu": cpu_table(bench),
             "bench-idle": idle_table(bench), "bench-ratios": ratios_table(bench),
             "link-mac": link_mac_line(load("link-mac.json")), "admission": admission_table(admission),
-            "soak": soak_table(load("soak.json")), "bench-filter": filter_table(load("bench-filter.json")),
+            "soak": soak_table(load("soak.json")),
+            "writes": writes_table(load("crash-writes.json"), load("bench-writes.json"),
+                                   load("compact-under-load.json")),
+            "bench-filter": filter_table(load("bench-filter.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),
