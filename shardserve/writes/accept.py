@@ -2,7 +2,8 @@
 (shardserve.query.parse_writes), the backlog bounded, the request appended to the log, the answer.
 
 A 200 is sent only once `WriteLog.append` returned: the request is committed and fsynced, so it
-survives a SIGKILL of any process or a power cut, and every shard replica applies it before its next
+survives a SIGKILL of any process (loadtests/crash_writes.py kills each; a power cut is what
+the fsync is for, untested here), and every shard replica applies it before its next
 answer (shardserve.writes.follow). Nothing before the append changes any state: a refused request
 (422, 503) left nothing behind.
 

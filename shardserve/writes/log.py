@@ -5,7 +5,8 @@ Why SQLite and not a file format of our own: the log is what a 200 promises, and
 is maintained, fuzzed and used everywhere already gets atomic commits, torn-write recovery and
 concurrent readers right. WAL mode lets readers in other processes (every replica of every shard)
 read committed requests while the one writer appends; synchronous=FULL makes a commit wait for the
-WAL's fsync, so an acknowledged request survives a power cut, not only a process kill. It ships with
+WAL's fsync, so an acknowledged request is meant to survive a power cut too, not only a process
+kill (the tests kill processes; no power cut is tested). It ships with
 Python (stdlib sqlite3): nothing to deploy for the single-node default. The SQLite file must sit on
 a local disk (WAL needs shared memory between its processes: no network filesystems).
 
