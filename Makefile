@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -111,6 +111,11 @@ $(PEER_VENV)/bin/chroma:
 # loadtests/records/bench-writes.json.
 bench-writes: install data vegeta haproxy peer $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench_writes --index $(INDEX)
+
+# `shardserve compact` and `shardserve swap` under searches and single upserts, then once more after
+# the upserts: loadtests/records/compact-under-load.json.
+bench-compact: install data vegeta haproxy $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.compact_under_load --index $(INDEX)
 
 # SIGKILLs of a shard replica, the router and the whole server under single writes (5 each), on a
 # copy of the index: loadtests/records/crash-writes.json.

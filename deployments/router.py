@@ -34,6 +34,7 @@ from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.writes.accept import WriteFront
+from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.log import log_path
 
 logger = logging.getLogger("ray.serve")
@@ -91,7 +92,8 @@ class Router(ReportsCoresWanted):
 
     async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
         self.args = a = AppArgs.model_validate(args)
-        self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes, a.max_write_points)
+        self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes, a.max_write_points,
+                             MAX_DELTA_ROWS)
         self.control, self.use_links = control, a.shard_transport == "link"
         self.replica_id = (context := serve.get_replica_context()).replica_id.unique_id
         self.active = await _first_index(control, self.replica_id, a, context.app_name, self.use_links)

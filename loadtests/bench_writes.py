@@ -19,6 +19,7 @@ The index is copied first: the writes go to the copy's log, never to the index g
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import shutil
@@ -28,16 +29,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import faiss
 import httpx
 import numpy as np
 import orjson
 
 from loadtests.crash_writes import Server
 from loadtests.vegeta_run import attack, make_targets, write_targets
+from shardserve.client import Client
+from shardserve.data.dataset import Dataset
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
 from shardserve.runtime.ports import free_port
+from shardserve.runtime.procfs import CpuMeter
 
 RECORDS = Path(__file__).parent / "records"
 PEER = Path(__file__).resolve().parent.parent / ".venv-peer" / "bin" / "chroma"
@@ -225,54 +230,109 @@ def _in_batches(send: Callable, http: httpx.Client, ids: list[int], vectors: np.
 
 def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points, work: Path,
                         seconds: float = 20.0, ingest_per_s: float = 200.0) -> dict:
+    """Searches/s at 32 clients, quiet, then beside an open loop of `ingest_per_s` single upserts
+    (vegeta at that exact rate, new ids, started `lead_s` before the searches and ending after
+    them: the searches are measured beside a steady ingest); CPU per search by process class."""
     targets = write_targets(work / "targets.jsonl", make_targets(queries, server.url, k=10,
                                                                  params={"nprobe": 16}))
-    quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet")
-    stop, sent = threading.Event(), [0]
-
-    def ingest() -> None:
-        with httpx.Client(timeout=120) as http:
-            start = time.perf_counter()
-            while not stop.is_set():
-                ids, vectors = points.take(1)
-                server.upsert(http, ids, vectors)
-                sent[0] += 1
-                ahead = sent[0] / ingest_per_s - (time.perf_counter() - start)
-                if ahead > 0:
-                    time.sleep(ahead)
-    thread = threading.Thread(target=ingest)
-    started = time.perf_counter()
+    lines, lead_s = [], 4.0
+    for _ in range(int((seconds + 2 * lead_s) * ingest_per_s)):  # each id written once
+        ids, vectors = points.take(1)
+        body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
+        lines.append(orjson.dumps({"method": "POST", "url": f"{server.url}/v1/upsert",
+                                   "header": {"Content-Type": ["application/json"]},
+                                   "body": base64.b64encode(body).decode()}))
+    upserts = write_targets(work / "upserts.jsonl", lines)
+    quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet", meter=CpuMeter())
+    ingest: dict = {}
+    thread = threading.Thread(target=lambda: ingest.update(
+        attack(upserts, "rate", ingest_per_s, seconds + 2 * lead_s, work, "ingest")))
     thread.start()
-    busy = attack(targets, "concurrency", 32, seconds, work, "search-ingest")
-    stop.set()
+    time.sleep(lead_s)
+    busy = attack(targets, "concurrency", 32, seconds, work, "search-ingest", meter=CpuMeter())
     thread.join()
-    rate = sent[0] / (time.perf_counter() - started)
-    keep = ("requests", "success_ratio", "qps", "p50_ms", "p99_ms")
+    keep = ("requests", "success_ratio", "qps", "p50_ms", "p99_ms", "cpu_ms_per_request")
     return {"quiet": {k: quiet.get(k) for k in keep}, "ingesting": {k: busy.get(k) for k in keep},
-            "ingest_per_s": round(rate, 1),
+            "ingest": {k: ingest.get(k) for k in keep[:5]},
             "qps_ratio": round(busy["qps"] / quiet["qps"], 3)}
+
+
+def churn_recall(server: Shardserve, data: Dataset, index_factory: str, nprobe: int = 16,
+                 share: float = 0.1, queries: int = 1000, seed: int = 3) -> dict:
+    """recall@10 after churn: `share` of the base rows deleted and as many new rows upserted (real
+    rows: Fashion-MNIST's test images not used as queries), against exact ground truth recomputed
+    over the live rows; beside a fresh `index_factory` index trained and filled on those live rows
+    (in process, same nprobe), and the served index before the churn."""
+    k, rng = 10, np.random.default_rng(seed)
+    asked, spare = data.queries[:queries], data.queries[queries:]
+    count = min(int(share * len(data.base)), len(spare))
+    gone = np.sort(rng.choice(len(data.base), count, replace=False))
+    new_ids = np.arange(NEW_IDS // 2, NEW_IDS // 2 + count, dtype=np.int64)
+    params = {"nprobe": nprobe}
+    with Client(server.url, timeout_s=120) as client:
+        before = _served(client, asked, k, params)
+        for start in range(0, count, 100):
+            client.delete(gone[start:start + 100])
+            client.upsert(new_ids[start:start + 100], spare[start:start + 100])
+        after = _served(client, asked, k, params)
+    keep = np.ones(len(data.base), bool)
+    keep[gone] = False
+    live = np.vstack([data.base[keep], spare[:count]])
+    live_ids = np.concatenate([np.flatnonzero(keep), new_ids])
+    truth_before = _exact(data.base, np.arange(len(data.base)), asked, k)
+    truth = _exact(live, live_ids, asked, k)
+    fresh = faiss.IndexIDMap(faiss.index_factory(data.dim, index_factory))
+    fresh.train(live)
+    fresh.add_with_ids(live, live_ids)
+    faiss.extract_index_ivf(fresh).nprobe = nprobe
+    fresh_ids = fresh.search(asked, k)[1]
+    recall = {"served_before_churn": _recall(before, truth_before),
+              "served_after_churn": _recall(after, truth),
+              "fresh_index_on_live_rows": _recall(fresh_ids, truth)}
+    return {"deleted": count, "added": count, "nprobe": nprobe, "queries": queries, "recall_at_10": recall,
+            "after_minus_fresh": round(recall["served_after_churn"] - recall["fresh_index_on_live_rows"], 4),
+            "deleted_ids_answered": int(np.isin(after, gone).sum())}
+
+
+def _served(client: Client, queries: np.ndarray, k: int, params: dict) -> np.ndarray:
+    batches = (client.search_batch(queries[start:start + 100], k, params)
+               for start in range(0, len(queries), 100))
+    return np.vstack([np.stack([hits.ids for hits in batch]) for batch in batches])
+
+
+def _exact(base: np.ndarray, ids: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    flat = faiss.IndexFlatL2(base.shape[1])
+    flat.add(base)
+    return ids[flat.search(queries, k)[1]]
+
+
+def _recall(found: np.ndarray, truth: np.ndarray) -> float:
+    hits = [len(set(f) & set(t)) / len(t) for f, t in zip(found, truth, strict=True)]
+    return round(float(np.mean(hits)), 4)
 
 
 def run(index: Path, work: Path) -> dict:
     manifest = read_manifest(Location.parse(str(index)))
-    data = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, num_queries=1000,
-                        **manifest.dataset.columns())
+    data = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, **manifest.dataset.columns())
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     shardserve = Shardserve(index, work / "shardserve")
     chroma = None
     try:
+        churn = churn_recall(shardserve, data, manifest.index_factory)
         chroma = Chroma(data.base, work / "chroma")
         for name, target in (("shardserve", shardserve), ("chroma", chroma)):
             points = Points(data.base, seed=1)
             results[name] = {"batch_100": batch_upserts(target, points),
                              "single_8_clients": single_upserts(target, points),
                              **read_your_writes(target, points)}
+        chroma.stop()  # idle, but not on the machine beside the next measure
+        results["shardserve"]["churn"] = churn
         results["shardserve"]["search_32_clients"] = search_under_ingest(
-            shardserve, data.queries, Points(data.base, seed=2), work / "vegeta")
+            shardserve, data.queries[:1000], Points(data.base, seed=2), work / "vegeta")
     finally:
         shardserve.stop()
-        if chroma is not None:
+        if chroma is not None and chroma.process.poll() is None:
             chroma.stop()
     s, c = results["shardserve"], results["chroma"]
     return {
@@ -286,6 +346,8 @@ def run(index: Path, work: Path) -> dict:
                                           / c["single_8_clients"]["upserts_per_s"], 2),
             "single_ack_p99": round(s["single_8_clients"]["p99_ms"] / c["single_8_clients"]["p99_ms"], 3),
             "deletes_per_s": round(s["deletes_per_s"] / c["deletes_per_s"], 2),
+            "search_qps_while_ingesting": s["search_32_clients"]["qps_ratio"],
+            "churn_recall_after_minus_fresh": s["churn"]["after_minus_fresh"],
         },
     }
 

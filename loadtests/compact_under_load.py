@@ -4,7 +4,11 @@ and `shardserve swap` moves the running server onto it, recall gate included.
 
 It checks what a user relies on: every search and every upsert answered 200 throughout, every
 acknowledged upsert found by its own vector afterwards, and the served version the compacted one
-(its `log_position` in GET /v1/index).
+(its `log_position` in GET /v1/index). Once the upserts stop, a second compaction and swap leave
+the served version holding every write (an empty delta); the router's and the shard replicas'
+resident memory is sampled after `warm_s` of searches alone (before the first write), at the
+writes' peak and after that last swap, once the router has let go of the replaced version
+(`settle_s`), still under searches.
 
     python -m loadtests.compact_under_load --index indexes/fashion-mnist-ivf1024-4
       -> loadtests/records/compact-under-load.json
@@ -31,10 +35,12 @@ import orjson
 
 from loadtests.crash_writes import Server
 from loadtests.vegeta_run import attack, make_targets, write_targets
+from shardserve.data.dataset import Dataset
 from shardserve.data.datasets import load_dataset
-from shardserve.index.manifest import read_manifest
+from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
 from shardserve.runtime.ports import free_port
+from shardserve.runtime.procfs import classified_pids, memory_mb
 
 RECORDS = Path(__file__).parent / "records"
 EXE = Path(sys.executable).parent / "shardserve"
@@ -97,18 +103,39 @@ def _cli(*args: str, log: Path) -> dict:
             "said": done.stdout.strip()}
 
 
-def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: float = 50,
-        seconds: float = 150, compact_after_s: float = 20, num_cpus: int = 4) -> dict:
+def memory_by_class() -> dict[str, dict[str, float]]:
+    """Resident memory (anon: the process's own, not the shared mapped index) of the router and of
+    each shard replica now: the largest process of each class and their sum."""
+    found: dict[str, list[float]] = {}
+    for pid, name in classified_pids().items():
+        if name in ("router", "shards"):
+            anon = memory_mb(pid).get("rss_anon_mb")
+            if anon is not None:
+                found.setdefault(name, []).append(anon)
+    return {name: {"processes": len(mb), "largest_anon_mb": max(mb), "sum_anon_mb": round(sum(mb), 1)}
+            for name, mb in sorted(found.items())}
+
+
+def start_on_copy(index: Path, work: Path, num_cpus: int) -> tuple[Manifest, Dataset, Path, Server]:
+    """The index's manifest, its data (1,000 queries), a copy of it in `work`, and the default
+    `shardserve serve` starting on the copy with `num_cpus` logical CPUs: a swap runs the new
+    version beside the old until the switch, and Ray must count room for both (its default counts
+    the machine's cores, which one version of 4 shards fills on two)."""
     manifest = read_manifest(Location.parse(str(index)))
     data = load_dataset(manifest.dataset.name, limit=manifest.num_vectors, num_queries=1000,
                         **manifest.dataset.columns())
     work.mkdir(parents=True, exist_ok=True)
     copy = work / "index"
     shutil.copytree(index, copy)
-    # a swap runs the new version beside the old until the switch: Ray must count room for both
-    # (logical CPUs; the default counts the machine's cores, which one version of 4 shards fills)
-    server = Server(copy, free_port(), work / "serve.log", ("--num-cpus", str(num_cpus)))
+    return manifest, data, copy, Server(copy, free_port(), work / "serve.log", ("--num-cpus", str(num_cpus)))
+
+
+def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: float = 50,
+        seconds: float = 200, compact_after_s: float = 30, upserts_stop_s: float = 100,
+        warm_s: float = 10, settle_s: float = 65, num_cpus: int = 4) -> dict:
+    manifest, data, copy, server = start_on_copy(index, work, num_cpus)
     steps: list[dict] = []
+    memory: dict[str, dict] = {}
     try:
         server.wait_healthy()
         address = _ray_address(work / "serve.log")
@@ -118,14 +145,23 @@ def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: flo
         load = threading.Thread(target=lambda: searches.update(attack(
             targets, "rate", searches_per_s, seconds, work, "searches")))
         upserts = Upserts(server.url, data.base, upserts_per_s)
+        started = time.monotonic()
         load.start()
+        time.sleep(warm_s)  # searches alone first: the processes' memory as serving has it
+        memory["before_writes"] = memory_by_class()
         upserts.thread.start()
         time.sleep(compact_after_s)  # writes pile up in the log first
         steps.append(_cli("compact", str(copy), log=work / "cli.log"))
         steps.append(_cli("swap", str(copy), "--address", address, log=work / "cli.log"))
-        load.join()
+        time.sleep(max(0.0, upserts_stop_s - (time.monotonic() - started)))
+        memory["writes_peak"] = memory_by_class()  # the delta since the first compaction, at its largest
         upserts.stop.set()
         upserts.thread.join(timeout=60)
+        steps.append(_cli("compact", str(copy), log=work / "cli.log"))  # every write, under searches
+        steps.append(_cli("swap", str(copy), "--address", address, log=work / "cli.log"))
+        time.sleep(settle_s)  # the router lets the replaced version's links drain, then closes them
+        memory["after_last_swap"] = memory_by_class()
+        load.join()
         with httpx.Client(timeout=120) as http:
             served = http.get(f"{server.url}/v1/index").json()
             acked = list(upserts.acked.items())
@@ -150,15 +186,19 @@ def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: flo
             "requests", "success_ratio", "status_codes", "p50_ms", "p99_ms", "max_ms")},
         "upserts": {"statuses": {str(k): v for k, v in upserts.statuses.items()}, "acked": len(acked),
                     "lost": lost},
-        "served_after": {"index_version": served["index_version"], "log_position": served["log_position"]},
-        "compacted_log_position": compacted.log_position,
+        "served_after": {"index_version": served["index_version"], "log_position": served["log_position"],
+                         "num_vectors": served.get("num_vectors")},
+        "compacted_log_position": compacted.log_position, "memory": memory,
+        "memory_after_vs_before": {name: round(memory["after_last_swap"][name]["largest_anon_mb"]
+                                               / memory["before_writes"][name]["largest_anon_mb"], 3)
+                                   for name in memory["before_writes"] if name in memory["after_last_swap"]},
     }
 
 
 def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--index", required=True)
-    cli.add_argument("--seconds", type=float, default=150)
+    cli.add_argument("--seconds", type=float, default=200)
     cli.add_argument("--out", default=str(RECORDS / "compact-under-load.json"))
     args = cli.parse_args()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"compact-under-load-{os.getpid()}"

@@ -324,6 +324,13 @@ def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
             f"{searches['success_ratio']:.2%} (p99 {searches['p99_ms']:.0f} ms); upserts by status: "
             f"{upserts['statuses']}; acknowledged upserts lost: {len(upserts['lost'])} of "
             f"{upserts['acked']:,} |"]
+    if "memory" in compaction:  # older records did not sample it
+        memory, moments = compaction["memory"], ("before_writes", "writes_peak", "after_last_swap")
+        sizes = [f"{name}: " + " / ".join(f"{memory[when][name]['largest_anon_mb']:.0f}" for when in moments)
+                 + f" MB ({compaction['memory_after_vs_before'][name]:.2f}x)"
+                 for name in ("router", "shards")]
+        rows.append("| resident memory (anon) of the largest router / shard replica: before the writes, "
+                    f"at their peak, after the last compaction's swap | {'; '.join(sizes)} |")
     s, c, ratio = bench["results"]["shardserve"], bench["results"]["chroma"], bench["ratios"]
     one, peer_one = s["single_8_clients"], c["single_8_clients"]
     search = s["search_32_clients"]
@@ -340,10 +347,21 @@ def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
              f"{c['upserts_found_at_once']} of {c['upserts']} | |",
              f"| deleted ids absent right after | {s['deleted_absent']} of {s['deletes']} | "
              f"{c['deleted_absent']} of {c['deletes']} | |",
-             f"| searches/s at 32 clients, quiet / with {search['ingest_per_s']:g} upserts/s | "
+             f"| searches/s at 32 clients, quiet / with {_ingest_rate(search):,.0f} upserts/s | "
              f"{search['quiet']['qps']:,.0f} / {search['ingesting']['qps']:,.0f} | | "
              f"{search['qps_ratio']:.2f}x |"]
+    if "churn" in s:
+        churn, recall = s["churn"], s["churn"]["recall_at_10"]
+        rows += [f"| recall@10 after {churn['deleted']:,} deletes and {churn['added']:,} new rows "
+                 f"(nprobe {churn['nprobe']}), exact ground truth over the live rows | "
+                 f"{recall['served_after_churn']:.4f} | a fresh index on the live rows: "
+                 f"{recall['fresh_index_on_live_rows']:.4f} | {churn['after_minus_fresh']:+.4f} |"]
     return "\n".join(rows)
+
+
+def _ingest_rate(search: dict) -> float:
+    """The upserts/s achieved beside the searches (older records: `ingest_per_s`)."""
+    return search["ingest"]["qps"] if "ingest" in search else search["ingest_per_s"]
 
 
 def blocks(records: Path = RECORDS) -> dict[str, str]:

@@ -19,6 +19,7 @@ from loadtests.crash_writes import run as crash_run
 from shardserve.client import AsyncClient, Client
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ApiError
+from shardserve.writes.delta import MAX_DELTA_ROWS
 from tests.conftest import SERVE_PORT as PORT
 from tests.shared import DIM, write_parquet
 
@@ -50,7 +51,8 @@ def test_a_write_is_seen_by_the_next_search_on_any_replica(writable) -> None:
     rng = np.random.default_rng(3)
     with Client(url) as writer, Client(url) as reader:
         summary = reader.index()
-        assert summary["max_write_points"] == 1000 and summary["metadata_kinds"] == {"caption": "string"}
+        assert summary["max_write_points"] == 1000 and summary["max_write_backlog"] == MAX_DELTA_ROWS
+        assert summary["metadata_kinds"] == {"caption": "string"}
         new, vector = 7 << 50, _vector(rng)
         first = writer.upsert([new], vector[None], metadata=[{"caption": "fresh"}])
         assert first["upserted"] == 1 and first["position"] >= 1
@@ -158,11 +160,13 @@ def test_compaction_and_its_swap_under_searches_and_upserts_answer_everything(tm
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     record = compact_run(index, tmp_path / "work", searches_per_s=40, upserts_per_s=10, seconds=60,
-                         compact_after_s=8)
-    assert [step["command"] for step in record["steps"]] == ["shardserve compact", "shardserve swap"]
+                         compact_after_s=8, upserts_stop_s=30, warm_s=5, settle_s=0)
+    assert [step["command"] for step in record["steps"]] == ["shardserve compact", "shardserve swap"] * 2
     assert record["searches"]["success_ratio"] == 1.0, record["searches"]
     upserts = record["upserts"]
     assert set(upserts["statuses"]) == {"200"} and upserts["lost"] == [], upserts
     assert record["compacted_log_position"] > 0
-    assert record["served_after"] == {"index_version": record["compacted_version"],
-                                      "log_position": record["compacted_log_position"]}
+    served = record["served_after"]  # the last compaction folded every write: nothing left in a delta
+    assert (served["index_version"], served["log_position"]) == (record["compacted_version"],
+                                                                 record["compacted_log_position"])
+    assert set(record["memory"]["after_last_swap"]) == {"router", "shards"}, record["memory"]

@@ -117,3 +117,4 @@ class Limits:
     max_work: int
     max_body_bytes: int
     max_write_points: int = 1000
+    max_write_backlog: int = 200_000  # upserts not yet compacted (shardserve.writes.delta.MAX_DELTA_ROWS)
