@@ -1,7 +1,7 @@
 """What the shard link's frame MACs cost: in-process, one thread, no sockets.
 
 Every frame after the handshake carries HMAC-SHA256(session key, sequence + header + payload),
-truncated (shardserve.transport.shard_link). This times sealing one frame and opening it again (cut
+truncated (shardserve.transport.link_frames). This times sealing one frame and opening it again (cut
 out of the byte stream, MAC checked, payload copied) against the same path with the MAC stubbed
 out, for the frames a query batch makes: the router's 32 × 784 float32 batch to a shard, and a
 shard's top-10 answer to it. The difference is what the MACs add per frame on each end; compare it
@@ -18,7 +18,7 @@ import timeit
 import numpy as np
 
 from loadtests.record import header, save
-from shardserve.transport.shard_link import TAG_BYTES, _FrameBuffer, _Seal
+from shardserve.transport.link_frames import TAG_BYTES, _FrameBuffer, _Seal
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
 
 

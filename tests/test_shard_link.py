@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from shardserve.query.fanout import search_batch
+from shardserve.transport.link_auth import _Session
+from shardserve.transport.link_frames import _Seal
 from shardserve.transport.shard_link import (
     ERROR_WORD,
     NONCE_BYTES,
@@ -21,8 +23,6 @@ from shardserve.transport.shard_link import (
     ShardLink,
     ShardLinkError,
     ShardLinks,
-    _Seal,
-    _Session,
     link_proof,
     serve_link,
     shard_secret,
@@ -134,7 +134,7 @@ def test_answer_now_answers_in_the_receive_callback_and_defers_what_it_declines(
 
 
 def test_frames_split_and_joined_arbitrarily_are_cut_right() -> None:
-    from shardserve.transport.shard_link import _Corrupt, _FrameBuffer
+    from shardserve.transport.link_frames import _Corrupt, _FrameBuffer
 
     key = bytes(32)
     sender = _Seal(key)
