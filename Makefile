@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -116,6 +116,11 @@ bench-writes: install data vegeta haproxy peer $(INDEX)/manifest.json
 # the upserts: loadtests/records/compact-under-load.json.
 bench-compact: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.compact_under_load --index $(INDEX)
+
+# Upserts faster than compaction folds them: the backlog bound's fast 503s beside searches, then a
+# compaction and swap that take writes again: loadtests/records/write-backpressure.json.
+bench-backpressure: install data vegeta haproxy $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.write_backpressure --index $(INDEX)
 
 # SIGKILLs of a shard replica, the router and the whole server under single writes (5 each), on a
 # copy of the index: loadtests/records/crash-writes.json.

@@ -22,10 +22,17 @@ import numpy as np
 
 from deployments.config import INDEX_INGRESS, AppArgs, index_app_name
 from shardserve.data.datasets import Dataset, load_dataset
-from shardserve.data.groundtruth import graded_as, ground_truth, recall_at_k, without_self
+from shardserve.data.groundtruth import (
+    GROUND_TRUTH_K,
+    exact_search,
+    graded_as,
+    ground_truth,
+    recall_at_k,
+    without_self,
+)
 from shardserve.errors import ShardserveError
-from shardserve.index.indexes import supported_params
-from shardserve.index.manifest import Manifest, pinned_location, read_manifest
+from shardserve.index.indexes import index_from_bytes, stored_points, supported_params
+from shardserve.index.manifest import Manifest, pinned_location, read_manifest, read_shard_checked
 from shardserve.index.storage import Location
 from shardserve.query.index_pointer import SwapConflict
 from shardserve.runtime.background import run_on_loop
@@ -39,12 +46,16 @@ class GateFailed(ShardserveError):
     """The new index's recall is below the configured threshold; the old one keeps serving."""
 
 
-def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
+def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int, location: Location | None = None
                 ) -> tuple[np.ndarray, Dataset, np.ndarray]:
     """Eval's queries and exact ground truth of the data the index was built from (checked by
-    fingerprint, so a gate can never grade an index against the wrong data)."""
-    # a compacted version (index_build.compact) is graded against the data its lineage was built
-    # from: the rows writes deleted or moved then count as misses, so heavy churn lowers its recall
+    fingerprint, so a gate can never grade an index against the wrong data).
+
+    A compacted version (index_build.compact, at `location`) holds what the writes left: its truth
+    is computed over its own points, the vectors its shards store, when its kind stores them as
+    they are (flat codes). Otherwise it is graded against its lineage's data, where the rows the
+    writes deleted count as misses and the points they added are unknown: heavy churn lowers its
+    recall, and the swap may need --min-recall or a rebuild."""
     rows = int(manifest.build.params.get("dataset_rows", manifest.num_vectors))
     dataset = load_dataset(dataset_spec or manifest.dataset.name, limit=rows, **manifest.dataset.columns())
     if dataset.fingerprint() != manifest.dataset.fingerprint:
@@ -55,7 +66,33 @@ def gate_recall(manifest: Manifest, dataset_spec: str | None, queries: int
     truth = ground_truth(dataset)[:queries]
     own = None if dataset.query_rows is None else dataset.query_rows[:queries]
     held_out = dataclasses.replace(dataset, queries=dataset.queries[:queries], query_rows=own)
+    if location is not None and "compacted_from" in manifest.build.params:
+        live = _live_points(manifest, location)
+        if live is not None:
+            held_out, truth = _graded_on(held_out, *live)
     return held_out.queries, held_out, truth
+
+
+def _live_points(manifest: Manifest, location: Location) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every point the version's shards store (ids, vectors), or None when they store codes."""
+    parts = []
+    for entry in manifest.shards:
+        points = stored_points(index_from_bytes(read_shard_checked(location, entry)))
+        if points is None:
+            return None
+        parts.append(points)
+    return np.concatenate([ids for ids, _ in parts]), np.concatenate([vectors for _, vectors in parts])
+
+
+def _graded_on(held_out: Dataset, ids: np.ndarray, vectors: np.ndarray) -> tuple[Dataset, np.ndarray]:
+    """The eval queries as a dataset over these points, and their exact top-k ids' rows in it (a
+    base-only source's query leaves its own point out, when the writes kept it)."""
+    live = Dataset(f"{held_out.name} (compacted)", vectors, held_out.queries, held_out.metric, ids=ids)
+    own_ids = held_out.self_ids()
+    own = None if own_ids is None else live.rows_of(own_ids)
+    live = dataclasses.replace(live, query_rows=own)
+    _, truth = exact_search(vectors, held_out.queries, GROUND_TRUTH_K, held_out.metric, exclude=own)
+    return live, truth
 
 
 def _check_headroom(args: AppArgs, manifest: Manifest) -> None:
@@ -91,7 +128,7 @@ async def _gate(app: str, manifest: Manifest, args: AppArgs, dataset_spec: str |
     from ray import serve
 
     queries, held_out, truth = await asyncio.to_thread(gate_recall, manifest, dataset_spec,
-                                                       args.gate_queries)
+                                                       args.gate_queries, Location.parse(args.index))
     supported = supported_params(manifest.index_factory, manifest.dim, manifest.metric)
     params = {name: value for name, value in args.gate_params.items() if name in supported}
     handle = serve.get_deployment_handle(INDEX_INGRESS, app)

@@ -7,15 +7,19 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import faiss
 import numpy as np
 import orjson
 import pytest
 
+from deployments.swap import gate_recall
 from index_build.compact import compact, truncate_log
 from index_build.job import build_index
 from serving.evaluate import sharded_search
+from shardserve.data.groundtruth import recall_at_k
 from shardserve.errors import ApiError, ShardserveError
 from shardserve.index.assigner import load_assigner
+from shardserve.index.indexes import stored_points
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
 from shardserve.index.storage import Location
 from shardserve.query.filters import check_filter
@@ -140,3 +144,44 @@ def test_a_replica_applies_nothing_until_written_and_refuses_a_truncated_log(ind
     with pytest.raises(LogGap, match="starts at request 2"):
         late.catch_up()
     assert replica.catch_up() == 2  # it had request 1 already: the rest is there
+
+
+def test_the_swap_gate_grades_a_compacted_version_on_its_own_points(index: Path) -> None:
+    """The lineage's ground truth knows neither the points writes added nor which rows they deleted:
+    the gate of a compacted version computes its truth over the points the version holds."""
+    rng = np.random.default_rng(5)
+    manifest, _ = _replicas(index)
+    front = WriteFront(log_path(str(index)))
+    _writes(front, manifest, rng)
+    source = str(index.parent / "emb")  # the fixture's parquet data
+    queries, lineage, lineage_truth = gate_recall(manifest, source, 20)
+    beside = [(1 << 51) + i for i in range(len(queries))]  # a new point right beside each eval query
+    front.upsert(_body(beside, queries + 0.01), manifest)
+    compacted = compact(str(index))
+    graded_queries, live, truth = gate_recall(compacted, source, 20, Location.parse(str(index)))
+    np.testing.assert_array_equal(graded_queries, queries)
+    assert live.index_ids()[truth[:, 0]].tolist() == beside  # the truth knows the new points
+    _, after = _replicas(index)
+    found = sharded_search(after, queries, 10, {"nprobe": 32}, manifest.metric,  # every list: exact
+                           load_assigner(str(index)))[1]
+    assert recall_at_k(found, live, 10, truth) == 1.0
+    assert recall_at_k(found, lineage, 10, lineage_truth) < 0.95  # what grading on the lineage gave
+
+
+@pytest.mark.parametrize("factory", ["IVF4,Flat", "IDMap2,Flat", "IVF4,PQ2x4", "IDMap2,HNSW8"])
+def test_stored_points_are_the_added_vectors_or_none(factory: str) -> None:
+    """What the gate grades a compacted version on: every (id, vector) as added, for the kinds that
+    store vectors as they are; None for codes and graphs."""
+    rng = np.random.default_rng(2)
+    vectors, ids = rng.random((300, 8), np.float32), np.arange(300, dtype=np.int64) * 7 + 5
+    index = faiss.index_factory(8, factory)
+    index.train(vectors)
+    index.add_with_ids(vectors, ids)
+    points = stored_points(faiss.deserialize_index(faiss.serialize_index(index)))
+    if factory.endswith("Flat"):
+        assert points is not None
+        order = np.argsort(points[0])
+        np.testing.assert_array_equal(points[0][order], ids)
+        np.testing.assert_array_equal(points[1][order], vectors)
+    else:
+        assert points is None

@@ -165,3 +165,26 @@ def supported_params(factory: str, dim: int, metric: str) -> frozenset[str]:
     if isinstance(inner, faiss.IndexHNSW):
         return frozenset({"efSearch"})
     return frozenset()
+
+
+def stored_points(index: faiss.Index) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids, vectors) of every point an index stores, when it stores the vectors themselves (an IVF
+    with flat codes, a flat index under an id map); None for kinds that keep only compressed codes
+    or a graph (PQ, SQ, HNSW), whose stored points are not the vectors that were added."""
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None and type(faiss.downcast_index(ivf)) is faiss.IndexIVFFlat:  # not Dedup: it shares
+        lists, dim = ivf.invlists, ivf.d
+        assert lists is not None
+        ids, vectors = [np.zeros(0, np.int64)], [np.zeros((0, dim), np.float32)]
+        for number in range(ivf.nlist):
+            size = lists.list_size(number)
+            if size:
+                ids.append(faiss.rev_swig_ptr(lists.get_ids(number), size).astype(np.int64))
+                codes = faiss.rev_swig_ptr(lists.get_codes(number), size * lists.code_size)
+                vectors.append(np.frombuffer(codes.tobytes(), np.float32).reshape(size, dim))
+        return np.concatenate(ids), np.concatenate(vectors)
+    flat = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else None
+    if isinstance(flat, faiss.IndexFlat):
+        return (faiss.vector_to_array(index.id_map).astype(np.int64),  # type: ignore[attr-defined]
+                faiss.rev_swig_ptr(flat.get_xb(), flat.ntotal * flat.d).reshape(flat.ntotal, flat.d).copy())
+    return None
