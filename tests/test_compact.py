@@ -4,6 +4,7 @@ base plus the log answered at the same log position."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -185,3 +186,20 @@ def test_stored_points_are_the_added_vectors_or_none(factory: str) -> None:
         np.testing.assert_array_equal(points[1][order], vectors)
     else:
         assert points is None
+
+
+def test_a_full_backlog_refuses_an_upsert_before_reading_its_body(index: Path) -> None:
+    """Once counted full, an upsert gets its 503 on the event loop: not parsed, no thread hand-off
+    (the body here is not even JSON). A new version served (another base position) counts again."""
+    manifest = read_manifest(Location.parse(str(index)))
+    front = WriteFront(log_path(str(index)), max_backlog=3)
+    front.upsert(_body([1, 2, 3], np.ones((3, DIM), np.float32)), manifest)  # exactly at the bound
+    with pytest.raises(ApiError) as full:
+        front.upsert(_body([4], np.ones((1, DIM), np.float32)), manifest)  # counted full
+    assert full.value.status == 503
+    with pytest.raises(ApiError) as early:
+        asyncio.run(front.accept(b"not json", True, manifest))
+    assert early.value.status == 503 and "backlog full" in early.value.message
+    with pytest.raises(ApiError) as parsed:  # a version at position 1 folded them: room again
+        asyncio.run(front.accept(b"not json", True, manifest.model_copy(update={"log_position": 1})))
+    assert parsed.value.status == 422

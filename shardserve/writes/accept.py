@@ -51,6 +51,8 @@ class WriteFront:
         once when `max_waiting` are already waiting for it."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
+        if upsert and self._known_full(manifest.log_position):  # at once: no parse, no hand-off
+            raise self._backlog_full()
         self.waiting += 1
         try:
             work = self.upsert if upsert else self.delete
@@ -91,7 +93,15 @@ class WriteFront:
                 self._log = WriteLog(self.path)
             adding = sum(isinstance(op, Upsert) for op in ops)
             if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
-                raise ApiError(503, None, f"write backlog full: {self.max_backlog} upserts wait to be "
-                                          "compacted into a new index version (`shardserve compact`)",
-                               self.retry_after_s)
+                raise self._backlog_full()
             return self._log.append(list(ops))
+
+    def _known_full(self, base_position: int) -> bool:
+        """The backlog past `base_position` was already at its bound when last counted: it only
+        grows until a new version (another base position) is served, so any upsert is refused."""
+        base, _, upserts = self._counted  # one tuple, replaced whole by the writes thread
+        return base == base_position and upserts >= self.max_backlog
+
+    def _backlog_full(self) -> ApiError:
+        return ApiError(503, None, f"write backlog full: {self.max_backlog} upserts wait to be compacted "
+                                   "into a new index version (`shardserve compact`)", self.retry_after_s)
