@@ -305,7 +305,7 @@ def link_mac_line(record: dict) -> str:
             + "; ".join(frames) + ".")
 
 
-def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
+def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict | None = None) -> str:
     """Online writes: what SIGKILLs left of acknowledged writes, read-your-writes, compaction under
     load (loadtests.crash_writes, .compact_under_load), then the write rates beside the peer's and
     searches while ingesting (loadtests.bench_writes)."""
@@ -331,6 +331,8 @@ def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
                  for name in ("router", "shards")]
         rows.append("| resident memory (anon) of the largest router / shard replica: before the writes, "
                     f"at their peak, after the last compaction's swap | {'; '.join(sizes)} |")
+    if backpressure is not None:
+        rows += backpressure_rows(backpressure)
     s, c, ratio = bench["results"]["shardserve"], bench["results"]["chroma"], bench["ratios"]
     one, peer_one = s["single_8_clients"], c["single_8_clients"]
     search = s["search_32_clients"]
@@ -359,6 +361,28 @@ def writes_table(crash: dict, bench: dict, compaction: dict) -> str:
     return "\n".join(rows)
 
 
+def backpressure_rows(record: dict) -> list[str]:
+    """Upserts past the backlog bound (loadtests.write_backpressure): what was taken, how fast the
+    rest was refused, searches' p99 by phase, the shards' memory at the bound."""
+    refused, searches, writers = record["refused_503"], record["searches"], record["writers"]
+    p99 = " / ".join(f"{searches[phase]['worst_p99_ms']:.0f}" for phase in
+                     ("quiet", "filling", "refusing", "compact_and_swap", "after"))
+    memory = record["memory"]
+    return [f"| {writers['clients']} clients sending batches of 100 upserts past the backlog bound "
+            f"({record['bound_upserts']:,}) | acknowledged: {record['upserts_acknowledged']:,}; then "
+            f"{refused['count']:,} 503s (p50 {refused['p50_ms']:.0f} ms, p99 {refused['p99_ms']:.0f} ms, "
+            f"Retry-After {', '.join(refused['retry_after'])} s); other statuses: "
+            f"{record['other_statuses'] or 'none'}; after compaction and swap, an upsert: "
+            f"{record['upsert_after_swap_status']}; acknowledged upserts sampled lost: "
+            f"{record['acknowledged_sampled_lost']} of {record['acknowledged_sampled']} |",
+            f"| searches beside them ({record['searches_per_s']:g}/s): worst 5 s p99, quiet / filling / "
+            f"refusing / compact and swap / after | {p99} ms, all "
+            f"{'200' if all(set(p['status_codes']) == {'200'} for p in searches.values()) else 'NOT 200'} |",
+            "| largest shard replica's memory (anon): before / at the bound / after the swap | "
+            + " / ".join(f"{memory[when]['shards']['largest_anon_mb']:.0f}" for when in
+                         ("before", "full", "after_swap")) + " MB |"]
+
+
 def _ingest_rate(search: dict) -> float:
     """The upserts/s achieved beside the searches (older records: `ingest_per_s`)."""
     return search["ingest"]["qps"] if "ingest" in search else search["ingest_per_s"]
@@ -376,7 +400,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "link-mac": link_mac_line(load("link-mac.json")), "admission": admission_table(admission),
             "soak": soak_table(load("soak.json")),
             "writes": writes_table(load("crash-writes.json"), load("bench-writes.json"),
-                                   load("compact-under-load.json")),
+                                   load("compact-under-load.json"), load("write-backpressure.json")),
             "bench-filter": filter_table(load("bench-filter.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
