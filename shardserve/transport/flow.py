@@ -97,3 +97,25 @@ class FlowControl:
 
     def resume_writing(self) -> None:
         self.write_paused = False  # the owner decides whether to read again (want_reading)
+
+
+class PeerPaced(asyncio.Protocol):
+    """A connection that stops taking requests while its peer does not read the answers: asyncio's
+    write-side callbacks, shared by the HTTP door and the shard link. The subclass holds `flow` (None
+    until connected), its `deadline`, and `_flow()`, which answers what is ready or reads on."""
+
+    flow: FlowControl | None
+    deadline: Deadline
+
+    def _flow(self) -> None:
+        raise NotImplementedError
+
+    def pause_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.pause_writing()
+            self.deadline.update()  # a paused peer has its own deadline
+
+    def resume_writing(self) -> None:
+        if self.flow is not None:
+            self.flow.resume_writing()
+            self._flow()

@@ -37,7 +37,7 @@ from http import HTTPStatus
 import httptools
 import orjson
 
-from shardserve.transport.flow import Action, Deadline, FlowControl
+from shardserve.transport.flow import Action, Deadline, FlowControl, PeerPaced
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def _full_head(reply: Reply, keep_alive: bool) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(PeerPaced):
     """One client connection: llhttp parses, requests are answered one at a time, in order."""
 
     def __init__(self, front: FrontDoor):
@@ -161,16 +161,6 @@ class _Connection(asyncio.Protocol):
         self.deadline.cancel()
         self.transport = None
         self.front.connections.discard(self)
-
-    def pause_writing(self) -> None:  # the client does not read its answers: stop taking requests
-        if self.flow is not None:
-            self.flow.pause_writing()
-            self.deadline.update()
-
-    def resume_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.resume_writing()
-            self._flow()
 
     def data_received(self, data: bytes) -> None:
         if self.lingering_until:

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from shardserve.transport.flow import Deadline, FlowControl
+from shardserve.transport.flow import Deadline, FlowControl, PeerPaced
 from shardserve.transport.link_auth import NONCE_BYTES, PROOF_BYTES, _Session, link_proof
 from shardserve.transport.link_frames import _ERROR, _OK, MAX_FRAME, _Corrupt, _FrameBuffer
 
@@ -111,7 +111,7 @@ class _LinkServer:
             del self.handshakes[source]
 
 
-class _ServerConnection(asyncio.Protocol):
+class _ServerConnection(PeerPaced):
     """One caller's connection to a shard replica. A plain Protocol, not streams: a frame costs one
     callback, and one the handler can answer at once (`answer_now`) needs no task at all."""
 
@@ -242,16 +242,6 @@ class _ServerConnection(asyncio.Protocol):
             self.held_since = 0.0
         self.flow.want_reading(not held)
         self.deadline.update()
-
-    def pause_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.pause_writing()
-            self.deadline.update()
-
-    def resume_writing(self) -> None:
-        if self.flow is not None:
-            self.flow.resume_writing()
-            self._flow()
 
     # -- the one deadline of each state (transport.flow) -------------------------------------
     def _due(self) -> tuple[float, Callable[[], None]] | None:
