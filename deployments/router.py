@@ -29,10 +29,11 @@ from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import parse_query, receive_body
 from shardserve.query.render import coverage_error, index_summary, render_search
-from shardserve.runtime.heap import settled
+from shardserve.runtime.heap import give_back, settled
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
+from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import WriteFront
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.log import log_path
@@ -84,6 +85,13 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
         return _error(error)
     finally:
         router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+
+
+def _let_go(links: ShardLinks | None) -> None:
+    """A replaced index version, drained: its links closed, the memory it held handed back."""
+    if links is not None:
+        links.close()
+    give_back()
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -197,9 +205,9 @@ class Router(ReportsCoresWanted):
                 p = await self.control.poll.remote(self.replica_id, current, old)
                 if p["generation"] > current:
                     loaded = await IndexSet.load(p["generation"], p["index"], p["app"], self.use_links)
-                    replaced, self.active = self.active, loaded
-                    if replaced.links is not None:  # its last requests drain first (swap waits)
-                        asyncio.get_running_loop().call_later(60.0, replaced.links.close)
+                    links, self.active = self.active.links, loaded  # nothing else of the old kept
+                    # its last requests drain first (swap waits); then its memory goes back
+                    asyncio.get_running_loop().call_later(60.0, _let_go, links)
                     self.metrics.follow(loaded.manifest, loaded.generation)
             except asyncio.CancelledError:
                 raise

@@ -132,7 +132,7 @@ def start_on_copy(index: Path, work: Path, num_cpus: int) -> tuple[Manifest, Dat
 
 def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: float = 50,
         seconds: float = 200, compact_after_s: float = 30, upserts_stop_s: float = 100,
-        warm_s: float = 10, settle_s: float = 65, num_cpus: int = 4) -> dict:
+        warm_s: float = 10, settle_s: float = 75, num_cpus: int = 4) -> dict:
     manifest, data, copy, server = start_on_copy(index, work, num_cpus)
     steps: list[dict] = []
     memory: dict[str, dict] = {}
@@ -159,7 +159,7 @@ def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: flo
         upserts.thread.join(timeout=60)
         steps.append(_cli("compact", str(copy), log=work / "cli.log"))  # every write, under searches
         steps.append(_cli("swap", str(copy), "--address", address, log=work / "cli.log"))
-        time.sleep(settle_s)  # the router lets the replaced version's links drain, then closes them
+        time.sleep(settle_s)  # the router drains the replaced version for 60 s, then hands its memory back
         memory["after_last_swap"] = memory_by_class()
         load.join()
         with httpx.Client(timeout=120) as http:

@@ -12,6 +12,7 @@ collector no longer walks, so a later collection costs what the requests allocat
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import time
@@ -53,3 +54,18 @@ class PauseLog:
     def close(self) -> None:
         if self._on_collect in gc.callbacks:
             gc.callbacks.remove(self._on_collect)
+
+
+def give_back() -> bool:
+    """Collect, then hand the C heap's free pages back to the kernel (glibc's malloc_trim): what a
+    replica calls once it has let go of a large structure, such as a replaced index version. False
+    where the C library has no malloc_trim (not glibc): nothing is handed back there."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
