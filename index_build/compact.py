@@ -150,7 +150,8 @@ def truncate_log(index: str) -> int:
 
 
 def _dataset_rows(manifest: Manifest) -> int:
-    """The rows of the data the version's lineage was built from (what the swap's gate grades with)."""
+    """The rows of the data the version's lineage was built from: the swap's gate loads its eval queries
+    from it (and its truth too, for a version whose shards keep codes instead of the vectors)."""
     return int(manifest.build.params.get("dataset_rows", manifest.num_vectors))
 
 
