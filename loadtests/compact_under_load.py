@@ -116,7 +116,8 @@ def memory_by_class() -> dict[str, dict[str, float]]:
             for name, mb in sorted(found.items())}
 
 
-def start_on_copy(index: Path, work: Path, num_cpus: int) -> tuple[Manifest, Dataset, Path, Server]:
+def start_on_copy(index: Path, work: Path, num_cpus: int, flags: tuple[str, ...] = ()
+                  ) -> tuple[Manifest, Dataset, Path, Server]:
     """The index's manifest, its data (1,000 queries), a copy of it in `work`, and the default
     `shardserve serve` starting on the copy with `num_cpus` logical CPUs: a swap runs the new
     version beside the old until the switch, and Ray must count room for both (its default counts
@@ -127,7 +128,8 @@ def start_on_copy(index: Path, work: Path, num_cpus: int) -> tuple[Manifest, Dat
     work.mkdir(parents=True, exist_ok=True)
     copy = work / "index"
     shutil.copytree(index, copy)
-    return manifest, data, copy, Server(copy, free_port(), work / "serve.log", ("--num-cpus", str(num_cpus)))
+    return manifest, data, copy, Server(copy, free_port(), work / "serve.log",
+                                        ("--num-cpus", str(num_cpus), *flags))
 
 
 def run(index: Path, work: Path, searches_per_s: float = 150, upserts_per_s: float = 50,

@@ -16,7 +16,9 @@ again. It records:
     python -m loadtests.write_backpressure --index indexes/fashion-mnist-ivf1024-4
       -> loadtests/records/write-backpressure.json
 
-The index is copied first.
+The index is copied first. The server runs with `--compact-at 0`: this measures the bound itself,
+what protects memory when writes outrun compaction (by default `shardserve serve` compacts on its
+own once 50,000 operations wait, and would fold part of this flood in between).
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _found(url: str, acked: list[tuple[int, np.ndarray]]) -> tuple[int, int]:
 
 def run(index: Path, work: Path, searches_per_s: float = 100, clients: int = 4, refused_s: float = 20,
         quiet_s: float = 20, num_cpus: int = 4) -> dict:
-    manifest, data, copy, server = start_on_copy(index, work, num_cpus)
+    manifest, data, copy, server = start_on_copy(index, work, num_cpus, ("--compact-at", "0"))
     memory: dict[str, dict] = {}
     steps: list[dict] = []
     searches = None
@@ -191,7 +193,8 @@ def run(index: Path, work: Path, searches_per_s: float = 100, clients: int = 4, 
     answers = writers.answers
     return {
         "name": "write-backpressure", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "index": manifest.index_version, "serve_flags": f"--num-cpus {num_cpus}", "bound_upserts": bound,
+        "index": manifest.index_version, "serve_flags": f"--num-cpus {num_cpus} --compact-at 0",
+        "bound_upserts": bound,
         "writers": {"clients": clients, "batch": 100, "seconds_to_fill": round(full_at - started, 1),
                     "seconds_refused": round(refused_until - full_at, 1)},
         "upserts_acknowledged": writers.acked_points,

@@ -67,7 +67,7 @@ def _serve(args: argparse.Namespace) -> None:
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
                    edge=not args.no_edge, admission=_admission(args), api_key=api_key,
-                   access_log=args.access_log, address=args.address)
+                   access_log=args.access_log, address=args.address, compact_at=args.compact_at)
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -371,7 +371,12 @@ def parser() -> argparse.ArgumentParser:
                              help="an application setting (deployments/config.py AppArgs), repeatable")
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
-                             "(default: cores; a swap needs room for two index versions)")
+                             "(default: the cores, or room for two index versions if more: a swap "
+                             "runs both until the switch)")
+            cmd.add_argument("--compact-at", type=_at_least(0), metavar="OPS",
+                             help="compact the write log into a new index version and swap to it once "
+                                  "this many operations wait (default: a quarter of the write backlog "
+                                  "bound, 50000; 0: only `shardserve compact` by hand)")
             _edge_options(cmd)
             cmd.add_argument("--access-log", metavar="FILE", help="the edge appends a line per request "
                              "(HAProxy's HTTP log format: time queued at the edge, the router's, the total)")

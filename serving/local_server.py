@@ -11,13 +11,16 @@ than the whole monolith baseline spends.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import signal
 import socket
 import time
 
+from deployments.config import AppArgs
 from deployments.run import APP_NAME, deploy, undeploy
+from serving.compactor import COMPACT_AT, AutoCompactor
 from serving.edge import Admission, EdgeProcess, haproxy_binary
 from shardserve.errors import ShardserveError
 from shardserve.index.manifest import read_manifest
@@ -34,7 +37,7 @@ _stopping = False
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
                    num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
                    api_key: str | None = None, access_log: str | None = None,
-                   address: str | None = None) -> None:
+                   address: str | None = None, compact_at: int | None = COMPACT_AT) -> None:
     """Start Ray (or join the one at `address` / RAY_ADDRESS) with the fast ingress, deploy, print
     how to query, serve until Ctrl-C or SIGTERM.
 
@@ -44,6 +47,9 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             enters Ray's environment: the caller removes SHARDSERVE_API_KEY before this starts Ray.
         access_log: a file the edge appends a line per request to (HAProxy's HTTP log format, with
             its timers: time queued at the edge, the router's time, the total).
+        compact_at: once this many write operations wait past the newest index version, compact
+            and swap to it (serving.compactor; None: its default); 0: only by hand. Only on a Ray
+            this command starts.
         address: a Ray cluster to join. Without it (and without RAY_ADDRESS) this command starts a
             Ray of its own even when another runs on this machine: a second `serve` runs beside
             the first, never inside it (ensure_ray).
@@ -65,6 +71,10 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     # stop during start-up runs the `finally` below too.
     _on_stop_raise()
     front: EdgeProcess | None = None
+    compactor: AutoCompactor | None = None
+    compact_at = COMPACT_AT if compact_at is None else compact_at
+    if num_cpus is None and not joining:
+        num_cpus = room_for_two_versions(len(manifest.shards), replicas_per_shard)
     try:
         started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True, address=address,
                              join_local=False)
@@ -93,6 +103,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
                                       else "haproxy not installed") + "): the router sheds"
         if started:  # start-up ends with the node's pool of warm workers filled: nothing fills under load
             _wait_for_warm_pool()
+        if started and compact_at:
+            compactor = AutoCompactor(index, APP_NAME, compact_at).start()
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
               f"({manifest.num_vectors} vectors, {len(manifest.shards)} shards) at {url}")
         print(f"  overload: {shedding}")
@@ -101,19 +113,34 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
               f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
               f"--data-binary @- {url}/v1/search")
         print(f"  ray:    {_ray_line(started)}")
+        if compactor is not None:
+            print(f"  writes: compacted into a new version once {compact_at} wait (--compact-at)")
         print("  Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        if compactor is not None:
+            compactor.stop()
         _stop(front, joining, mark)
+
+
+def room_for_two_versions(shards: int, replicas_per_shard: int) -> int:
+    """Logical CPUs for the Ray `serve` starts: its cores, or, if more, room for the router and two
+    index versions' shard replicas at their default reservations. A swap (by hand or by automatic
+    compaction) runs the new version beside the old until the switch; with only the cores counted,
+    four shards on two cores had no room for the second. Fixed replicas: the count only places
+    them, it starts nothing."""
+    defaults = AppArgs.model_fields
+    need = (2 * shards * replicas_per_shard * defaults["shard_num_cpus"].default
+            + defaults["router_num_cpus"].default)
+    return max(os.cpu_count() or 1, math.ceil(need))
 
 
 def _wait_for_warm_pool(timeout_s: float = 60.0) -> None:
     """Until the Ray this command started holds its warm workers (runtime.warm_pool): each imports
     the serving stack at a priority above the replicas', which would stall them under load."""
-    from deployments.config import AppArgs
     from shardserve.runtime.warm_pool import raylet_of, wait_filled
 
     target = AppArgs.model_fields["warm_workers"].default

@@ -43,6 +43,10 @@ def test_append_read_truncate(tmp_path: Path) -> None:
     assert [p for p, _ in read] == positions
     assert all(same_ops(ops, request(p)) for p, ops in read)
     assert [p for p, _ in log.read(3, limit=2)] == [4, 5]
+    counts = [len(request(n)) for n in range(1, 8)]
+    upserts = [sum(isinstance(op, Upsert) for op in request(n)) for n in range(1, 8)]
+    assert log.backlog(0) == (7, sum(counts), sum(upserts))
+    assert log.backlog(5) == (7, sum(counts[5:]), sum(upserts[5:])) and log.backlog(7) == (7, 0, 0)
     log.truncate_below(6)
     assert log.first_position() == 6 and [p for p, _ in log.read(0)] == [6, 7]
     log.truncate_below(100)  # everything gone: positions still never reused

@@ -5,6 +5,7 @@ write leaves nothing behind."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -14,11 +15,14 @@ import pytest
 
 from index_build.job import build_index
 from loadtests.compact_under_load import run as compact_run
-from loadtests.crash_writes import KINDS
+from loadtests.crash_writes import KINDS, Server
 from loadtests.crash_writes import run as crash_run
 from shardserve.client import AsyncClient, Client
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ApiError
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.runtime.ports import free_port
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from tests.conftest import SERVE_PORT as PORT
 from tests.shared import DIM, write_parquet
@@ -170,3 +174,44 @@ def test_compaction_and_its_swap_under_searches_and_upserts_answer_everything(tm
     assert (served["index_version"], served["log_position"]) == (record["compacted_version"],
                                                                  record["compacted_log_position"])
     assert set(record["memory"]["after_last_swap"]) == {"router", "shards"}, record["memory"]
+
+
+@pytest.mark.haproxy
+def test_the_default_server_compacts_and_swaps_by_itself_once_enough_writes_wait(tmp_path: Path) -> None:
+    """`shardserve serve --compact-at N` with nothing else: once N operations wait past the served
+    version, it compacts and swaps on its own (its default logical CPUs leave room for the second
+    version), the new version is at the last write's position, every upsert is found with its own
+    vector and no deleted id is answered."""
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    first = read_manifest(Location.parse(str(index))).index_version
+    data = load_dataset("fashion-mnist", limit=5000, num_queries=10)
+    rng = np.random.default_rng(5)
+    ids = list(range(1 << 40, (1 << 40) + 400))
+    vectors = (data.base[rng.integers(0, 5000, 400)] + rng.normal(0, 8, (400, data.base.shape[1]))
+               ).astype(np.float32)
+    deleted = list(range(50))  # base rows: their ids are their row numbers
+    server = Server(index, free_port(), tmp_path / "serve.log", ("--compact-at", "450"))
+    try:
+        server.wait_healthy()
+        with Client(server.url, timeout_s=60) as client:
+            for start in range(0, 400, 100):
+                client.upsert(ids[start:start + 100], vectors[start:start + 100])
+            last = client.delete(deleted)["position"]  # 400 upserts + 50 deletes: the threshold
+            served = client.index()
+            for _ in range(600):  # the compactor polls every 5 s; compaction and swap take a while
+                if served["index_version"] != first:
+                    break
+                server.process.poll()
+                assert server.process.returncode is None, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+                served = client.index()
+            assert served["index_version"] != first, (tmp_path / "serve.log").read_text()[-3000:]
+            assert served["log_position"] == last and served["num_vectors"] == 5000 - 50 + 400
+            for id_, vector in zip(ids[::20], vectors[::20], strict=True):
+                assert int(client.search(vector, k=1).ids[0]) == id_
+            for id_ in deleted:
+                assert id_ not in client.search(data.base[id_], k=10).ids.tolist()
+    finally:
+        server.stop()
+    assert "compacted and swapped to" in (tmp_path / "serve.log").read_text()

@@ -75,7 +75,7 @@ class WriteFront:
         base, counted_to, upserts = self._counted
         if base != base_position:
             counted_to, upserts = base_position, 0
-        last, more = self._log.upserts_after(counted_to)
+        last, _, more = self._log.backlog(counted_to)
         self._counted = (base_position, last, upserts + more)
         return upserts + more
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
@@ -46,6 +47,12 @@ CREATE TABLE IF NOT EXISTS ops (
 """
 WRITE_LOG = "writes/log.sqlite"  # in the index directory, beside manifest.json and versions/
 BUSY_TIMEOUT_MS = 10_000  # a reader or a checkpoint holding a lock: wait, do not fail the write
+
+
+class Backlog(NamedTuple):
+    last: int  # the newest request's position
+    operations: int  # upserts and deletes past the position asked about
+    upserts: int
 
 
 class WriteLog:
@@ -139,20 +146,21 @@ class WriteLog:
         # fetchall: the statement runs to its end, so its read transaction ends here, not at the next
         return int(rows[0][0]) if rows else 0
 
-    def upserts_after(self, position: int) -> tuple[int, int]:
-        """(the newest position, how many upserts the requests past `position` hold, up to it): the
-        write backlog a served version has not folded in yet (one snapshot)."""
+    def backlog(self, position: int) -> Backlog:
+        """What the requests past `position` hold, up to the newest (one snapshot): the upserts a
+        served version has not folded in yet (the router's bound), and all the operations a
+        compaction of it would fold (automatic compaction's threshold)."""
         with self._lock:
             cursor = self._db.cursor()
             cursor.execute("BEGIN")
             try:
-                row = cursor.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
-                last = 0 if row is None else int(row[0])
-                count = cursor.execute("SELECT count(*) FROM ops WHERE position > ? AND position <= ? "
-                                       "AND vector IS NOT NULL", (position, last)).fetchone()[0]
+                last = _newest(cursor)
+                operations, upserts = cursor.execute(
+                    "SELECT count(*), count(vector) FROM ops WHERE position > ? AND position <= ?",
+                    (position, last)).fetchone()
             finally:
                 cursor.execute("COMMIT")
-        return last, int(count)
+        return Backlog(last, int(operations), int(upserts))
 
     def first_position(self) -> int | None:
         """The oldest request still kept (None: none kept). A replica that applied less than
@@ -187,6 +195,12 @@ def log_path(index: str) -> Path | None:
     if root.parent.name == VERSIONS_DIR:  # a published version: the log is its index's
         root = root.parent.parent
     return root / WRITE_LOG
+
+
+def _newest(cursor: sqlite3.Cursor) -> int:
+    """The newest request's position, inside the caller's transaction (0: none ever)."""
+    row = cursor.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
+    return 0 if row is None else int(row[0])
 
 
 def _row(seq: int, op: Op) -> tuple[int, int, bytes | None, bytes | None]:

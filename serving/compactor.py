@@ -1,0 +1,93 @@
+"""Automatic compaction in `shardserve serve`: once enough writes wait in the log past the newest
+version, fold them into a new version (`shardserve compact`) and move the server onto it
+(`shardserve swap`, recall-gated, no request refused).
+
+Why here and why a count of operations: every upsert past the served version sits in a shard
+replica's delta (memory, bounded: past `max_write_backlog` the router answers 503) and every
+delete or overwrite in its tombstones (a selector every base search checks), so what a compaction
+buys back grows with the operations waiting, whatever their kind. The default threshold (a quarter
+of the backlog bound) leaves three quarters of the bound for the writes that arrive while the
+compaction and its swap run, so a steady ingest never meets the 503. The `serve` command owns its
+Ray and the index directory: it is where the one writer of new versions runs, as `shardserve
+compact` would by hand. On a cluster (`shardserve deploy`), compaction stays on demand.
+
+A failure (a recall gate that refuses, an index kind compaction cannot rewrite) is printed in one
+line and tried again only after `retry_s`: serving goes on with the delta as it is, and the
+backlog's 503s still protect memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from shardserve.index.manifest import read_manifest
+from shardserve.index.storage import Location
+from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.log import WriteLog, log_path
+
+COMPACT_AT = MAX_DELTA_ROWS // 4  # operations waiting past the newest version (`serve --compact-at`)
+
+
+class AutoCompactor:
+    """A daemon thread: every `poll_s`, compact `index` and swap `app` onto it once `at_ops`
+    operations wait past the newest version's log position. `start()`, `stop()`."""
+
+    def __init__(self, index: str, app: str, at_ops: int = COMPACT_AT, poll_s: float = 5.0,
+                 retry_s: float = 600.0, say: Callable[[str], None] = print):
+        if at_ops < 1:
+            raise ValueError("at_ops must be >= 1")
+        self.index, self.app, self.at_ops = index, app, at_ops
+        self.poll_s, self.retry_s, self.say = poll_s, retry_s, say
+        self.path = log_path(index)
+        self.compactions = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shardserve-compactor", daemon=True)
+
+    def start(self) -> AutoCompactor:
+        if self.path is not None:  # an index on remote storage takes no writes: nothing to compact
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def waiting(self) -> int:
+        """Operations in the log past the newest published version (0: no log yet)."""
+        if self.path is None or not self.path.exists():
+            return 0
+        position = read_manifest(Location.parse(self.index)).log_position
+        log = WriteLog(self.path, readonly=True)
+        try:
+            return log.backlog(position).operations
+        finally:
+            log.close()
+
+    def run_once(self) -> bool:
+        """Compact and swap if the threshold is passed; True when a new version is served."""
+        waiting = self.waiting()
+        if waiting < self.at_ops:
+            return False
+        from deployments.swap import swap_index
+        from index_build.compact import compact
+
+        self.say(f"shardserve: {waiting} writes wait past the newest version (--compact-at "
+                 f"{self.at_ops}): compacting")
+        manifest = compact(self.index)
+        report = swap_index(self.index, self.app)
+        self.compactions += 1
+        self.say(f"shardserve: compacted and swapped to {report['new_version']} (log position "
+                 f"{manifest.log_position}, {manifest.num_vectors} vectors, recall@{report['k']} "
+                 f"{report['recall']}, {report['seconds']})")
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # noqa: BLE001 (any failure: said, retried later; serving goes on)
+                if self._stop.is_set():
+                    return  # the server is stopping: what failed is its teardown
+                self.say(f"shardserve: automatic compaction failed, next try in {self.retry_s:.0f} s: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                self._stop.wait(self.retry_s)
