@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy ssh-tools demo serve test test-cluster test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data vegeta haproxy redis ssh-tools demo serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -31,6 +31,13 @@ haproxy:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq haproxy \
 	  || { echo "error: could not apt-get install haproxy (need root or sudo)" >&2; exit 1; }; fi
+
+# Ray's GCS fault tolerance keeps the cluster's state in Redis: `make test-ha` runs Debian's redis-server.
+redis:
+	@if ! [ -x /usr/bin/redis-server ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server \
+	  || { echo "error: could not apt-get install redis-server (need root or sudo)" >&2; exit 1; }; fi
 
 # `make test-cluster` drives `ray up` over SSH on loopback: it needs sshd and rsync (Debian packages).
 ssh-tools:
@@ -57,16 +64,21 @@ demo: install data haproxy $(INDEX)/manifest.json
 test: install data vegeta haproxy
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster"
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster and not ha"
 
 # ray up / ray exec / ray down of configs/cluster.local.yaml against this machine (own sshd on
 # 127.0.0.1:22). `ray down` stops every Ray on the machine, so the test refuses to run beside one.
 test-cluster: install data ssh-tools
 	$(BIN)/python -m pytest -q -ra -m cluster
 
+# The head node SIGKILLed and restarted under load, with Ray's GCS in Redis and without (the
+# control): loadtests/head_loss.py, bounded. Under 10 minutes.
+test-ha: install data vegeta redis
+	$(BIN)/python -m pytest -q -ra -m ha
+
 # Pure tests only (no Ray, dataset, haproxy or notebook kernel): under a minute, no root needed.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not cluster and not data and not haproxy and not notebook"
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ha and not data and not haproxy and not notebook"
 
 lint: install
 	$(BIN)/ruff check .

@@ -23,8 +23,10 @@ def build_app(args: dict) -> Application:
     app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
     pinned = {"resources": dict(app_args.router_resources)} if app_args.router_resources else {}
     control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())  # type: ignore[attr-defined]
-    scaling = ({"autoscaling_config": app_args.router_autoscaling} if app_args.router_autoscaling
-               else {"num_replicas": app_args.router_replicas})
+    scaling: dict = ({"autoscaling_config": app_args.router_autoscaling} if app_args.router_autoscaling
+                     else {"num_replicas": app_args.router_replicas})
+    if app_args.router_max_per_node is not None:
+        scaling["max_replicas_per_node"] = app_args.router_max_per_node
     return Router.options(  # type: ignore[attr-defined]
         **scaling,
         max_ongoing_requests=app_args.router_max_ongoing_requests,

@@ -81,6 +81,10 @@ class AppArgs(BaseModel):
     router_resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources of the router and index-pointer "
                                           "replicas, e.g. {shardserve_head: 0.01} to keep them on the head")
+    router_max_per_node: int | None = Field(
+        None, ge=1, description="at most this many router replicas on one node (Serve's "
+                                "max_replicas_per_node): 1 spreads them over the serving nodes, so "
+                                "losing a node leaves the others' routers and edges answering")
     pointer_poll_s: float = Field(0.25, gt=0, description="how often routers ask which index to serve")
     gate_min_recall: float = Field(0.9, ge=0, le=1, description="`shardserve swap` refuses an index "
                                                                 "whose recall@gate_k is below this")

@@ -13,6 +13,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,18 @@ class LocalCluster:
     """`with LocalCluster(workers=[{"shard_host": 2}, ...]) as cluster:` → cluster.address."""
 
     def __init__(self, workers: list[dict[str, float]], worker_cpus: float = 2, head_cpus: float = 1,
-                 port: int = 26380, port_base: int = 27000, detect_death_s: float = 3.0):
+                 port: int = 26380, port_base: int = 27000, detect_death_s: float = 3.0,
+                 store: RedisStore | None = None, worker_wait_for_head_s: float | None = None,
+                 head_resources: dict[str, float] | None = None, own_temp_dirs: bool = False):
+        """`store`: Ray's GCS keeps its state in this Redis (GCS fault tolerance).
+        `own_temp_dirs`: every node its own temp dir, so the head's processes can be told apart,
+        killed and started again (`kill_head`, `restart_head`; with a store or without, the
+        control). `worker_wait_for_head_s`: how long worker raylets wait for a lost GCS
+        (RAY_gcs_rpc_server_reconnect_timeout_s)."""
         self.workers = workers
+        self.store, self.own_temp_dirs = store, own_temp_dirs or store is not None
+        self.worker_wait_for_head_s = worker_wait_for_head_s
+        self.head_resources = {"shardserve_head": 1} if head_resources is None else head_resources
         self.worker_cpus = worker_cpus
         self.head_cpus = head_cpus
         self.port = port
@@ -58,16 +69,18 @@ class LocalCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def node_temp_dir(self, node: int) -> str:
+        """Node `node`'s temp dir (0: the head): one per node with `own_temp_dirs`, else the cluster's."""
+        return f"{self.temp_dir}/n{node}" if self.own_temp_dirs else self.temp_dir
+
     def __enter__(self) -> LocalCluster:
         try:
-            self._ray_start("--head", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
-                            f"--temp-dir={self.temp_dir}", "--include-dashboard=false",
-                            f"--ray-client-server-port={self.port_base + 1}",
-                            "--resources", json.dumps({"shardserve_head": 1}), node=0)
+            self._start_head()
             for number, resources in enumerate(self.workers, start=1):
                 before = set(self._raylets())
+                extra = [f"--temp-dir={self.node_temp_dir(number)}"] if self.own_temp_dirs else []
                 self._ray_start(f"--address={self.address}", f"--num-cpus={self.worker_cpus}",
-                                "--resources", json.dumps(resources), node=number)
+                                "--resources", json.dumps(resources), *extra, node=number)
                 started = set(self._raylets()) - before
                 if len(started) != 1:
                     raise RuntimeError(f"could not tell worker {number}'s raylet apart: {started}")
@@ -85,6 +98,34 @@ class LocalCluster:
             self.remove_temp_dir()
         else:
             print(f"LocalCluster: logs kept in {self.temp_dir}", file=sys.stderr)
+
+    def _start_head(self) -> None:
+        store = [] if self.store is None else [f"--redis-password={self.store.password}"]
+        self._ray_start("--head", f"--port={self.port}", f"--num-cpus={self.head_cpus}",
+                        f"--temp-dir={self.node_temp_dir(0)}", "--include-dashboard=false",
+                        f"--ray-client-server-port={self.port_base + 1}",
+                        "--resources", json.dumps(self.head_resources), *store, node=0)
+
+    def kill_head(self) -> list[int]:
+        """Head failure: SIGKILL every process of the head node at once (GCS, raylet, its agents,
+        the workers under it: Serve's controller); the pids killed."""
+        if not self.own_temp_dirs:
+            raise RuntimeError("kill_head needs own_temp_dirs: the head's processes are found by theirs")
+        head = procfs.pids_matching(f"{self.node_temp_dir(0)}/".encode())
+        victims = sorted({*head, *(d for pid in head for d in procfs.descendants(pid))})
+        for pid in victims:
+            _signal(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(procfs.alive(p) for p in victims):
+            time.sleep(0.1)
+        return victims
+
+    def restart_head(self) -> None:
+        """The same `ray start --head` again (its temp dir's ray_current_cluster removed first:
+        `ray start` refuses while it names a GCS address a surviving worker still uses)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{self.node_temp_dir(0)}/ray_current_cluster")
+        self._start_head()
 
     def kill_worker(self, number: int) -> None:
         """Node failure: SIGKILL worker `number`'s raylet and every process under it, at once."""
@@ -127,6 +168,10 @@ class LocalCluster:
         # each node its own HAProxy stats/metrics ports: every node of this cluster is on this machine
         env = {**self.env, "RAY_SERVE_HAPROXY_STATS_PORT": str(self.port_base + 404 + node),
                "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.port_base + 101 + node)}
+        if self.store is not None and node == 0:
+            env.update(self.store.head_env())
+        if self.worker_wait_for_head_s is not None and node > 0:
+            env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(int(self.worker_wait_for_head_s))
         done = subprocess.run([RAY, "start", *args, *ports, "--disable-usage-stats",
                                f"--object-store-memory={self.object_store_bytes}"], env=env,
                               capture_output=True, text=True, timeout=120)
@@ -151,6 +196,67 @@ class LocalCluster:
         found = set(self._own_processes())
         found.update(procfs.pids_with_environment("RAY_AUTH_TOKEN", self.env["RAY_AUTH_TOKEN"]))
         return sorted(found)
+
+
+class RedisStore:
+    """Debian's redis-server on loopback for Ray's GCS fault tolerance: its own password (in a
+    config file only its owner reads, not on its command line), `appendonly yes` with `appendfsync
+    always`, its files in a temp dir; stopped by its pid. `with RedisStore() as store:`."""
+
+    def __init__(self, port: int = 26479, binary: str = "/usr/bin/redis-server"):
+        self.port, self.binary = port, binary
+        self.password = secrets.token_hex(24)
+        # fresh per run: a restarted head takes back whatever its namespace holds
+        self.namespace = f"shardserve-{secrets.token_hex(6)}"
+        self.dir = tempfile.mkdtemp(prefix="redis-", dir="/tmp")
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def head_env(self) -> dict[str, str]:
+        return {"RAY_REDIS_ADDRESS": self.address, "RAY_external_storage_namespace": self.namespace}
+
+    def __enter__(self) -> RedisStore:
+        if not os.access(self.binary, os.X_OK):
+            raise SystemExit(f"{self.binary} not found: run `make redis` (Debian's redis-server)")
+        config = Path(self.dir) / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(f"bind 127.0.0.1\nport {self.port}\nrequirepass {self.password}\n"
+                          f"dir {self.dir}\nappendonly yes\nappendfsync always\nsave \"\"\n"
+                          "daemonize no\nprotected-mode yes\n")
+        self.process = subprocess.Popen([self.binary, str(config)], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self._answers_ping():
+                return self
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError("redis-server did not answer within 20 s")
+
+    def _answers_ping(self) -> bool:
+        """AUTH then PING over the wire (RESP inline commands): True once it answers +PONG."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                conn.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                answer = b""
+                while b"+PONG" not in answer and b"-" not in answer and len(answer) < 256:
+                    chunk = conn.recv(64)
+                    if not chunk:
+                        break
+                    answer += chunk
+                return b"+PONG" in answer
+        except OSError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            procfs.terminate(self.process)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -383,6 +383,19 @@ def backpressure_rows(record: dict) -> list[str]:
                          ("before", "full", "after_swap")) + " MB |"]
 
 
+def head_loss_table(record: dict) -> str:
+    """The head node SIGKILLed and restarted under load, with the GCS in Redis and without."""
+    rows = ["| run | requests | answered 200 | lost | apps RUNNING after the restart | replicas "
+            "restarted | pointer kept | swap after |", "|---|---|---|---|---|---|---|---|"]
+    for name, label in (("with_store", "GCS in Redis"), ("control", "no store (control)")):
+        r = record[name]
+        running = "never (within the wait)" if r["recovered_s"] is None else f"{r['recovered_s']} s"
+        rows.append(f"| {label} | {r['requests']} | {r['answered_200']} ({100 * r['answered_ratio']:.2f} %)"
+                    f" | {r['lost']} | {running} | {r['replicas_restarted']} | "
+                    f"{'yes' if r['pointer_ok'] else 'no'} | {'yes' if r['swap_after_ok'] else 'no'} |")
+    return "\n".join(rows)
+
+
 def _ingest_rate(search: dict) -> float:
     """The upserts/s achieved beside the searches (older records: `ingest_per_s`)."""
     return search["ingest"]["qps"] if "ingest" in search else search["ingest_per_s"]
@@ -402,6 +415,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "writes": writes_table(load("crash-writes.json"), load("bench-writes.json"),
                                    load("compact-under-load.json"), load("write-backpressure.json")),
             "bench-filter": filter_table(load("bench-filter.json")),
+            "head-loss": head_loss_table(load("head-loss.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),

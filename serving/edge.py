@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.errors import ShardserveError
+from shardserve.runtime import procfs
 
 OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 
@@ -455,13 +456,8 @@ class EdgeProcess:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            procfs.terminate(self.process)
         if self._work is not None:
             self._work.cleanup()
             self._work = None

@@ -24,14 +24,28 @@ def test_cluster_config_is_valid_and_private(name: str) -> None:
     assert "0.0.0.0" not in (CONFIGS / name).read_text()
 
 
-def test_cloud_edge_listens_on_the_private_address_and_only_the_vpc_may_reach_it() -> None:
+def test_cloud_edges_run_on_the_serving_workers_and_only_the_vpc_reaches_them() -> None:
     import ipaddress
 
     config = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
-    start = " ".join(config["head_start_ray_commands"])
-    assert "--listen \"$(hostname -I | awk '{print $1}'):8000\"" in start  # not loopback: clients reach it
-    assert "SHARDSERVE_API_KEY" in start  # the optional key reaches the edge's config
+    workers = " ".join(config["worker_start_ray_commands"])
+    private = "--listen \"$(hostname -I | awk '{print $1}'):8000\""  # not loopback: clients reach it
+    assert private in workers
+    assert "SHARDSERVE_API_KEY" in workers  # the optional key reaches each edge's config
+    assert "edge-config" not in " ".join(config["head_start_ray_commands"])  # off the request path
     rules = config["provider"]["security_group"]["IpPermissions"]
     assert [(rule["FromPort"], rule["ToPort"]) for rule in rules] == [(8000, 8000)]  # nothing else opened
     for rule in rules:
         assert all(ipaddress.ip_network(r["CidrIp"]).is_private for r in rule["IpRanges"])
+
+
+def test_cloud_head_keeps_its_state_in_redis_runs_no_replica_and_workers_wait_for_it() -> None:
+    config = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--num-cpus=0" in head and config["available_node_types"]["head"]["resources"] == {}
+    assert 'RAY_REDIS_ADDRESS="$(cat ~/shardserve-redis-address)"' in head
+    assert "RAY_external_storage_namespace=" in head
+    assert '--redis-password="$(cat ~/shardserve-redis-password)"' in head  # read on the head only
+    assert "RAY_gcs_rpc_server_reconnect_timeout_s=600" in " ".join(config["worker_start_ray_commands"])
+    serving = [t for t in config["available_node_types"].values() if "serving" in t["resources"]]
+    assert serving and all(t["min_workers"] >= 2 for t in serving)  # routers on >= 2 nodes

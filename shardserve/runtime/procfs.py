@@ -111,6 +111,18 @@ def interrupt(process: subprocess.Popen, timeout_s: float = 120.0) -> int:
         return process.wait()
 
 
+def terminate(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """End a child we started: SIGTERM, wait up to `grace_s`, then SIGKILL; reaped either way."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of the process (all its threads) so far; 0 when it is gone."""
     try:

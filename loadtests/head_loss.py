@@ -1,0 +1,218 @@
+"""The loss of the head node under load, on a multi-node cluster on this machine: with Ray's GCS
+kept in Redis (GCS fault tolerance) and without it (the control).
+
+The head runs no replicas (`--num-cpus=0`): it holds the GCS and Serve's controller. Two worker
+nodes each run a router replica (`router_max_per_node=1`) and shard replicas; IndexControl runs
+beside a router. Clients reach the routers' own HTTP door on the worker nodes (on one machine the
+two doors share a port through SO_REUSEPORT; on a cluster each node's edge is in front of its own).
+
+Each run: deploy index A, swap to B, an open loop of searches (vegeta, ~60/s, bounded), SIGKILL of
+every process of the head node, the same `ray start --head` again after `down_s`, then a swap back
+to A through the restarted head. It records, per run:
+
+- `requests`, `answered_200`, `lost` (no HTTP answer at all);
+- `recovered_s`: from the restart to every Serve app RUNNING again (None: not within the wait);
+- `replicas_restarted`: router and shard replicas whose pid changed;
+- `pointer_ok`: the routers still serve B, the version of the last acknowledged swap;
+- `swap_after_ok`: the swap back to A after the restart succeeded and is served.
+
+    python -m loadtests.head_loss --out loadtests/records/head-loss.json
+
+It needs Debian's redis-server (`make redis`) and vegeta (`make vegeta`). Everything it starts (the
+cluster, Redis, vegeta) is stopped by pid before it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+from index_build.job import build_index
+from loadtests.during import BackgroundLoad, tally
+from loadtests.local_cluster import LocalCluster, RedisStore
+from loadtests.record import RECORDS, header
+from shardserve.data.datasets import load_dataset
+from shardserve.runtime import procfs
+
+WORKERS: list[dict[str, float]] = [{"shard_host": 1, "serving": 1}, {"shard_host": 1, "serving": 1}]
+FRONT_PORT = 28080
+SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
+
+
+def build_pair(work: Path, rows: int = 5000) -> tuple[str, str]:
+    """Two small 2-shard indexes of the same Fashion-MNIST rows (a swap needs the same data)."""
+    a, b = work / "a", work / "b"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(a), limit=rows, backend="local")
+    build_index("fashion-mnist", 2, "IVF32,Flat", str(b), limit=rows, backend="local")
+    return str(a), str(b)
+
+
+def serving_replicas(cluster: LocalCluster) -> dict[str, int]:
+    """Serve replica name (ServeReplica:app:deployment, numbered when repeated) -> pid, on the
+    worker nodes."""
+    found: dict[str, int] = {}
+    for raylet in cluster.worker_raylets:
+        for pid in sorted(procfs.descendants(raylet)):
+            command = procfs.cmdline(pid).split(b"\0", 1)[0].decode(errors="replace")
+            if command.startswith("ray::ServeReplica:"):
+                name, n = command.removeprefix("ray::"), 1
+                while (f"{name}#{n}" if n > 1 else name) in found:
+                    n += 1
+                found[f"{name}#{n}" if n > 1 else name] = pid
+    return found
+
+
+def _served_version(url: str) -> str | None:
+    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+        return httpx.get(f"{url}/v1/index", timeout=10).json()["index_version"]
+    return None
+
+
+def _driver(cluster: LocalCluster, code: str, timeout_s: float) -> str:
+    """Run `code` in a new driver process connected to the cluster; its output (RuntimeError when
+    it fails, TimeoutExpired past `timeout_s`: a driver of a cluster that lost its state hangs)."""
+    script = (f"import ray\nray.init(address={cluster.address!r}, log_to_driver=False)\n"
+              + textwrap.dedent(code))
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, **cluster.driver_env()},
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"driver failed: {done.stderr.strip()[-1500:]}")
+    return done.stdout
+
+
+def _wait_running(cluster: LocalCluster, timeout_s: float) -> float | None:
+    """When (time.time()) a new driver sees every Serve app RUNNING again; None when not within
+    `timeout_s`."""
+    try:
+        _driver(cluster, """
+            import time
+            from ray import serve
+            while True:
+                try:
+                    apps = serve.status().applications
+                    if apps and all(a.status == "RUNNING" for a in apps.values()):
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.5)
+        """, timeout_s)
+    except (subprocess.TimeoutExpired, RuntimeError):
+        return None
+    return time.time()
+
+
+def _swap(cluster: LocalCluster, index: str, timeout_s: float = 240) -> tuple[bool, str]:
+    env = {**os.environ, **cluster.driver_env()}
+    try:
+        done = subprocess.run([SHARDSERVE, "swap", index, "--address", cluster.address], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"no answer in {timeout_s} s"
+    return done.returncode == 0, (done.stdout + done.stderr).strip().splitlines()[-1:][0] if (
+        done.stdout + done.stderr).strip() else ""
+
+
+def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, lead_s: float = 10.0,
+            down_s: float = 20.0, after_s: float = 60.0, recover_wait_s: float = 120.0) -> dict:
+    queries = load_dataset("fashion-mnist", limit=5000, num_queries=200).queries
+    url = f"http://127.0.0.1:{FRONT_PORT}"
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(RedisStore()) if with_store else None
+        cluster = stack.enter_context(LocalCluster(
+            workers=WORKERS, head_cpus=0, head_resources={}, store=store, own_temp_dirs=True,
+            worker_wait_for_head_s=600))
+        _driver(cluster, f"""
+            from deployments.run import deploy
+            deploy({a!r}, serve_http=False, front_port={FRONT_PORT}, router_replicas=2,
+                   router_max_per_node=1, router_resources={{"serving": 0.01}},
+                   shard_resources={{"shard_host": 0.01}}, shard_num_cpus=0.25, router_num_cpus=0.25,
+                   warm_workers=0)
+        """, timeout_s=600)  # a driver of its own, gone before the head is
+        swapped_before, swap_note = _swap(cluster, b)
+        version_b = _served_version(url)
+        before = serving_replicas(cluster)
+        events: dict[str, float] = {}
+        load = BackgroundLoad(url, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
+        with load:
+            time.sleep(lead_s)
+            events["head_killed"] = time.time()
+            killed = cluster.kill_head()
+            time.sleep(down_s)
+            events["head_restart"] = time.time()
+            cluster.restart_head()
+            running = _wait_running(cluster, recover_wait_s)
+            recovered_s = None if running is None else round(running - events["head_restart"], 1)
+            if running is not None:
+                events["apps_running"] = running
+        hits = load.results()
+        after = serving_replicas(cluster)
+        pointer_ok = version_b is not None and _served_version(url) == version_b
+        version_a = None
+        swap_after_ok, swap_after_note = _swap(cluster, a)
+        if swap_after_ok:
+            version_a = _served_version(url)
+            swap_after_ok = version_a is not None and version_a != version_b
+        result = tally(hits, events)
+    codes = result["status_codes"]
+    return {
+        "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],
+        "recovered_s": recovered_s,
+        "replicas_restarted": sum(1 for name, pid in before.items() if after.get(name) != pid
+                                  and "." not in name),  # not those of a swapped-out app, shutting down
+        "pointer_ok": pointer_ok, "swap_after_ok": swap_after_ok,
+        "answered_ratio": round(codes.get("200", 0) / max(result["requests"], 1), 5),
+        "status_codes": codes, "errors": result["errors"],
+        "swap_before": {"ok": swapped_before, "said": swap_note},
+        "swap_after": {"said": swap_after_note}, "head_processes_killed": len(killed),
+        "replicas_before": sorted(before), "replicas_after": sorted(after),
+        "events_s": result["events_s"], "timeline": result["timeline"],
+    }
+
+
+def run(work: Path, rate: float = 60.0, lead_s: float = 10.0, down_s: float = 20.0,
+        after_s: float = 60.0) -> dict:
+    a, b = build_pair(work)
+    runs = {name: one_run(a, b, store, work / name, rate, lead_s, down_s, after_s)
+            for name, store in (("with_store", True), ("control", False))}
+    return {
+        **header("head-loss"),
+        "cluster": {"head": "--num-cpus=0: GCS and Serve's controller, no replicas",
+                    "workers": WORKERS, "router_replicas": 2, "router_max_per_node": 1,
+                    "worker_wait_for_head_s": 600,
+                    "store": "Debian redis-server on loopback, password, appendonly + appendfsync always"},
+        "load": {"rate": rate, "lead_s": lead_s, "down_s": down_s, "after_s": after_s,
+                 "through": "the routers' own HTTP doors on the worker nodes (one shared port here)"},
+        **runs,
+    }
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--out", default=str(RECORDS / "head-loss.json"))
+    cli.add_argument("--rate", type=float, default=60.0)
+    cli.add_argument("--down-s", type=float, default=20.0)
+    cli.add_argument("--after-s", type=float, default=60.0)
+    args = cli.parse_args()
+    with tempfile.TemporaryDirectory(prefix="head-loss-") as work:
+        record = run(Path(work), args.rate, down_s=args.down_s, after_s=args.after_s)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    for name in ("with_store", "control"):
+        r = record[name]
+        print(f"{name}: {r['answered_200']}/{r['requests']} answered 200, {r['lost']} lost, recovered "
+              f"in {r['recovered_s']} s, {r['replicas_restarted']} replicas restarted, pointer "
+              f"{'ok' if r['pointer_ok'] else 'WRONG'}, swap after "
+              f"{'ok' if r['swap_after_ok'] else 'FAILED'}")
+
+
+if __name__ == "__main__":
+    main()
