@@ -16,6 +16,9 @@ to A through the restarted head. It records, per run:
 - `pointer_ok`: the routers still serve B, the version of the last acknowledged swap;
 - `swap_after_ok`: the swap back to A after the restart succeeded and is served.
 
+Then, with the store only, the same load while worker 2 (a router and shards on it) is SIGKILLed
+(`worker_loss`): what was answered, and whether Serve placed its shard replicas on worker 1 again.
+
     python -m loadtests.head_loss --out loadtests/records/head-loss.json
 
 It needs Debian's redis-server (`make redis`) and vegeta (`make vegeta`). Everything it starts (the
@@ -57,11 +60,13 @@ def build_pair(work: Path, rows: int = 5000) -> tuple[str, str]:
     return str(a), str(b)
 
 
-def serving_replicas(cluster: LocalCluster) -> dict[str, int]:
+def serving_replicas(cluster: LocalCluster, nodes: list[int] | None = None) -> dict[str, int]:
     """Serve replica name (ServeReplica:app:deployment, numbered when repeated) -> pid, on the
-    worker nodes."""
+    worker nodes (`nodes`: those numbers only, from 1)."""
     found: dict[str, int] = {}
-    for raylet in cluster.worker_raylets:
+    for number, raylet in enumerate(cluster.worker_raylets, start=1):
+        if nodes is not None and number not in nodes:
+            continue
         for pid in sorted(procfs.descendants(raylet)):
             command = procfs.cmdline(pid).split(b"\0", 1)[0].decode(errors="replace")
             if command.startswith("ray::ServeReplica:"):
@@ -123,7 +128,8 @@ def _swap(cluster: LocalCluster, index: str, timeout_s: float = 240) -> tuple[bo
 
 
 def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, lead_s: float = 10.0,
-            down_s: float = 20.0, after_s: float = 60.0, recover_wait_s: float = 120.0) -> dict:
+            down_s: float = 20.0, after_s: float = 60.0, recover_wait_s: float = 120.0,
+            kill_worker: bool = True) -> dict:
     queries = load_dataset("fashion-mnist", limit=5000, num_queries=200).queries
     url = f"http://127.0.0.1:{FRONT_PORT}"
     with contextlib.ExitStack() as stack:
@@ -163,6 +169,8 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
             version_a = _served_version(url)
             swap_after_ok = version_a is not None and version_a != version_b
         result = tally(hits, events)
+        lost_worker = (_lose_a_worker(cluster, url, queries, rate, work) if with_store and kill_worker
+                       else None)
     codes = result["status_codes"]
     return {
         "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],
@@ -176,6 +184,45 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         "swap_after": {"said": swap_after_note}, "head_processes_killed": len(killed),
         "replicas_before": sorted(before), "replicas_after": sorted(after),
         "events_s": result["events_s"], "timeline": result["timeline"],
+        **({} if lost_worker is None else {"worker_loss": lost_worker}),
+    }
+
+
+def _deployment(name: str) -> str | None:
+    """ServeReplica:app:deployment#2 -> deployment (apps of later index versions keep the names);
+    None for a replica shutting down (its title names the method: a swapped-out version's)."""
+    deployment = name.split("#")[0].rsplit(":", 1)[-1]
+    return None if "." in deployment else deployment
+
+
+def _lose_a_worker(cluster: LocalCluster, url: str, queries, rate: float, work: Path,
+                   lead_s: float = 8.0, after_s: float = 40.0, replace_wait_s: float = 120.0) -> dict:
+    """Under the same load, SIGKILL worker 2 (a router, IndexControl or shards on it): what was
+    answered, and whether Serve placed its shard replicas on worker 1 again."""
+    on_victim = sorted({d for n in serving_replicas(cluster, [2]) if (d := _deployment(n)) is not None})
+    events: dict[str, float] = {}
+    load = BackgroundLoad(url, queries, rate, lead_s + after_s, work / "load-worker", {"nprobe": 8})
+    with load:
+        time.sleep(lead_s)
+        events["worker_killed"] = time.time()
+        cluster.kill_worker(2)
+    result = tally(load.results(), events)
+    wanted = {d for d in on_victim if d.startswith("shard-")}
+    deadline = time.monotonic() + replace_wait_s
+    while time.monotonic() < deadline:
+        if wanted <= {_deployment(n) for n in serving_replicas(cluster, [1])}:
+            break
+        time.sleep(1)
+    survivor = sorted({d for n in serving_replicas(cluster, [1]) if (d := _deployment(n)) is not None})
+    codes = result["status_codes"]
+    return {
+        "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],
+        "answered_200_after_the_kill": sum(second.get("200", 0) for second in result["timeline"]
+                                           if second["second"] > result["events_s"]["worker_killed"] + 1),
+        "partial_answers": result["coverage"].get("partial", 0), "status_codes": codes,
+        "errors": result["errors"], "deployments_on_killed_worker": on_victim,
+        "deployments_on_worker_1_after": survivor, "shards_placed_again": wanted <= set(survivor),
+        "events_s": result["events_s"],
     }
 
 

@@ -393,6 +393,13 @@ def head_loss_table(record: dict) -> str:
         rows.append(f"| {label} | {r['requests']} | {r['answered_200']} ({100 * r['answered_ratio']:.2f} %)"
                     f" | {r['lost']} | {running} | {r['replicas_restarted']} | "
                     f"{'yes' if r['pointer_ok'] else 'no'} | {'yes' if r['swap_after_ok'] else 'no'} |")
+    lost = record["with_store"].get("worker_loss")
+    if lost:
+        on_it = ", ".join(lost["deployments_on_killed_worker"])
+        rows += ["", f"Then worker 2 ({on_it}) SIGKILLed under the same load: {lost['answered_200']} of "
+                     f"{lost['requests']} answered 200, {lost['lost']} lost (in flight on its router), "
+                     f"{lost['partial_answers']} answers partial while its shards moved; its shards "
+                     f"running on worker 1 again: {'yes' if lost['shards_placed_again'] else 'no'}."]
     return "\n".join(rows)
 
 

@@ -1,7 +1,8 @@
 """The head node of a multi-node cluster on loopback SIGKILLed and started again under an open loop
 of searches (loadtests/head_loss.py, bounded): with Ray's GCS in Redis every request is answered,
 no replica restarts, the pointer keeps the last swap and a swap works after; without it (the
-control) the cluster's state is gone and the serving nodes with it."""
+control) the cluster's state is gone and the serving nodes with it. Then a worker with a router
+and shards is SIGKILLed: the other answers, and its shards are placed again."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def test_the_head_is_lost_and_restarted_under_load_with_and_without_the_store(tm
     assert kept["replicas_restarted"] == 0, (kept["replicas_before"], kept["replicas_after"])
     assert kept["pointer_ok"] and kept["swap_after_ok"], (kept["swap_before"], kept["swap_after"])
     assert kept["recovered_s"] is not None
+    lost = kept["worker_loss"]  # then a worker with a router and shards: the other answers, shards move
+    assert lost["answered_200_after_the_kill"] > 0 and lost["shards_placed_again"], lost
     # the control: the failure the store guards against
     assert control["answered_200"] < 0.99 * control["requests"], control["status_codes"]
     assert control["lost"] > 0 and not control["pointer_ok"] and not control["swap_after_ok"]
