@@ -10,12 +10,19 @@
 `AsyncClient` has the same methods, awaited. Vectors go out as JSON (numpy arrays serialised by
 orjson); an answer that is not 200 raises `ApiError` carrying the server's message and the field it
 names, and its status (503 carries `retry_after`).
+
+On a cluster, give every edge: `Client(["http://10.0.1.5:8000", "http://10.0.2.7:8000"])` uses
+the first until it cannot be reached, then the next (and stays there). A request moves on only
+when it surely did not reach the edge (the connection failed): a search, or a write whose
+connection broke after it was sent, raises instead, since the write may have been applied. An
+answer, a 503 included, is the edge's answer: overload is not failed over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import numpy as np
@@ -75,6 +82,27 @@ def _batch(payload: dict) -> list[Hits]:
 
 
 _JSON = {"content-type": "application/json"}
+# The connection never reached the edge: nothing was sent, any request may go to the next edge.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+Http = TypeVar("Http", httpx.Client, httpx.AsyncClient)
+
+
+class _Edges(Generic[Http]):
+    """The endpoints a client may use, and which one it uses now."""
+
+    def __init__(self, urls: str | Sequence[str], make: Callable[[str], Http]):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("a client needs at least one endpoint URL")
+        self.clients: list[Http] = [make(url.rstrip("/")) for url in urls]
+        self.current = 0
+
+    def failed(self, tried: int) -> bool:
+        """The current edge could not be reached: move to the next; False once all were tried."""
+        if tried + 1 >= len(self.clients):
+            return False
+        self.current = (self.current + 1) % len(self.clients)
+        return True
 
 
 def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> bytes:
@@ -89,46 +117,60 @@ def _delete_body(ids: Any) -> bytes:
 
 
 class Client:
-    """A blocking client of one shardserve endpoint. Arguments:
-    url: the endpoint, e.g. http://127.0.0.1:8000.
+    """A blocking client of a shardserve endpoint. Arguments:
+    url: the endpoint, e.g. http://127.0.0.1:8000, or a list of a cluster's edges (see above).
     api_key: sent as `Authorization: Bearer` when the edge wants one.
     timeout_s: per request.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, url: str | Sequence[str], api_key: str | None = None, timeout_s: float = 30.0):
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
+        self._edges = _Edges(url, lambda base: httpx.Client(base_url=base, timeout=timeout_s,
+                                                            headers=headers))
+
+    def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+        tried = 0
+        while True:
+            http = self._edges.clients[self._edges.current]
+            try:
+                if body is None:
+                    return http.request(method, path)
+                return http.request(method, path, content=body, headers=_JSON)
+            except _NOT_SENT:
+                if not self._edges.failed(tried):
+                    raise
+                tried += 1
 
     def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
                include: list[str] | None = None, **options: Any) -> Hits:
         """The k nearest neighbours of one vector (`options`: other request fields, e.g. require_full)."""
         body = _body(vector, "vector", k, params, include, options)
-        return _single(_answer(self._http.post("/v1/search", content=body, headers=_JSON)))
+        return _single(_answer(self._send("POST", "/v1/search", body)))
 
     def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
                      include: list[str] | None = None, **options: Any) -> list[Hits]:
         """The k nearest neighbours of every row of `vectors`, in one request."""
         body = _body(vectors, "vectors", k, params, include, options)
-        return _batch(_answer(self._http.post("/v1/search", content=body, headers=_JSON)))
+        return _batch(_answer(self._send("POST", "/v1/search", body)))
 
     def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
         """Insert or replace points (ids int64 >= 0, one vector row each, metadata aligned or None).
         Returns {"position", "upserted"} once the write is durable and visible to every later search."""
-        body = _upsert_body(ids, vectors, metadata)
-        return _answer(self._http.post("/v1/upsert", content=body, headers=_JSON))
+        return _answer(self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
 
     def delete(self, ids: Any) -> dict:
         """Delete points by id (an unknown id is no error). Returns {"position", "deleted"}."""
-        return _answer(self._http.post("/v1/delete", content=_delete_body(ids), headers=_JSON))
+        return _answer(self._send("POST", "/v1/delete", _delete_body(ids)))
 
     def health(self) -> dict:
-        return _answer(self._http.get("/v1/health"))
+        return _answer(self._send("GET", "/v1/health"))
 
     def index(self) -> dict:
-        return _answer(self._http.get("/v1/index"))
+        return _answer(self._send("GET", "/v1/index"))
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._edges.clients:
+            http.close()
 
     def __enter__(self) -> Client:
         return self
@@ -140,35 +182,49 @@ class Client:
 class AsyncClient:
     """`Client`, for asyncio: the same methods, awaited."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, url: str | Sequence[str], api_key: str | None = None, timeout_s: float = 30.0):
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s, headers=headers)
+        self._edges = _Edges(url, lambda base: httpx.AsyncClient(base_url=base, timeout=timeout_s,
+                                                                 headers=headers))
+
+    async def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+        tried = 0
+        while True:
+            http = self._edges.clients[self._edges.current]
+            try:
+                if body is None:
+                    return await http.request(method, path)
+                return await http.request(method, path, content=body, headers=_JSON)
+            except _NOT_SENT:
+                if not self._edges.failed(tried):
+                    raise
+                tried += 1
 
     async def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
                      include: list[str] | None = None, **options: Any) -> Hits:
         body = _body(vector, "vector", k, params, include, options)
-        return _single(_answer(await self._http.post("/v1/search", content=body, headers=_JSON)))
+        return _single(_answer(await self._send("POST", "/v1/search", body)))
 
     async def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
                            include: list[str] | None = None, **options: Any) -> list[Hits]:
         body = _body(vectors, "vectors", k, params, include, options)
-        return _batch(_answer(await self._http.post("/v1/search", content=body, headers=_JSON)))
+        return _batch(_answer(await self._send("POST", "/v1/search", body)))
 
     async def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
-        body = _upsert_body(ids, vectors, metadata)
-        return _answer(await self._http.post("/v1/upsert", content=body, headers=_JSON))
+        return _answer(await self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
 
     async def delete(self, ids: Any) -> dict:
-        return _answer(await self._http.post("/v1/delete", content=_delete_body(ids), headers=_JSON))
+        return _answer(await self._send("POST", "/v1/delete", _delete_body(ids)))
 
     async def health(self) -> dict:
-        return _answer(await self._http.get("/v1/health"))
+        return _answer(await self._send("GET", "/v1/health"))
 
     async def index(self) -> dict:
-        return _answer(await self._http.get("/v1/index"))
+        return _answer(await self._send("GET", "/v1/index"))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for http in self._edges.clients:
+            await http.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -137,6 +137,31 @@ def test_the_async_client_writes_too(writable) -> None:
     assert gone["deleted"] == 1 and (11 << 50) not in after
 
 
+def test_a_client_given_several_edges_moves_past_one_it_cannot_reach(writable) -> None:
+    """A cluster's list of edges: the first one down (nothing listens on its port), the client
+    answers through the next, writes included, and stays there; all down raises the connect error."""
+    import asyncio
+
+    url, _ = writable
+    down = f"http://127.0.0.1:{free_port()}"
+    vector = _vector(np.random.default_rng(9)) + 90.0
+    with Client([down, url]) as client:
+        assert client.upsert([12 << 50], vector[None])["upserted"] == 1
+        assert client.search(vector, k=3).ids[0] == 12 << 50
+        assert client._edges.current == 1  # stays on the edge that answered
+        assert client.delete([12 << 50])["deleted"] == 1
+
+    async def through_the_second() -> list[int]:
+        async with AsyncClient([down, url]) as client:
+            return (await client.search(vector, k=3)).ids.tolist()
+
+    assert (12 << 50) not in asyncio.run(through_the_second())
+    with Client([down]) as client, pytest.raises(httpx.ConnectError):
+        client.health()
+    with pytest.raises(ValueError, match="at least one"):
+        Client([])
+
+
 @pytest.mark.haproxy
 def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_and_the_whole_server(
         tmp_path: Path) -> None:
