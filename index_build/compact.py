@@ -149,6 +149,23 @@ def truncate_log(index: str) -> int:
     return oldest + 1
 
 
+def prune_versions(index: str, keep: set[str]) -> list[str]:
+    """Delete the complete versions under `versions/` whose index_version is not in `keep`, then
+    truncate the log below what the kept ones include; the directories deleted. A directory
+    without a manifest (a compaction or build in progress) is left alone."""
+    location = Location.parse(index)
+    versions = location.child(VERSIONS_DIR)
+    gone = []
+    for info in versions.fs.get_file_info(pafs.FileSelector(versions.root)):
+        folder = versions.child(info.base_name)
+        if (info.type == pafs.FileType.Directory and folder.exists(MANIFEST)
+                and read_manifest(folder).index_version not in keep):
+            folder.delete_dir()
+            gone.append(info.base_name)
+    truncate_log(index)
+    return sorted(gone)
+
+
 def _dataset_rows(manifest: Manifest) -> int:
     """The rows of the data the version's lineage was built from: the swap's gate loads its eval queries
     from it (and its truth too, for a version whose shards keep codes instead of the vectors)."""

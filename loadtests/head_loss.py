@@ -70,11 +70,25 @@ def serving_replicas(cluster: LocalCluster, nodes: list[int] | None = None) -> d
         for pid in sorted(procfs.descendants(raylet)):
             command = procfs.cmdline(pid).split(b"\0", 1)[0].decode(errors="replace")
             if command.startswith("ray::ServeReplica:"):
-                name, n = command.removeprefix("ray::"), 1
+                app, deployment = command.removeprefix("ray::ServeReplica:").split(":", 1)
+                # a replica's title names the method it runs, if any: the replica is the same
+                name, n = f"ServeReplica:{app}:{deployment.split('.', 1)[0]}", 1
                 while (f"{name}#{n}" if n > 1 else name) in found:
                     n += 1
                 found[f"{name}#{n}" if n > 1 else name] = pid
     return found
+
+
+def _settled(cluster: LocalCluster, timeout_s: float = 120.0) -> dict[str, int]:
+    """The replicas once a swap's old version is gone (one index app left), or as they are after
+    `timeout_s`: a replica of a retired version ending later is not a restart."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = serving_replicas(cluster)
+        apps = {name.split(":")[1] for name in replicas}
+        if len(apps) <= 2 or time.monotonic() > deadline:  # the router's app and one index version's
+            return replicas
+        time.sleep(1)
 
 
 def _served_version(url: str) -> str | None:
@@ -145,8 +159,10 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
                    warm_workers=0)
         """, timeout_s=600)  # a driver of its own, gone before the head is
         swapped_before, swap_note = _swap(cluster, b)
+        if not swapped_before:
+            raise RuntimeError(f"the swap to B before the head's loss failed: {swap_note}")
         version_b = _served_version(url)
-        before = serving_replicas(cluster)
+        before = _settled(cluster)
         events: dict[str, float] = {}
         load = BackgroundLoad(url, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
         with load:
@@ -175,8 +191,7 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
     return {
         "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],
         "recovered_s": recovered_s,
-        "replicas_restarted": sum(1 for name, pid in before.items() if after.get(name) != pid
-                                  and "." not in name),  # not those of a swapped-out app, shutting down
+        "replicas_restarted": sum(1 for name, pid in before.items() if after.get(name) != pid),
         "pointer_ok": pointer_ok, "swap_after_ok": swap_after_ok,
         "answered_ratio": round(codes.get("200", 0) / max(result["requests"], 1), 5),
         "status_codes": codes, "errors": result["errors"],
@@ -188,18 +203,17 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
     }
 
 
-def _deployment(name: str) -> str | None:
-    """ServeReplica:app:deployment#2 -> deployment (apps of later index versions keep the names);
-    None for a replica shutting down (its title names the method: a swapped-out version's)."""
-    deployment = name.split("#")[0].rsplit(":", 1)[-1]
-    return None if "." in deployment else deployment
+def _deployment(name: str) -> str:
+    """ServeReplica:app:deployment#2 -> deployment (apps of later index versions keep the names)."""
+    return name.split("#")[0].rsplit(":", 1)[-1]
 
 
 def _lose_a_worker(cluster: LocalCluster, url: str, queries, rate: float, work: Path,
                    lead_s: float = 8.0, after_s: float = 40.0, replace_wait_s: float = 120.0) -> dict:
     """Under the same load, SIGKILL worker 2 (a router, IndexControl or shards on it): what was
     answered, and whether Serve placed its shard replicas on worker 1 again."""
-    on_victim = sorted({d for n in serving_replicas(cluster, [2]) if (d := _deployment(n)) is not None})
+    _settled(cluster)  # the swap back's old version gone first: its replicas are not this node's load
+    on_victim = sorted({_deployment(n) for n in serving_replicas(cluster, [2])})
     events: dict[str, float] = {}
     load = BackgroundLoad(url, queries, rate, lead_s + after_s, work / "load-worker", {"nprobe": 8})
     with load:
@@ -213,7 +227,7 @@ def _lose_a_worker(cluster: LocalCluster, url: str, queries, rate: float, work: 
         if wanted <= {_deployment(n) for n in serving_replicas(cluster, [1])}:
             break
         time.sleep(1)
-    survivor = sorted({d for n in serving_replicas(cluster, [1]) if (d := _deployment(n)) is not None})
+    survivor = sorted({_deployment(n) for n in serving_replicas(cluster, [1])})
     codes = result["status_codes"]
     return {
         "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],

@@ -176,7 +176,8 @@ class LocalCluster:
                                f"--object-store-memory={self.object_store_bytes}"], env=env,
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise RuntimeError(f"ray start {' '.join(args)} failed: {done.stderr[-2000:]}")
+            shown = " ".join("--redis-password=…" if a.startswith("--redis-password=") else a for a in args)
+            raise RuntimeError(f"ray start {shown} failed: {done.stderr[-2000:]}")
 
     def processes(self) -> list[int]:
         """This cluster's own processes (GCS, raylets, agents); Ray workers run under its raylets."""
@@ -226,17 +227,20 @@ class RedisStore:
         config.write_text(f"bind 127.0.0.1\nport {self.port}\nrequirepass {self.password}\n"
                           f"dir {self.dir}\nappendonly yes\nappendfsync always\nsave \"\"\n"
                           "daemonize no\nprotected-mode yes\n")
-        self.process = subprocess.Popen([self.binary, str(config)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self._answers_ping():
-                return self
-            if self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError("redis-server did not answer within 20 s")
+        try:
+            self.process = subprocess.Popen([self.binary, str(config)], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if self._answers_ping():
+                    return self
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                time.sleep(0.2)
+            raise RuntimeError("redis-server did not answer within 20 s")
+        except BaseException:
+            self.__exit__(None, None, None)  # stopped, its files (the password's too) removed
+            raise
 
     def _answers_ping(self) -> bool:
         """AUTH then PING over the wire (RESP inline commands): True once it answers +PONG."""

@@ -12,8 +12,11 @@ Ray and the index directory: it is where the one writer of new versions runs, as
 compact` would by hand. On a cluster (`shardserve deploy`), compaction stays on demand.
 
 A failure (a recall gate that refuses, an index kind compaction cannot rewrite) is printed in one
-line and tried again only after `retry_s`: serving goes on with the delta as it is, and the
-backlog's 503s still protect memory.
+line and tried again only after `retry_s` (a version compacted and published whose swap failed is
+swapped again, not compacted again): serving goes on with the delta as it is, and the backlog's
+503s still protect memory. After each swap the versions older than the one it replaced are
+deleted and the log truncated below what the two kept include, so disk stays bounded however
+long writes go on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from shardserve.index.manifest import read_manifest
+from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.log import WriteLog, log_path
@@ -41,6 +44,7 @@ class AutoCompactor:
         self.poll_s, self.retry_s, self.say = poll_s, retry_s, say
         self.path = log_path(index)
         self.compactions = 0
+        self._unswapped: Manifest | None = None  # compacted and published, its swap not yet done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shardserve-compactor", daemon=True)
 
@@ -64,21 +68,30 @@ class AutoCompactor:
             log.close()
 
     def run_once(self) -> bool:
-        """Compact and swap if the threshold is passed; True when a new version is served."""
-        waiting = self.waiting()
-        if waiting < self.at_ops:
-            return False
+        """Compact and swap if the threshold is passed (or swap again, when the last compaction
+        was published but its swap failed); True when a new version is served."""
         from deployments.swap import swap_index
-        from index_build.compact import compact
+        from index_build.compact import compact, prune_versions
 
-        self.say(f"shardserve: {waiting} writes wait past the newest version (--compact-at "
-                 f"{self.at_ops}): compacting")
-        manifest = compact(self.index)
+        if self._unswapped is None:
+            waiting = self.waiting()
+            if waiting < self.at_ops:
+                return False
+            self.say(f"shardserve: {waiting} writes wait past the newest version (--compact-at "
+                     f"{self.at_ops}): compacting")
+            self._unswapped = compact(self.index)  # published: `waiting` counts from it from now on
+            if self._stop.is_set():
+                return False  # the server is stopping: the next start serves the new version
+        manifest = self._unswapped
         report = swap_index(self.index, self.app)
+        self._unswapped = None
         self.compactions += 1
+        # Disk stays bounded: the served version and the one before it (`swap --rollback`) are kept,
+        # older ones go, and the log below what both include with them.
+        gone = prune_versions(self.index, {report["new_version"], report["old_version"]})
         self.say(f"shardserve: compacted and swapped to {report['new_version']} (log position "
                  f"{manifest.log_position}, {manifest.num_vectors} vectors, recall@{report['k']} "
-                 f"{report['recall']}, {report['seconds']})")
+                 f"{report['recall']}, {report['seconds']}; {len(gone)} older version(s) deleted)")
         return True
 
     def _loop(self) -> None:

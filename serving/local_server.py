@@ -26,6 +26,7 @@ from shardserve.errors import ShardserveError
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
 from shardserve.runtime.ports import free_port
+from shardserve.runtime.ray_private import cores
 
 # Every process this command starts (Ray's, its workers, the edge) inherits this variable with a
 # value of the command's own: what a stop finds and ends when an interrupt came before Ray or the
@@ -113,7 +114,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
               f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
               f"--data-binary @- {url}/v1/search")
         print(f"  ray:    {_ray_line(started)}")
-        if compactor is not None:
+        if compactor is not None and compactor.path is not None:
             print(f"  writes: compacted into a new version once {compact_at} wait (--compact-at)")
         print("  Ctrl-C stops it.", flush=True)
         while True:
@@ -135,7 +136,7 @@ def room_for_two_versions(shards: int, replicas_per_shard: int) -> int:
     defaults = AppArgs.model_fields
     need = (2 * shards * replicas_per_shard * defaults["shard_num_cpus"].default
             + defaults["router_num_cpus"].default)
-    return max(os.cpu_count() or 1, math.ceil(need))
+    return max(cores(), math.ceil(need))
 
 
 def _wait_for_warm_pool(timeout_s: float = 60.0) -> None:

@@ -84,6 +84,7 @@ def _batch(payload: dict) -> list[Hits]:
 _JSON = {"content-type": "application/json"}
 # The connection never reached the edge: nothing was sent, any request may go to the next edge.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+CONNECT_TIMEOUT_S = 3.0  # an edge that does not accept a connection by then is taken as down
 Http = TypeVar("Http", httpx.Client, httpx.AsyncClient)
 
 
@@ -97,12 +98,15 @@ class _Edges(Generic[Http]):
         self.clients: list[Http] = [make(url.rstrip("/")) for url in urls]
         self.current = 0
 
-    def failed(self, tried: int) -> bool:
-        """The current edge could not be reached: move to the next; False once all were tried."""
+    def failed(self, edge: int, tried: int) -> int | None:
+        """Edge `edge` could not be reached: the next one to try (None once all were tried). The
+        client moves on from it, unless a concurrent request already moved elsewhere."""
         if tried + 1 >= len(self.clients):
-            return False
-        self.current = (self.current + 1) % len(self.clients)
-        return True
+            return None
+        following = (edge + 1) % len(self.clients)
+        if self.current == edge:
+            self.current = following
+        return following
 
 
 def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> bytes:
@@ -120,26 +124,27 @@ class Client:
     """A blocking client of a shardserve endpoint. Arguments:
     url: the endpoint, e.g. http://127.0.0.1:8000, or a list of a cluster's edges (see above).
     api_key: sent as `Authorization: Bearer` when the edge wants one.
-    timeout_s: per request.
+    timeout_s: per request (connecting: at most CONNECT_TIMEOUT_S, then the next edge).
     """
 
     def __init__(self, url: str | Sequence[str], api_key: str | None = None, timeout_s: float = 30.0):
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._edges = _Edges(url, lambda base: httpx.Client(base_url=base, timeout=timeout_s,
-                                                            headers=headers))
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+        self._edges = _Edges(url, lambda base: httpx.Client(base_url=base, timeout=timeout, headers=headers))
 
     def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
-        tried = 0
+        edge, tried = self._edges.current, 0
         while True:
-            http = self._edges.clients[self._edges.current]
+            http = self._edges.clients[edge]
             try:
                 if body is None:
                     return http.request(method, path)
                 return http.request(method, path, content=body, headers=_JSON)
             except _NOT_SENT:
-                if not self._edges.failed(tried):
+                following = self._edges.failed(edge, tried)
+                if following is None:
                     raise
-                tried += 1
+                edge, tried = following, tried + 1
 
     def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
                include: list[str] | None = None, **options: Any) -> Hits:
@@ -184,21 +189,23 @@ class AsyncClient:
 
     def __init__(self, url: str | Sequence[str], api_key: str | None = None, timeout_s: float = 30.0):
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._edges = _Edges(url, lambda base: httpx.AsyncClient(base_url=base, timeout=timeout_s,
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+        self._edges = _Edges(url, lambda base: httpx.AsyncClient(base_url=base, timeout=timeout,
                                                                  headers=headers))
 
     async def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
-        tried = 0
+        edge, tried = self._edges.current, 0
         while True:
-            http = self._edges.clients[self._edges.current]
+            http = self._edges.clients[edge]
             try:
                 if body is None:
                     return await http.request(method, path)
                 return await http.request(method, path, content=body, headers=_JSON)
             except _NOT_SENT:
-                if not self._edges.failed(tried):
+                following = self._edges.failed(edge, tried)
+                if following is None:
                     raise
-                tried += 1
+                edge, tried = following, tried + 1
 
     async def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
                      include: list[str] | None = None, **options: Any) -> Hits:

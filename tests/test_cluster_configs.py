@@ -42,7 +42,8 @@ def test_cloud_edges_run_on_the_serving_workers_and_only_the_vpc_reaches_them() 
 def test_cloud_head_keeps_its_state_in_redis_runs_no_replica_and_workers_wait_for_it() -> None:
     config = yaml.safe_load((CONFIGS / "cluster.yaml").read_text())
     head = " ".join(config["head_start_ray_commands"])
-    assert "--num-cpus=0" in head and config["available_node_types"]["head"]["resources"] == {}
+    assert "--num-cpus=0" in head and config["available_node_types"]["head"]["resources"] == {"CPU": 0}
+    assert "test -s ~/shardserve-redis-address && test -s ~/shardserve-redis-password &&" in head
     assert 'RAY_REDIS_ADDRESS="$(cat ~/shardserve-redis-address)"' in head
     assert "RAY_external_storage_namespace=" in head
     assert '--redis-password="$(cat ~/shardserve-redis-password)"' in head  # read on the head only

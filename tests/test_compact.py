@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from deployments.swap import gate_recall
-from index_build.compact import compact, truncate_log
+from index_build.compact import compact, prune_versions, truncate_log
 from index_build.job import build_index
 from serving.evaluate import sharded_search
 from shardserve.data.groundtruth import recall_at_k
@@ -203,3 +203,27 @@ def test_a_full_backlog_refuses_an_upsert_before_reading_its_body(index: Path) -
     with pytest.raises(ApiError) as parsed:  # a version at position 1 folded them: room again
         asyncio.run(front.accept(b"not json", True, manifest.model_copy(update={"log_position": 1})))
     assert parsed.value.status == 422
+
+
+def test_pruning_keeps_the_named_versions_and_one_in_progress_and_truncates_the_log(index: Path) -> None:
+    """Automatic compaction keeps the served version and the one before it: older complete versions
+    go, a directory without a manifest (a compaction in progress) stays, and the log is cut below
+    what the kept versions include."""
+    front = WriteFront(log_path(str(index)))
+    built = read_manifest(Location.parse(str(index)))
+    kept = [built]
+    for round_ in range(3):
+        front.delete(orjson.dumps({"ids": [int(source_id(np.array([round_]))[0])]}), kept[-1])
+        kept.append(compact(str(index)))
+    in_progress = index / "versions" / "99991231T000000Z-unfinished"
+    in_progress.mkdir()
+    gone = prune_versions(str(index), {kept[-1].index_version, kept[-2].index_version})
+    assert gone == sorted({manifest_folder(m).split("/")[-1] for m in kept[:2]})
+    left = sorted(p.name for p in (index / "versions").iterdir())
+    folders = [manifest_folder(m).split("/")[-1] for m in kept[-2:]]
+    assert left == sorted([*folders, in_progress.name])
+    log = WriteLog(log_path(str(index)), readonly=True)
+    assert log.first_position() is None or log.first_position() > kept[-2].log_position
+    assert log.last_position() == kept[-1].log_position == 3
+    _, replicas = _replicas(index)  # the newest version still serves, from its own files
+    assert all(r.catch_up() == 3 for r in replicas)

@@ -121,3 +121,11 @@ def prestart_workers(count: int, keep_alive_s: int) -> None:
     with grpc.insecure_channel(f"{node.node_ip_address}:{node.node_manager_port}") as channel:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
             request, timeout=10, metadata=tuple(token.items()))
+
+
+def cores() -> int:
+    """The CPUs Ray counts on this machine by default (cgroup quotas and cpusets included, which
+    os.cpu_count() ignores: a 2-CPU container on a 64-core host is 2)."""
+    from ray._private.utils import get_num_cpus
+
+    return int(get_num_cpus())
