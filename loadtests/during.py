@@ -3,7 +3,7 @@ and a per-request account of it: every status code, every answer's index version
 
 python -m loadtests.during --url http://127.0.0.1:8000 --new-index DIR [--rate 150] [--out records/]
 runs `shardserve swap` under load (the server must be running on this machine's Ray, e.g. `make
-demo`; `--num-cpus 4` on 2 cores leaves room for the second version) → swap-under-load.json.
+demo`, whose Ray counts room for the second version) → swap-under-load.json.
 
 "0 errors" alone says little: the tally also states what it did not see (requests vegeta never sent
 are not counted; the load is one rate, one query shape, loopback only).
