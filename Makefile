@@ -61,7 +61,7 @@ demo: install data haproxy $(INDEX)/manifest.json
 	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
 	$(BIN)/shardserve serve $(INDEX) --port 8000
 
-test: install data vegeta haproxy
+test: install data vegeta haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster and not ha"
@@ -78,7 +78,7 @@ test-ha: install data vegeta redis
 
 # Pure tests only (no Ray, dataset, haproxy or notebook kernel): under a minute, no root needed.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ha and not data and not haproxy and not notebook"
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook"
 
 lint: install
 	$(BIN)/ruff check .

@@ -24,7 +24,7 @@ from shardserve.runtime.warm_pool import WarmPool
 from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, shard_secret
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
 from shardserve.writes.follow import ShardWrites
-from shardserve.writes.log import log_path
+from shardserve.writes.locate import log_address
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
@@ -58,7 +58,7 @@ class ShardDeployment:
         trained = manifest.trained
         # The write log's requests past this version, applied before the first answer and again
         # before each one (shardserve.writes.follow): a 200 to a write is visible to any search after it.
-        self.writes = ShardWrites(self.searcher, shard, len(manifest.shards), log_path(index),
+        self.writes = ShardWrites(self.searcher, shard, len(manifest.shards), log_address(index),
                                   manifest.log_position,
                                   lambda: read_shard_checked(location, trained) if trained else None)
         await asyncio.to_thread(self.writes.catch_up)

@@ -47,12 +47,12 @@ from shardserve.index.manifest import (
 from shardserve.index.metadata import MetadataTable, write_metadata
 from shardserve.index.partition import Partition
 from shardserve.index.storage import Location
-from shardserve.writes.log import WriteLog, log_path
+from shardserve.writes.locate import Log, log_address, log_exists, open_log
 from shardserve.writes.ops import Op, Upsert
 from shardserve.writes.route import WriteRoute
 
 
-def latest_ops(log: WriteLog, after: int, upto: int) -> dict[int, Op]:
+def latest_ops(log: Log, after: int, upto: int) -> dict[int, Op]:
     """Each id's last operation among the log's requests (after, upto]."""
     latest: dict[int, Op] = {}
     position = after
@@ -75,10 +75,10 @@ def compact(index: str) -> Manifest:
     Refused, changing nothing, when there is nothing to fold."""
     started, location = time.perf_counter(), Location.parse(index)
     current = read_manifest(location)
-    path = log_path(index)
-    if path is None or not path.exists():
+    path = log_address(index)
+    if path is None or not log_exists(path):
         raise ShardserveError(f"{index}: no write log (nothing was ever written): nothing to compact")
-    log = WriteLog(path, readonly=True)
+    log = open_log(path, readonly=True)
     try:
         upto = log.last_position()
         if upto <= current.log_position:
@@ -139,9 +139,9 @@ def truncate_log(index: str) -> int:
             if info.type == pafs.FileType.Directory]
     oldest = min((read_manifest(versions.child(name)).log_position for name in kept
                   if versions.child(name).exists(MANIFEST)), default=0)
-    path = log_path(index)
-    if path is not None and path.exists() and oldest > 0:
-        log = WriteLog(path)
+    path = log_address(index)
+    if path is not None and oldest > 0 and log_exists(path):
+        log = open_log(path)
         try:
             log.truncate_below(oldest + 1)
         finally:

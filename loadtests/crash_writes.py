@@ -1,7 +1,9 @@
 """Acknowledged writes survive SIGKILLs, and a 200 is visible at once: the default `shardserve serve`
 under a steady load of single upserts, deletes and searches, while a shard replica, the router
-replica, or every process of the server is killed with SIGKILL (the whole server is then started
-again with the same command, on the same index directory).
+replica, every process of the server, or every process of the server while its automatic
+compaction runs is killed with SIGKILL (the whole server is then started again with the same
+command, on the same index directory). The server compacts on its own every `compact_at`
+operations (`--compact-at`), so compactions and their swaps also run beside the other kills.
 
 Throughout, each write's 200 is followed by a search on another connection: an upsert must be found
 by its own vector, a deleted id must be absent (read-your-writes). At the end, every acknowledged
@@ -43,18 +45,21 @@ from shardserve.runtime.ports import free_port
 RECORDS = Path(__file__).parent / "records"
 RUN_ENV = "SHARDSERVE_CRASH_RUN"  # every process a server starts inherits it: how kills find them
 NEW_IDS = 1 << 40  # upserted ids start here, far from any base row number
-KINDS = ("shard", "router", "server")
+KINDS = ("shard", "router", "server", "compaction")
+KILL_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # after "compacting" is printed: compaction, swap, gate, switch
 
 
 class Server:
     """One `shardserve serve` (the default command) in its own session, its processes marked."""
 
-    def __init__(self, index: Path, port: int, log: Path, flags: tuple[str, ...] = ()):
+    def __init__(self, index: Path, port: int, log: Path, flags: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         self.run, self.port, self.index = uuid.uuid4().hex, port, index
         self._log = log.open("a")
         exe = Path(sys.executable).parent / "shardserve"
+        environment = {**os.environ, **(env or {}), "RAY_ADDRESS": "", RUN_ENV: self.run}
         self.process = subprocess.Popen([str(exe), "serve", str(index), "--port", str(port), *flags],
-                                        env={**os.environ, "RAY_ADDRESS": "", RUN_ENV: self.run},
+                                        env=environment,
                                         stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
@@ -71,6 +76,19 @@ class Server:
             if command.startswith(b"ray::ServeReplica:") and command.rsplit(b":", 1)[-1] == deployment:
                 return pid
         return None
+
+    def said(self, text: str) -> int:
+        """How many lines of the server's output so far (every start of it) hold `text`."""
+        if not self._log.closed:
+            self._log.flush()
+        return sum(text in line for line in Path(self._log.name).read_text(errors="replace").splitlines())
+
+    def wait_said(self, text: str, more_than: int, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.said(text) <= more_than:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not say {text!r}: see {self._log.name}")
+            time.sleep(0.05)
 
     def wait_healthy(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -254,9 +272,10 @@ def check(url: str, ledger: Ledger) -> dict:
 
 
 def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None = None,
-        port: int | None = None) -> dict:
+        port: int | None = None, compact_at: int | None = None) -> dict:
     """`kills` of each kind in turn, `writes_between` acknowledged writes before each kill and after
-    each recovery; returns the record."""
+    each recovery, the server compacting every `compact_at` operations (default: 2 ×
+    `writes_between`); returns the record."""
     from shardserve.data.datasets import load_dataset
 
     manifest = read_manifest(Location.parse(str(index)))
@@ -264,7 +283,8 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
     work = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"crash-writes-{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    server = Server(index, port, work / "serve.log")
+    flags = ("--compact-at", str(compact_at or 2 * writes_between))
+    server = Server(index, port, work / "serve.log", flags)
     events: list[dict] = []
     load: Load | None = None
     try:
@@ -275,9 +295,15 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
             for kind in KINDS:
                 acked = load.ledger.acked()
                 started = time.monotonic()
-                if kind == "server":
+                event: dict = {}
+                if kind == "compaction":  # the next automatic compaction: kill it at some stage
+                    server.wait_said("compacting", server.said("compacting"))
+                    event["after_compacting_s"] = KILL_DELAYS_S[round_ % len(KILL_DELAYS_S)]
+                    time.sleep(event["after_compacting_s"])
+                    started = time.monotonic()
+                if kind in ("server", "compaction"):
                     killed = server.kill_all()
-                    server = Server(index, port, work / "serve.log")
+                    server = Server(index, port, work / "serve.log", flags)
                     server.wait_healthy()
                 else:
                     pid = server.replica(b"Router" if kind == "router" else b"shard-000")
@@ -286,7 +312,7 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
                     os.kill(pid, signal.SIGKILL)
                     killed = 1
                 load.wait_acked(writes_between)
-                events.append({"round": round_, "kind": kind, "processes_killed": killed,
+                events.append({"round": round_, "kind": kind, **event, "processes_killed": killed,
                                "acked_before": acked, "acked_after": load.ledger.acked(),
                                "writes_resumed_after_s": round(time.monotonic() - started, 2)})
         load.stop()
@@ -298,7 +324,8 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
     ledger = load.ledger
     return {
         "name": "crash-writes", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "index": manifest.index_version, "command": f"shardserve serve {index} --port PORT",
+        "index": manifest.index_version, "command": f"shardserve serve {index} --port PORT {' '.join(flags)}",
+        "compactions_started": server.said("compacting"), "swaps": server.said("compacted and swapped"),
         "kills": events, "upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
         "unknown": len(ledger.unknown), "refused": ledger.refused, "searches": load.searches,
         "read_your_writes": {
@@ -316,9 +343,11 @@ def main() -> None:
     cli.add_argument("--index", required=True)
     cli.add_argument("--kills", type=int, default=5, help="kills of each kind")
     cli.add_argument("--writes-between", type=int, default=30)
+    cli.add_argument("--compact-at", type=int, default=None, help="the server's --compact-at "
+                     "(default: 2 x --writes-between)")
     cli.add_argument("--out", default=str(RECORDS / "crash-writes.json"))
     args = cli.parse_args()
-    record = run(Path(args.index), args.kills, args.writes_between)
+    record = run(Path(args.index), args.kills, args.writes_between, compact_at=args.compact_at)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "kills"}, indent=1))
 

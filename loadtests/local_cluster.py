@@ -227,20 +227,39 @@ class RedisStore:
         config.write_text(f"bind 127.0.0.1\nport {self.port}\nrequirepass {self.password}\n"
                           f"dir {self.dir}\nappendonly yes\nappendfsync always\nsave \"\"\n"
                           "daemonize no\nprotected-mode yes\n")
+        (Path(self.dir) / "password").touch(mode=0o600)
+        (Path(self.dir) / "password").write_text(self.password)
         try:
-            self.process = subprocess.Popen([self.binary, str(config)], stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                if self._answers_ping():
-                    return self
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-                time.sleep(0.2)
-            raise RuntimeError("redis-server did not answer within 20 s")
+            self.start()
+            return self
         except BaseException:
             self.__exit__(None, None, None)  # stopped, its files (the password's too) removed
             raise
+
+    def start(self) -> None:
+        """Start redis-server on its config (again, after `kill`: it reloads its append-only file)."""
+        self.process = subprocess.Popen([self.binary, str(Path(self.dir) / "redis.conf")],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self._answers_ping():
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+            time.sleep(0.2)
+        raise RuntimeError("redis-server did not answer within 20 s")
+
+    def kill(self) -> None:
+        """SIGKILL redis-server (its files stay: `start` again)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+    def write_log_env(self) -> dict[str, str]:
+        """The environment that puts every index's write log in this Redis
+        (shardserve.writes.redis_log): its URL and the file holding its password."""
+        return {"SHARDSERVE_WRITE_LOG": f"redis://{self.address}/0",
+                "SHARDSERVE_WRITE_LOG_PASSWORD_FILE": str(Path(self.dir) / "password")}
 
     def _answers_ping(self) -> bool:
         """AUTH then PING over the wire (RESP inline commands): True once it answers +PONG."""

@@ -312,7 +312,9 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
     kinds = ", ".join(sorted({event["kind"] for event in crash["kills"]}))
     seen, searches, upserts = crash["read_your_writes"], compaction["searches"], compaction["upserts"]
     rows = ["| check | result |", "|---|---|",
-            f"| SIGKILLs under single writes ({kinds}; {len(crash['kills'])} in all) | "
+            f"| SIGKILLs under single writes ({kinds}; {len(crash['kills'])} in all"
+            + (f"; the server compacting by itself: {crash['compactions_started']} compactions started, "
+               f"{crash['swaps']} swapped in" if "swaps" in crash else "") + ") | "
             f"acknowledged upserts found: {crash['upserts_checked'] - len(crash['upserts_lost']):,} of "
             f"{crash['upserts_checked']:,}; acknowledged deletes back: {len(crash['deletes_returned'])} of "
             f"{crash['deletes_checked']:,} |",

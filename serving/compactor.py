@@ -27,7 +27,7 @@ from collections.abc import Callable
 from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
 from shardserve.writes.delta import MAX_DELTA_ROWS
-from shardserve.writes.log import WriteLog, log_path
+from shardserve.writes.locate import log_address, log_exists, open_log
 
 COMPACT_AT = MAX_DELTA_ROWS // 4  # operations waiting past the newest version (`serve --compact-at`)
 
@@ -37,12 +37,14 @@ class AutoCompactor:
     operations wait past the newest version's log position. `start()`, `stop()`."""
 
     def __init__(self, index: str, app: str, at_ops: int = COMPACT_AT, poll_s: float = 5.0,
-                 retry_s: float = 600.0, say: Callable[[str], None] = print):
+                 retry_s: float = 600.0, say: Callable[[str], None] | None = None):
         if at_ops < 1:
             raise ValueError("at_ops must be >= 1")
         self.index, self.app, self.at_ops = index, app, at_ops
-        self.poll_s, self.retry_s, self.say = poll_s, retry_s, say
-        self.path = log_path(index)
+        self.poll_s, self.retry_s = poll_s, retry_s
+        # flushed at once: the server's output is often a file, where a buffered line would wait
+        self.say = say or (lambda line: print(line, flush=True))
+        self.path = log_address(index)
         self.compactions = 0
         self._unswapped: Manifest | None = None  # compacted and published, its swap not yet done
         self._stop = threading.Event()
@@ -58,10 +60,11 @@ class AutoCompactor:
 
     def waiting(self) -> int:
         """Operations in the log past the newest published version (0: no log yet)."""
-        if self.path is None or not self.path.exists():
+        if not log_exists(self.path):
             return 0
+        assert self.path is not None
         position = read_manifest(Location.parse(self.index)).log_position
-        log = WriteLog(self.path, readonly=True)
+        log = open_log(self.path, readonly=True)
         try:
             return log.backlog(position).operations
         finally:

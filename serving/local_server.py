@@ -102,10 +102,11 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
             url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
                                       else "haproxy not installed") + "): the router sheds"
+        if started and compact_at:  # from the first write the server takes, not after the warm-up:
+            # writes arrive as soon as it answers, and a minute of them can fill the backlog bound
+            compactor = AutoCompactor(index, APP_NAME, compact_at).start()
         if started:  # start-up ends with the node's pool of warm workers filled: nothing fills under load
             _wait_for_warm_pool()
-        if started and compact_at:
-            compactor = AutoCompactor(index, APP_NAME, compact_at).start()
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
               f"({manifest.num_vectors} vectors, {len(manifest.shards)} shards) at {url}")
         print(f"  overload: {shedding}")

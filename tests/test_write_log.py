@@ -1,5 +1,7 @@
-"""The write log (SQLite, WAL, synchronous=FULL): requests all or nothing, positions monotonic, read
-from other processes, and every acknowledged request still there after a SIGKILL. No Ray."""
+"""The write log, on both engines (SQLite in WAL mode with synchronous=FULL; a Redis stream on
+Debian's redis-server with appendfsync always): requests all or nothing, positions monotonic, read
+from other processes, and every acknowledged request still there after a SIGKILL of the writer,
+and of Redis itself. No Ray."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardserve.writes.log import WriteLog
+from loadtests.local_cluster import RedisStore
+from shardserve.runtime.ports import free_port
+from shardserve.writes.locate import log_address, open_log
 from shardserve.writes.ops import Delete, Op, Upsert, same_ops
+from shardserve.writes.redis_log import RedisLogAddress, RedisWriteLog
 
 ROOT = Path(__file__).resolve().parent.parent
 DIM = 8
@@ -34,8 +39,31 @@ def request(position: int) -> list[Op]:
     return ops
 
 
-def test_append_read_truncate(tmp_path: Path) -> None:
-    log = WriteLog(tmp_path / "log.sqlite")
+@pytest.fixture(scope="module")
+def redis_store():
+    with RedisStore(port=free_port()) as store:
+        yield store
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def engine(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The environment that picks one engine for an index at tmp_path/idx: log_address resolves it."""
+    env = {}
+    if request.param == "redis":
+        env = request.getfixturevalue("redis_store").write_log_env()
+    for name in ("SHARDSERVE_WRITE_LOG", "SHARDSERVE_WRITE_LOG_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "idx").mkdir()
+    address = log_address(str(tmp_path / "idx"))
+    assert isinstance(address, RedisLogAddress) == (request.param == "redis")
+    return address, env
+
+
+def test_append_read_truncate(engine) -> None:
+    address, _ = engine
+    log = open_log(address)
     assert log.last_position() == 0 and log.first_position() is None and log.read(0) == []
     positions = [log.append(request(n)) for n in range(1, 8)]
     assert positions == list(range(1, 8))
@@ -54,13 +82,14 @@ def test_append_read_truncate(tmp_path: Path) -> None:
     assert log.append(request(8)) == 8
     with pytest.raises(ValueError):
         log.append([])
+    assert log.backlog(7) == (8, len(request(8)), sum(isinstance(op, Upsert) for op in request(8)))
     log.close()
-    again = WriteLog(tmp_path / "log.sqlite")
+    again = open_log(address)
     assert again.last_position() == 8 and same_ops(again.read(7)[0][1], request(8))
 
 
-def test_a_failing_request_leaves_nothing(tmp_path: Path) -> None:
-    log = WriteLog(tmp_path / "log.sqlite")
+def test_a_failing_request_leaves_nothing(engine) -> None:
+    log = open_log(engine[0])
     log.append(request(1))
     bad = [*request(2), Upsert(5, np.zeros(DIM, np.float32), {"x": object()})]  # not JSON: fails mid-way
     with pytest.raises(TypeError):
@@ -71,10 +100,10 @@ def test_a_failing_request_leaves_nothing(tmp_path: Path) -> None:
 
 _WRITER = """
 import sys
-from shardserve.writes.log import WriteLog
+from shardserve.writes.locate import log_address, open_log
 from tests.test_write_log import request
 
-log = WriteLog(sys.argv[1])
+log = open_log(log_address(sys.argv[1]))
 n = 0
 while True:
     n += 1
@@ -84,7 +113,7 @@ while True:
 """
 
 
-def test_every_acknowledged_request_survives_a_sigkill(tmp_path: Path) -> None:
+def test_every_acknowledged_request_survives_a_sigkill(engine, tmp_path: Path) -> None:
     """A child appends requests of 1-5 operations and prints each position once `append` returns
     (its acknowledgement); a reader in this process reads the log while it runs; the child is
     SIGKILLed mid-stream. Reopened, the log holds every acknowledged request with all its
@@ -93,11 +122,11 @@ def test_every_acknowledged_request_survives_a_sigkill(tmp_path: Path) -> None:
     A process kill leaves the OS page cache alone: this shows atomicity and that the ack comes
     after the commit; synchronous=FULL (checked by WriteLog) is what carries a commit past a power
     cut, which no test here can cut."""
-    path = tmp_path / "log.sqlite"
-    WriteLog(path).close()  # the schema exists before the reader opens it
-    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
-    reader = WriteLog(path, readonly=True)
+    address, env = engine
+    open_log(address).close()  # the schema exists before the reader opens it
+    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "idx")], stdout=subprocess.PIPE,
+                             env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, text=True)
+    reader = open_log(address, readonly=True)
     acknowledged: list[int] = []
     seen_while_running = 0
     assert child.stdout is not None
@@ -120,10 +149,52 @@ def test_every_acknowledged_request_survives_a_sigkill(tmp_path: Path) -> None:
     assert child.returncode == -signal.SIGKILL
     assert len(acknowledged) == 300 and acknowledged == list(range(1, 301))
     reader.close()
-    log = WriteLog(path)
+    log = open_log(address)
     kept = log.read(0, limit=1_000_000)
     positions = [p for p, _ in kept]
     assert positions == list(range(1, len(positions) + 1))  # no hole
     assert set(acknowledged) <= set(positions)
     assert all(same_ops(ops, request(p)) for p, ops in kept)  # each request whole, none in part
     assert log.append(request(len(positions) + 1)) == len(positions) + 1  # appends go on after it
+
+
+@pytest.mark.redis
+def test_an_acknowledged_request_survives_a_sigkill_of_redis_itself(redis_store, tmp_path: Path) -> None:
+    """Appends acknowledged by a Redis that runs with appendfsync always, then redis-server
+    SIGKILLed and started again on its files: every acknowledged request is there, whole, and
+    positions go on from the last one."""
+    address = RedisLogAddress.for_index(redis_store.write_log_env()["SHARDSERVE_WRITE_LOG"],
+                                        f"file://{tmp_path}/kill-redis")
+    log = RedisWriteLog(address, password=redis_store.password)
+    acknowledged = [log.append(request(n)) for n in range(1, 201)]
+    log.close()
+    redis_store.kill()
+    redis_store.start()
+    log = RedisWriteLog(address, password=redis_store.password)
+    kept = log.read(0, limit=1_000)
+    assert [p for p, _ in kept] == acknowledged == list(range(1, 201))
+    assert all(same_ops(ops, request(p)) for p, ops in kept)
+    assert log.append(request(201)) == 201
+
+
+@pytest.mark.redis
+def test_a_redis_that_would_lose_an_acknowledged_write_is_refused(redis_store, tmp_path: Path) -> None:
+    """A writer checks appendonly and appendfsync: a 200 must outlive Redis's loss."""
+    address = RedisLogAddress.for_index(redis_store.write_log_env()["SHARDSERVE_WRITE_LOG"],
+                                        f"file://{tmp_path}/lax")
+    admin = RedisWriteLog(address, readonly=True, password=redis_store.password)
+    admin._db.config_set("appendfsync", "everysec")
+    try:
+        with pytest.raises(RuntimeError, match="appendfsync always"):
+            RedisWriteLog(address, password=redis_store.password)
+        RedisWriteLog(address, readonly=True, password=redis_store.password).close()  # readers may
+    finally:
+        admin._db.config_set("appendfsync", "always")
+        admin.close()
+
+
+def test_a_redis_url_never_carries_the_password() -> None:
+    with pytest.raises(ValueError, match="password"):
+        RedisLogAddress.for_index("redis://:secret@127.0.0.1:6379/0", "file:///idx")
+    with pytest.raises(ValueError, match="redis://"):
+        RedisLogAddress.for_index("http://127.0.0.1:6379", "file:///idx")

@@ -5,6 +5,7 @@ write leaves nothing behind."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -163,16 +164,19 @@ def test_a_client_given_several_edges_moves_past_one_it_cannot_reach(writable) -
 
 
 @pytest.mark.haproxy
-def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_and_the_whole_server(
+def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_the_server_and_its_compaction(
         tmp_path: Path) -> None:
-    """The default `shardserve serve` under single upserts, deletes and searches; one SIGKILL of a
-    shard replica, of the router replica, and of every process of the server (then started again on
-    the same index directory): every acknowledged upsert is found by its own vector, no acknowledged
-    delete comes back, and each 200 was seen by a search on another connection right after it."""
+    """The default `shardserve serve` under single upserts, deletes and searches, compacting by
+    itself every 40 operations; one SIGKILL of a shard replica, of the router replica, of every
+    process of the server, and of every process while an automatic compaction runs (each time started
+    again on the same index directory): every acknowledged upsert is found by its own vector, no
+    acknowledged delete comes back, and each 200 was seen by a search on another connection right
+    after it."""
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     record = crash_run(index, kills=1, writes_between=20, work=tmp_path / "work")
     assert [event["kind"] for event in record["kills"]] == list(KINDS)
+    assert "compaction" in KINDS and record["compactions_started"] >= 1
     assert all(event["acked_after"] >= event["acked_before"] + 20 for event in record["kills"])
     assert record["upserts_checked"] > 0 and record["deletes_checked"] > 0
     assert record["upserts_lost"] == [] and record["deletes_returned"] == []
@@ -240,3 +244,68 @@ def test_the_default_server_compacts_and_swaps_by_itself_once_enough_writes_wait
     finally:
         server.stop()
     assert "compacted and swapped to" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.haproxy
+@pytest.mark.redis
+def test_with_a_redis_write_log_writes_compaction_and_a_sigkill_of_the_server_keep_every_write(
+        tmp_path: Path) -> None:
+    """`shardserve serve` with SHARDSERVE_WRITE_LOG naming a Redis (a cluster's log, run here on one
+    machine): no SQLite file is written; upserts and deletes are answered and seen at once; the
+    automatic compaction folds them from the stream; after a SIGKILL of every
+    process of the server and a start again, every upsert is found and no deleted id is answered."""
+    from loadtests.local_cluster import RedisStore
+    from shardserve.writes.locate import log_address
+    from shardserve.writes.redis_log import RedisWriteLog
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    first = read_manifest(Location.parse(str(index))).index_version
+    data = load_dataset("fashion-mnist", limit=5000, num_queries=10)
+    rng = np.random.default_rng(7)
+    ids = list(range(1 << 41, (1 << 41) + 300))
+    vectors = (data.base[rng.integers(0, 5000, 300)] + rng.normal(0, 8, (300, data.base.shape[1]))
+               ).astype(np.float32)
+    deleted = list(range(100, 150))
+    with RedisStore(port=free_port()) as store:
+        env = store.write_log_env()
+        port = free_port()
+        server = Server(index, port, tmp_path / "serve.log", ("--compact-at", "300"), env=env)
+        try:
+            server.wait_healthy()
+            with Client(server.url, timeout_s=60) as client:
+                for start in range(0, 300, 100):
+                    client.upsert(ids[start:start + 100], vectors[start:start + 100])
+                    assert int(client.search(vectors[start], k=1).ids[0]) == ids[start]  # at once
+                last = client.delete(deleted)["position"]
+                assert 100 not in client.search(data.base[100], k=10).ids.tolist()
+                served = client.index()
+                for _ in range(600):  # the compactor polls every 5 s
+                    if served["index_version"] != first:
+                        break
+                    assert server.process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                    time.sleep(1)
+                    served = client.index()
+                assert (served["index_version"] != first and served["log_position"] == last
+                        and served["num_vectors"] == 5000 - 50 + 300), served
+            server.kill_all()
+            server = Server(index, port, tmp_path / "serve.log", ("--compact-at", "300"), env=env)
+            server.wait_healthy()
+            with Client(server.url, timeout_s=60) as client:
+                found = client.search_batch(vectors, k=1, require_full=True)
+                assert [int(hit.ids[0]) for hit in found] == ids
+                gone = client.search_batch(data.base[deleted], k=10, require_full=True)
+                assert not set(deleted) & {int(i) for hit in gone for i in hit.ids}
+        finally:
+            server.stop()
+        assert not (index / "writes").exists()  # the log was Redis's, not a file beside the index
+        for name, value in env.items():
+            os.environ[name] = value
+        try:
+            log = RedisWriteLog(log_address(str(index)), readonly=True)  # type: ignore[arg-type]
+            # all in Redis: the version before the compaction (kept for a rollback) still needs them
+            assert log.last_position() == last and log.first_position() == 1
+            log.close()
+        finally:
+            for name in env:
+                del os.environ[name]

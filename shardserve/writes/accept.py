@@ -20,13 +20,12 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.parse_writes import parse_delete, parse_upsert
 from shardserve.writes.delta import MAX_DELTA_ROWS
-from shardserve.writes.log import WriteLog
+from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.ops import Op, Upsert
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
@@ -35,13 +34,14 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 class WriteFront:
     """`upsert(body, manifest)` / `delete(body, manifest)` → the JSON answer, or ApiError. Blocking
     (parsing and the log's fsync); `accept` runs them in this front's own thread, in arrival order.
-    `path` None: the index is not on a local disk, and writes are refused with a 501 saying so."""
+    `path` None: the index has no write log (on remote storage, no Redis log configured), and
+    writes are refused with a 501 saying so."""
 
-    def __init__(self, path: Path | None, max_points: int = MAX_WRITE_POINTS,
+    def __init__(self, path: LogAddress | None, max_points: int = MAX_WRITE_POINTS,
                  max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256):
         self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
         self.retry_after_s, self.max_waiting, self.waiting = retry_after_s, max_waiting, 0
-        self._log: WriteLog | None = None
+        self._log: Log | None = None
         self._lock = threading.Lock()
         self._counted: tuple[int, int, int] = (-1, 0, 0)  # (base position, counted up to, upserts)
         self._thread = ThreadPoolExecutor(1, "writes")
@@ -87,10 +87,11 @@ class WriteFront:
     def _append(self, ops: Sequence[Op], manifest: Manifest) -> int:
         if self.path is None:
             raise ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "
-                                      "file beside its manifest): this index is on remote storage")
+                                      "file beside its manifest) or a Redis write log "
+                                      "(SHARDSERVE_WRITE_LOG): this index is on remote storage")
         with self._lock:
             if self._log is None:
-                self._log = WriteLog(self.path)
+                self._log = open_log(self.path)
             adding = sum(isinstance(op, Upsert) for op in ops)
             if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
                 raise self._backlog_full()

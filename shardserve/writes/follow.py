@@ -23,7 +23,7 @@ from shardserve.index.partition import Partition
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.delta import MAX_DELTA_ROWS, ShardDelta
-from shardserve.writes.log import WriteLog
+from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.route import WriteRoute
 from shardserve.writes.shard import ShardWithDelta
 
@@ -40,12 +40,12 @@ class ShardWrites:
     trained empty index (read only when the first write arrives). Thread-safe: searches on the event
     loop and in the search thread may catch up at once; one applies, the other waits for it."""
 
-    def __init__(self, searcher: ShardSearcher, shard: int, shards: int, log_path: Path | None,
+    def __init__(self, searcher: ShardSearcher, shard: int, shards: int, log_path: LogAddress | None,
                  base_position: int, trained: Callable[[], bytes | None], max_rows: int = MAX_DELTA_ROWS):
         self.searcher, self.shard, self.shards = searcher, shard, shards
         self.path, self.base_position, self.max_rows = log_path, base_position, max_rows
         self._trained = trained
-        self._log: WriteLog | None = None
+        self._log: Log | None = None
         self._view: ShardWithDelta | None = None
         self._lock = threading.Lock()
         self.position = base_position
@@ -98,12 +98,12 @@ class ShardWrites:
         base = int(self.searcher.index.ntotal)
         return base if delta is None else base - len(delta.tombstones) + delta.rows
 
-    def _open(self) -> WriteLog | None:
-        if self.path is None or not self.path.exists():
-            return None  # no write ever: nothing to follow
+    def _open(self) -> Log | None:
+        if self.path is None or (isinstance(self.path, Path) and not self.path.exists()):
+            return None  # no write ever: nothing to follow (a Redis log answers position 0)
         with self._lock:
             if self._log is None:
-                self._log = WriteLog(self.path, readonly=True)
+                self._log = open_log(self.path, readonly=True)
         return self._log
 
     def _start_delta(self) -> ShardWithDelta:
