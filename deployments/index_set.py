@@ -28,6 +28,7 @@ from shardserve.query.render import real_ids
 from shardserve.runtime.ray_private import deployment_handle_unchecked
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.transport.shard_wire import ShardQuery, decode_answer
+from shardserve.writes.locate import LogAddress, log_address
 
 logger = logging.getLogger("ray.serve")
 # Batches up to this many rows are assigned on the event loop: a hand-off to the quantizer thread
@@ -49,18 +50,19 @@ class IndexSet:
     links: ShardLinks | None  # a TCP link per shard replica (None: Serve handle calls only)
     directory: DeploymentHandle  # the version's ingress: where each shard replica listens
     filter_shares: FilterShares  # each filter's share of every shard's rows: the lists to rank
+    log: LogAddress | None  # its index's write log: writes go where this version's shards read
 
     @classmethod
     async def load(cls, generation: int, index: str, app: str, use_links: bool) -> IndexSet:
         """Files are read in a thread; handles are made on the replica's event loop (Serve's
         throughput-optimised handles refuse to be set up outside it)."""
-        manifest, assigner, supported = await asyncio.to_thread(cls._read, index)
+        manifest, assigner, supported, log = await asyncio.to_thread(cls._read, index)
         flat_search_with_blas_from(BLAS_MIN_ROWS, manifest.dim)  # the quantizer's 16-25 row batches
         shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,
                      ShardLinks(len(shards)) if use_links else None, directory,
-                     FilterShares([shard.num_vectors for shard in manifest.shards]))
+                     FilterShares([shard.num_vectors for shard in manifest.shards]), log)
         await loaded.refresh_links(timeout_s=2.0)
         return loaded
 
@@ -134,11 +136,12 @@ class IndexSet:
         return self.links.count() if self.links is not None else [0] * len(self.shards)
 
     @staticmethod
-    def _read(index: str) -> tuple[Manifest, CoarseAssigner | None, frozenset[str]]:
+    def _read(index: str) -> tuple[Manifest, CoarseAssigner | None, frozenset[str], LogAddress | None]:
         location = Location.parse(index)
         manifest = read_manifest(location)
         return (manifest, CoarseAssigner.load(location, manifest),
-                frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)))
+                frozenset(supported_params(manifest.index_factory, manifest.dim, manifest.metric)),
+                log_address(index))
 
 
 async def follow_links(active: Callable[[], IndexSet], gauge) -> None:

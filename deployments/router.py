@@ -36,7 +36,6 @@ from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import WriteFront
 from shardserve.writes.delta import MAX_DELTA_ROWS
-from shardserve.writes.locate import log_address
 
 logger = logging.getLogger("ray.serve")
 
@@ -79,7 +78,8 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
     started, status = time.perf_counter(), 200
     try:
-        return _json(await router.writes.accept(request.body, upsert, router.active.manifest))
+        active = router.active  # one version: its manifest checks the body, its log takes it
+        return _json(await router.writes.accept(request.body, upsert, active.manifest, active.log))
     except ApiError as error:
         status = error.status
         return _error(error)
@@ -109,7 +109,7 @@ class Router(ReportsCoresWanted):
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
-        self.writes = WriteFront(log_address(a.index), a.max_write_points, retry_after_s=a.retry_after_s)
+        self.writes = WriteFront(self.active.log, a.max_write_points, retry_after_s=a.retry_after_s)
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,

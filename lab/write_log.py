@@ -1,7 +1,9 @@
-"""The write log's acknowledgement latency: how long `WriteLog.append` takes to return (its commit
-fsynced: SQLite, WAL, synchronous=FULL), for single upserts and for batches of 100, in-process, one
-thread, no serving. A 200 for a write cannot come sooner than this; the issue's peer acknowledged
-single upserts at a p50 of 76-81 ms and a p99 of 182-205 ms over HTTP.
+"""The write log's acknowledgement latency on both engines, side by side in one run: how long
+`append` takes to return (SQLite: its commit fsynced, WAL, synchronous=FULL; Redis: Debian's
+redis-server on loopback, appendfsync always, its append-only file on the same disk), for single
+upserts and for batches of 100, in-process, one thread, no serving. A 200 for a write cannot come
+sooner than this; Chroma's server acknowledged single upserts at a p50 of 76-81 ms and a p99 of
+182-205 ms over HTTP (bench-writes.json).
 
 The log file lives in `--dir` (default: a temporary directory): put it on the disk the index
 directory uses, since the fsync is the cost.
@@ -20,9 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtests.local_cluster import RedisStore
 from loadtests.record import header, save
+from shardserve.runtime.ports import free_port
 from shardserve.writes.log import WriteLog
 from shardserve.writes.ops import Op, Upsert
+from shardserve.writes.redis_log import RedisLogAddress, RedisWriteLog
 
 
 def _filesystem(path: Path) -> str:
@@ -33,7 +38,7 @@ def _filesystem(path: Path) -> str:
         return "unknown"
 
 
-def measure(log: WriteLog, batch: int, dim: int, seconds: float, first_id: int) -> dict:
+def measure(log: WriteLog | RedisWriteLog, batch: int, dim: int, seconds: float, first_id: int) -> dict:
     """Append requests of `batch` upserts back to back for `seconds`: latency per append."""
     rng = np.random.default_rng(batch)
     vectors = rng.random((batch, dim), dtype=np.float32)
@@ -63,22 +68,30 @@ def main() -> None:
     parser.add_argument("--name", default="writes-log-latency")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]  # the machine is shared: what else ran
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="write-log-") as work:
-        path = Path(work) / "log.sqlite"
-        log = WriteLog(path)
-        levels = []
-        next_id = 0
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="write-log-") as work, \
+            RedisStore(port=free_port()) as store:
+        logs = {"sqlite": WriteLog(Path(work) / "log.sqlite"),
+                "redis": RedisWriteLog(RedisLogAddress.for_index(f"redis://{store.address}/0", "lab"),
+                                       password=store.password)}
+        engines: dict[str, list[dict]] = {name: [] for name in logs}
         for batch in (1, 100):
-            level = measure(log, batch, args.dim, args.seconds, next_id)
-            next_id = level.pop("next_id")
-            levels.append(level)
-            print(level)
+            for name, log in logs.items():  # interleaved: both see the same machine
+                level = measure(log, batch, args.dim, args.seconds, 0)
+                level.pop("next_id")
+                engines[name].append(level)
+                print(name, level)
         log_bytes = sum(os.path.getsize(p) for p in Path(work).iterdir())
-        log.close()
+        for log in logs.values():
+            log.close()
         filesystem = _filesystem(Path(work))
+    levels = engines["sqlite"]
     record = header(args.name, tool=None, threads=1, dim=args.dim, seconds_per_level=args.seconds,
                     load_average_before=round(load_before, 2),
                     engine="sqlite3 (stdlib), journal_mode=WAL, synchronous=FULL",
+                    redis={"engine": "Debian redis-server on loopback, appendonly yes, appendfsync always, "
+                                     "a Lua script per request (INCR + XADD)", "levels": engines["redis"],
+                           "p50_vs_sqlite": [round(r["p50_ms"] / s["p50_ms"], 2)
+                                             for r, s in zip(engines["redis"], levels, strict=True)]},
                     filesystem=filesystem, log_bytes_at_end=log_bytes,
                     unit="milliseconds per WriteLog.append (one request, one fsynced commit)",
                     levels=levels,

@@ -145,15 +145,19 @@ class Ledger:
 
 class Load:
     """One writer (single upserts, every 4th op a delete of an earlier upsert or of a base row) and
-    one searcher, each on its own connection, until stopped."""
+    one searcher, each on its own connection, until stopped. `writes_per_s`: the writer's pace
+    (None: back to back); `searcher`: whether the searcher runs."""
 
-    def __init__(self, url: str, dim: int, base: np.ndarray, seed: int = 0):
+    def __init__(self, url: str, dim: int, base: np.ndarray, seed: int = 0,
+                 writes_per_s: float | None = None, searcher: bool = True):
         self.url, self.dim, self.base = url, dim, base
+        self.pause_s = 0.0 if writes_per_s is None else 1.0 / writes_per_s
         self.ledger, self.stopping = Ledger(), threading.Event()
         self.rng = np.random.default_rng(seed)
         self.next_id, self.searches = NEW_IDS, 0
-        self.threads = [threading.Thread(target=self._write, daemon=True),
-                        threading.Thread(target=self._search, daemon=True)]
+        self.threads = [threading.Thread(target=self._write, daemon=True)]
+        if searcher:
+            self.threads.append(threading.Thread(target=self._search, daemon=True))
 
     def start(self) -> Load:
         for thread in self.threads:
@@ -182,6 +186,8 @@ class Load:
                 self._delete_one(writer, reader)
             else:
                 self._upsert_one(writer, reader)
+            if self.pause_s:
+                self.stopping.wait(self.pause_s)
 
     def _upsert_one(self, writer: Client, reader: Client) -> None:
         id_, self.next_id = self.next_id, self.next_id + 1

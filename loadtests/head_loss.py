@@ -14,7 +14,10 @@ to A through the restarted head. It records, per run:
 - `recovered_s`: from the restart to every Serve app RUNNING again (None: not within the wait);
 - `replicas_restarted`: router and shard replicas whose pid changed;
 - `pointer_ok`: the routers still serve B, the version of the last acknowledged swap;
-- `swap_after_ok`: the swap back to A after the restart succeeded and is served.
+- `swap_after_ok`: the swap back to A after the restart succeeded and is served;
+- with the store, `writes`: single upserts and deletes (5/s, their log a stream in the same Redis,
+  `SHARDSERVE_WRITE_LOG` on every node) from before the kill to after the restart, each checked by
+  a search right after its 200, then all checked again (before the swap back: they are B's).
 
 Then, with the store only, the same load while worker 2 (a router and shards on it) is SIGKILLed
 (`worker_loss`): what was answered, and whether Serve placed its shard replicas on worker 1 again.
@@ -41,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from index_build.job import build_index
+from loadtests.crash_writes import Load, check
 from loadtests.during import BackgroundLoad, tally
 from loadtests.local_cluster import LocalCluster, RedisStore
 from loadtests.record import RECORDS, header
@@ -49,6 +53,7 @@ from shardserve.runtime import procfs
 
 WORKERS: list[dict[str, float]] = [{"shard_host": 1, "serving": 1}, {"shard_host": 1, "serving": 1}]
 FRONT_PORT = 28080
+WRITES_PER_S = 5.0  # single upserts and deletes beside the searches, with the store
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
 
 
@@ -144,13 +149,14 @@ def _swap(cluster: LocalCluster, index: str, timeout_s: float = 240) -> tuple[bo
 def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, lead_s: float = 10.0,
             down_s: float = 20.0, after_s: float = 60.0, recover_wait_s: float = 120.0,
             kill_worker: bool = True) -> dict:
-    queries = load_dataset("fashion-mnist", limit=5000, num_queries=200).queries
+    data = load_dataset("fashion-mnist", limit=5000, num_queries=200)
+    queries, base = data.queries, data.base
     url = f"http://127.0.0.1:{FRONT_PORT}"
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(RedisStore()) if with_store else None
         cluster = stack.enter_context(LocalCluster(
             workers=WORKERS, head_cpus=0, head_resources={}, store=store, own_temp_dirs=True,
-            worker_wait_for_head_s=600))
+            worker_wait_for_head_s=600, node_env=store.write_log_env() if store else None))
         _driver(cluster, f"""
             from deployments.run import deploy
             deploy({a!r}, serve_http=False, front_port={FRONT_PORT}, router_replicas=2,
@@ -165,7 +171,11 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         before = _settled(cluster)
         events: dict[str, float] = {}
         load = BackgroundLoad(url, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
+        # with the store, the write log is a stream in the same Redis: single writes go on throughout
+        writes = Load(url, base.shape[1], base, writes_per_s=WRITES_PER_S, searcher=False) if store else None
         with load:
+            if writes is not None:
+                writes.start()
             time.sleep(lead_s)
             events["head_killed"] = time.time()
             killed = cluster.kill_head()
@@ -177,6 +187,10 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
             if running is not None:
                 events["apps_running"] = running
         hits = load.results()
+        written = None
+        if writes is not None:
+            writes.stop()  # then every acknowledged write checked, through the restarted head
+            written = _writes_kept(url, writes)
         after = serving_replicas(cluster)
         pointer_ok = version_b is not None and _served_version(url) == version_b
         version_a = None
@@ -199,8 +213,20 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         "swap_after": {"said": swap_after_note}, "head_processes_killed": len(killed),
         "replicas_before": sorted(before), "replicas_after": sorted(after),
         "events_s": result["events_s"], "timeline": result["timeline"],
+        **({} if written is None else {"writes": written}),
         **({} if lost_worker is None else {"worker_loss": lost_worker}),
     }
+
+
+def _writes_kept(url: str, writes: Load) -> dict:
+    """What the writer was told across the head's loss, and what a search finds of it after."""
+    ledger, checked = writes.ledger, check(url, writes.ledger)
+    return {"upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
+            "unknown": len(ledger.unknown), "refused": ledger.refused,
+            "upserts_lost": len(checked["upserts_lost"]),
+            "deletes_returned": len(checked["deletes_returned"]),
+            "seen_at_once": sum(x is True for x in ledger.seen_at_once),
+            "missed_at_once": sum(x is False for x in ledger.seen_at_once)}
 
 
 def _deployment(name: str) -> str:

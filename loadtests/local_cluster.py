@@ -32,12 +32,14 @@ class LocalCluster:
     def __init__(self, workers: list[dict[str, float]], worker_cpus: float = 2, head_cpus: float = 1,
                  port: int = 26380, port_base: int = 27000, detect_death_s: float = 3.0,
                  store: RedisStore | None = None, worker_wait_for_head_s: float | None = None,
-                 head_resources: dict[str, float] | None = None, own_temp_dirs: bool = False):
+                 head_resources: dict[str, float] | None = None, own_temp_dirs: bool = False,
+                 node_env: dict[str, str] | None = None):
         """`store`: Ray's GCS keeps its state in this Redis (GCS fault tolerance).
         `own_temp_dirs`: every node its own temp dir, so the head's processes can be told apart,
         killed and started again (`kill_head`, `restart_head`; with a store or without, the
         control). `worker_wait_for_head_s`: how long worker raylets wait for a lost GCS
-        (RAY_gcs_rpc_server_reconnect_timeout_s)."""
+        (RAY_gcs_rpc_server_reconnect_timeout_s). `node_env`: set on every node and driver (what
+        its replicas inherit, e.g. RedisStore.write_log_env())."""
         self.workers = workers
         self.store, self.own_temp_dirs = store, own_temp_dirs or store is not None
         self.worker_wait_for_head_s = worker_wait_for_head_s
@@ -50,8 +52,9 @@ class LocalCluster:
         self.worker_raylets: list[int] = []
         self.object_store_bytes = 512 * 1024 * 1024  # per node; the default (30% of RAM) x 3 nodes
         period_ms = 500
+        self.node_env = dict(node_env or {})
         self.env = {
-            **os.environ, **SERVING_NODE_ENV,
+            **os.environ, **SERVING_NODE_ENV, **self.node_env,
             # one token for every node and driver of this cluster (Ray 2.60 token auth)
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
             # notice a dead node in ~detect_death_s instead of Ray's default ~30 s
@@ -63,7 +66,8 @@ class LocalCluster:
 
     def driver_env(self) -> dict[str, str]:
         """What a driver process needs in its environment to join this cluster."""
-        return {k: self.env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *SERVING_NODE_ENV)}
+        keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", *SERVING_NODE_ENV, *self.node_env)
+        return {k: self.env[k] for k in keys}
 
     @property
     def address(self) -> str:

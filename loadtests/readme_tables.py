@@ -395,6 +395,13 @@ def head_loss_table(record: dict) -> str:
         rows.append(f"| {label} | {r['requests']} | {r['answered_200']} ({100 * r['answered_ratio']:.2f} %)"
                     f" | {r['lost']} | {running} | {r['replicas_restarted']} | "
                     f"{'yes' if r['pointer_ok'] else 'no'} | {'yes' if r['swap_after_ok'] else 'no'} |")
+    written = record["with_store"].get("writes")
+    if written:
+        rows += ["", f"Single writes beside the searches, their log a stream in the same Redis: "
+                     f"{written['upserts_acked']} upserts and {written['deletes_acked']} deletes "
+                     f"acknowledged across the head's loss; after it, acknowledged upserts not found: "
+                     f"{written['upserts_lost']}, acknowledged deletes back: {written['deletes_returned']}; "
+                     f"a search right after each upsert's 200 missed it {written['missed_at_once']} times."]
     lost = record["with_store"].get("worker_loss")
     if lost:
         on_it = ", ".join(lost["deployments_on_killed_worker"])

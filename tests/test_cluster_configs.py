@@ -47,6 +47,10 @@ def test_cloud_head_keeps_its_state_in_redis_runs_no_replica_and_workers_wait_fo
     assert 'RAY_REDIS_ADDRESS="$(cat ~/shardserve-redis-address)"' in head
     assert "RAY_external_storage_namespace=" in head
     assert '--redis-password="$(cat ~/shardserve-redis-password)"' in head  # read on the head only
-    assert "RAY_gcs_rpc_server_reconnect_timeout_s=600" in " ".join(config["worker_start_ray_commands"])
+    workers = " ".join(config["worker_start_ray_commands"])
+    assert "RAY_gcs_rpc_server_reconnect_timeout_s=600" in workers
+    # the write log in the same Redis, its password read from a file (never in the URL or the config)
+    assert 'SHARDSERVE_WRITE_LOG="redis://$(cat ~/shardserve-redis-address)/0"' in workers
+    assert 'SHARDSERVE_WRITE_LOG_PASSWORD_FILE="$HOME/shardserve-redis-password"' in workers
     serving = [t for t in config["available_node_types"].values() if "serving" in t["resources"]]
     assert serving and all(t["min_workers"] >= 2 for t in serving)  # routers on >= 2 nodes

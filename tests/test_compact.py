@@ -132,6 +132,25 @@ def test_the_write_backlog_is_bounded_and_a_refusal_writes_nothing(index: Path) 
     assert remote.value.status == 501
 
 
+def test_after_a_swap_to_another_index_writes_go_to_that_index_s_log(index: Path, tmp_path: Path) -> None:
+    """The router's front follows the served version: once a swap moves the server onto another
+    index directory, a write lands in that index's log (where its shards read), not the first's,
+    and the backlog bound counts that log."""
+    other = tmp_path / "other"
+    shutil.copytree(index, other)
+    manifest = read_manifest(Location.parse(str(index)))
+    front = WriteFront(log_path(str(index)), max_backlog=3)
+    vectors = np.ones((3, DIM), np.float32)
+    assert front.upsert(_body([1, 2, 3], vectors), manifest)["position"] == 1  # the first's bound: full
+    with pytest.raises(ApiError):
+        asyncio.run(front.accept(_body([4], vectors[:1]), True, manifest))
+    answer = asyncio.run(front.accept(_body([4], vectors[:1]), True, manifest, log_path(str(other))))
+    assert answer == {"position": 1, "upserted": 1}  # the other's log: its first request
+    assert WriteLog(log_path(str(index)), readonly=True).last_position() == 1
+    assert WriteLog(log_path(str(other)), readonly=True).last_position() == 1
+    front.close()
+
+
 def test_a_replica_applies_nothing_until_written_and_refuses_a_truncated_log(index: Path) -> None:
     manifest, [replica, _] = _replicas(index)
     assert replica.catch_up() == 0 and replica.delta is None  # no log at all: the base alone

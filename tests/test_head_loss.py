@@ -1,8 +1,9 @@
 """The head node of a multi-node cluster on loopback SIGKILLed and started again under an open loop
 of searches (loadtests/head_loss.py, bounded): with Ray's GCS in Redis every request is answered,
-no replica restarts, the pointer keeps the last swap and a swap works after; without it (the
-control) the cluster's state is gone and the serving nodes with it. Then a worker with a router
-and shards is SIGKILLed: the other answers, and its shards are placed again."""
+no replica restarts, the pointer keeps the last swap, a swap works after, and single writes (their
+log a stream in the same Redis) go on through it with none lost; without it (the control) the
+cluster's state is gone and the serving nodes with it. Then a worker with a router and shards is
+SIGKILLed: the other answers, and its shards are placed again."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def test_the_head_is_lost_and_restarted_under_load_with_and_without_the_store(tm
     assert kept["replicas_restarted"] == 0, (kept["replicas_before"], kept["replicas_after"])
     assert kept["pointer_ok"] and kept["swap_after_ok"], (kept["swap_before"], kept["swap_after"])
     assert kept["recovered_s"] is not None
+    written = kept["writes"]  # the write log in the same Redis: writes through the loss, none lost
+    assert written["upserts_acked"] > 0 and written["deletes_acked"] > 0, written
+    assert written["upserts_lost"] == 0 and written["deletes_returned"] == 0, written
+    assert written["missed_at_once"] == 0, written
     lost = kept["worker_loss"]  # then a worker with a router and shards: the other answers, shards move
     assert lost["answered_200_after_the_kill"] > 0 and lost["shards_placed_again"], lost
     # the control: the failure the store guards against

@@ -17,6 +17,7 @@ tombstone is a bit per base row, bounded by the base).
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,15 @@ from shardserve.writes.ops import Op, Upsert
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 
 
+class Same(enum.Enum):
+    """`log` not given: the log this front already writes to."""
+
+    SAME = 0
+
+
+SAME = Same.SAME
+
+
 class WriteFront:
     """`upsert(body, manifest)` / `delete(body, manifest)` → the JSON answer, or ApiError. Blocking
     (parsing and the log's fsync); `accept` runs them in this front's own thread, in arrival order.
@@ -43,40 +53,44 @@ class WriteFront:
         self.retry_after_s, self.max_waiting, self.waiting = retry_after_s, max_waiting, 0
         self._log: Log | None = None
         self._lock = threading.Lock()
-        self._counted: tuple[int, int, int] = (-1, 0, 0)  # (base position, counted up to, upserts)
+        # (the log, its base position, counted up to, upserts): one tuple, replaced whole
+        self._counted: tuple[LogAddress | None, int, int, int] = (path, -1, 0, 0)
         self._thread = ThreadPoolExecutor(1, "writes")
 
-    async def accept(self, body: bytes, upsert: bool, manifest: Manifest) -> dict:
+    async def accept(self, body: bytes, upsert: bool, manifest: Manifest,
+                     log: LogAddress | None | Same = SAME) -> dict:
         """A write request from an event loop: parsed and appended in the writes thread, a 503 at
-        once when `max_waiting` are already waiting for it."""
+        once when `max_waiting` are already waiting for it. `log`: the served version's log, when
+        a swap may have moved the server onto another index (its own log) since the last write."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
-        if upsert and self._known_full(manifest.log_position):  # at once: no parse, no hand-off
+        path = self.path if log is SAME else log
+        if upsert and self._known_full(path, manifest.log_position):  # at once: no parse, no hand-off
             raise self._backlog_full()
         self.waiting += 1
         try:
             work = self.upsert if upsert else self.delete
-            return await asyncio.get_running_loop().run_in_executor(self._thread, work, body, manifest)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, work, body, manifest, path)
         finally:
             self.waiting -= 1
 
-    def upsert(self, body: bytes, manifest: Manifest) -> dict:
+    def upsert(self, body: bytes, manifest: Manifest, log: LogAddress | None | Same = SAME) -> dict:
         ops = parse_upsert(body, manifest.dim, manifest.metric, manifest.dataset.metadata_kinds,
                            self.max_points)
-        return {"position": self._append(ops, manifest), "upserted": len(ops)}
+        return {"position": self._append(ops, manifest, log), "upserted": len(ops)}
 
-    def delete(self, body: bytes, manifest: Manifest) -> dict:
+    def delete(self, body: bytes, manifest: Manifest, log: LogAddress | None | Same = SAME) -> dict:
         ops = parse_delete(body, self.max_points)
-        return {"position": self._append(ops, manifest), "deleted": len(ops)}
+        return {"position": self._append(ops, manifest, log), "deleted": len(ops)}
 
     def backlog(self, base_position: int) -> int:
         """Upserts in the log past `base_position` (counted incrementally; caller holds _lock)."""
         assert self._log is not None
-        base, counted_to, upserts = self._counted
+        _, base, counted_to, upserts = self._counted
         if base != base_position:
             counted_to, upserts = base_position, 0
         last, _, more = self._log.backlog(counted_to)
-        self._counted = (base_position, last, upserts + more)
+        self._counted = (self.path, base_position, last, upserts + more)
         return upserts + more
 
     def close(self) -> None:
@@ -84,7 +98,12 @@ class WriteFront:
         if self._log is not None:
             self._log.close()
 
-    def _append(self, ops: Sequence[Op], manifest: Manifest) -> int:
+    def _append(self, ops: Sequence[Op], manifest: Manifest, log: LogAddress | None | Same = SAME) -> int:
+        if log is not SAME and log != self.path:  # the server now serves another index: its log
+            with self._lock:
+                if self._log is not None:
+                    self._log.close()
+                self.path, self._log, self._counted = log, None, (log, -1, 0, 0)
         if self.path is None:
             raise ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "
                                       "file beside its manifest) or a Redis write log "
@@ -97,11 +116,11 @@ class WriteFront:
                 raise self._backlog_full()
             return self._log.append(list(ops))
 
-    def _known_full(self, base_position: int) -> bool:
+    def _known_full(self, path: LogAddress | None, base_position: int) -> bool:
         """The backlog past `base_position` was already at its bound when last counted: it only
         grows until a new version (another base position) is served, so any upsert is refused."""
-        base, _, upserts = self._counted  # one tuple, replaced whole by the writes thread
-        return base == base_position and upserts >= self.max_backlog
+        counted, base, _, upserts = self._counted  # one tuple, replaced whole by the writes thread
+        return counted == path and base == base_position and upserts >= self.max_backlog
 
     def _backlog_full(self) -> ApiError:
         return ApiError(503, None, f"write backlog full: {self.max_backlog} upserts wait to be compacted "
