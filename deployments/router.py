@@ -79,12 +79,23 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     started, status = time.perf_counter(), 200
     try:
         active = router.active  # one version: its manifest checks the body, its log takes it
-        return _json(await router.writes.accept(request.body, upsert, active.manifest, active.log))
+        return _json(await router.writes.accept(
+            request.body, upsert, active.manifest, active.log,
+            served=lambda: _served(router)))  # read again once its turn comes
     except ApiError as error:
         status = error.status
         return _error(error)
+    except BaseException:
+        status = 500  # counted as what the client gets
+        raise
     finally:
         router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+
+
+def _served(router: "Router") -> tuple:
+    """The served version's manifest and log, from one read of the pointer (any thread)."""
+    active = router.active
+    return active.manifest, active.log
 
 
 def _let_go(links: ShardLinks | None) -> None:

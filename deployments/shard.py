@@ -61,7 +61,7 @@ class ShardDeployment:
         self.writes = ShardWrites(self.searcher, shard, len(manifest.shards), log_address(index),
                                   manifest.log_position,
                                   lambda: read_shard_checked(location, trained) if trained else None)
-        await asyncio.to_thread(self.writes.catch_up)
+        await asyncio.to_thread(self.writes.catch_up, True)  # the log unreadable: not started
         loaded_s = time.monotonic() - loading
         self.bounds = self.searcher.query_bounds(
             max_rows=max_rows, max_k=max_k,

@@ -28,6 +28,7 @@ from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.locate import log_address, log_exists, open_log
+from shardserve.writes.redis_log import LogUnavailable
 
 COMPACT_AT = MAX_DELTA_ROWS // 4  # operations waiting past the newest version (`serve --compact-at`)
 
@@ -104,6 +105,8 @@ class AutoCompactor:
             except Exception as exc:  # noqa: BLE001 (any failure: said, retried later; serving goes on)
                 if self._stop.is_set():
                     return  # the server is stopping: what failed is its teardown
-                self.say(f"shardserve: automatic compaction failed, next try in {self.retry_s:.0f} s: "
+                # the log unreachable (its Redis restarting) is tried again at the next poll
+                wait = self.poll_s if isinstance(exc, LogUnavailable) else self.retry_s
+                self.say(f"shardserve: automatic compaction failed, next try in {wait:.0f} s: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-                self._stop.wait(self.retry_s)
+                self._stop.wait(wait)

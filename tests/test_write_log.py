@@ -185,7 +185,7 @@ def test_a_redis_that_would_lose_an_acknowledged_write_is_refused(redis_store, t
     admin = RedisWriteLog(address, readonly=True, password=redis_store.password)
     admin._db.config_set("appendfsync", "everysec")
     try:
-        with pytest.raises(RuntimeError, match="appendfsync always"):
+        with pytest.raises(RuntimeError, match="appendfsync.: .everysec"):
             RedisWriteLog(address, password=redis_store.password)
         RedisWriteLog(address, readonly=True, password=redis_store.password).close()  # readers may
     finally:
@@ -198,3 +198,60 @@ def test_a_redis_url_never_carries_the_password() -> None:
         RedisLogAddress.for_index("redis://:secret@127.0.0.1:6379/0", "file:///idx")
     with pytest.raises(ValueError, match="redis://"):
         RedisLogAddress.for_index("http://127.0.0.1:6379", "file:///idx")
+
+
+def test_a_redis_url_with_a_password_or_options_is_refused_without_showing_them() -> None:
+    for url in ("redis://:hunter2secret@127.0.0.1:6379/0", "redis://u:hunter2secret@127.0.0.1:6379",
+                "redis://127.0.0.1:6379/0?password=hunter2secret", "redis://127.0.0.1:6379/0#hunter2secret"):
+        with pytest.raises(ValueError) as refused:
+            RedisLogAddress.for_index(url, "file:///idx")
+        assert "hunter2secret" not in str(refused.value) and "redis://HOST:PORT" in str(refused.value)
+    assert RedisLogAddress.for_index("redis://127.0.0.1:6379/3", "file:///idx").prefix.endswith("}")
+
+
+def test_positions_always_pass_the_served_version_s(engine) -> None:
+    """A log that lost its newest requests (restored, flushed, or new beside a compacted index)
+    never hands out a position at or below the served version's: replicas would skip it."""
+    log = open_log(engine[0])
+    assert log.append(request(1), after=40) == 41
+    assert log.append(request(2)) == 42 and log.last_position() == 42
+    log.close()
+
+
+@pytest.mark.redis
+def test_a_redis_log_whose_counter_was_lost_goes_on_past_its_newest_request(redis_store,
+                                                                            tmp_path: Path) -> None:
+    address = RedisLogAddress.for_index(redis_store.write_log_env()["SHARDSERVE_WRITE_LOG"],
+                                        f"file://{tmp_path}/lost-counter")
+    log = RedisWriteLog(address, password=redis_store.password)
+    assert [log.append(request(n)) for n in range(1, 4)] == [1, 2, 3]
+    log._db.delete(f"{address.prefix}:seq")  # a counter lost (an eviction, a partial restore)
+    assert log.append(request(4)) == 4 and [p for p, _ in log.read(0)] == [1, 2, 3, 4]
+    log.close()
+
+
+def test_a_log_whose_redis_is_down_refuses_writes_with_a_503_and_followers_serve_what_they_applied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens at the address: a writer does not open (LogUnavailable, no retries: a resent
+    append could be a second request), the router's front answers 503 + Retry-After, a search's
+    catch-up serves the position applied, and a starting replica's catch-up raises."""
+    from shardserve.query.api import ApiError
+    from shardserve.writes.accept import WriteFront
+    from shardserve.writes.follow import ShardWrites
+    from shardserve.writes.redis_log import LogUnavailable
+
+    monkeypatch.delenv("SHARDSERVE_WRITE_LOG_PASSWORD_FILE", raising=False)
+    address = RedisLogAddress.for_index(f"redis://127.0.0.1:{free_port()}/0", "file:///down")
+    with pytest.raises(LogUnavailable):
+        RedisWriteLog(address)
+    with pytest.raises(ApiError) as refused:
+        WriteFront(address).delete(b'{"ids": [1]}', _Manifest())  # type: ignore[arg-type]
+    assert refused.value.status == 503 and refused.value.retry_after == 1
+    follower = ShardWrites(None, 0, 1, address, 7, lambda: None)  # type: ignore[arg-type]
+    assert follower.catch_up() == 7
+    with pytest.raises(LogUnavailable):
+        follower.catch_up(required=True)
+
+
+class _Manifest:
+    log_position = 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from shardserve.index.manifest import Manifest
@@ -28,6 +28,7 @@ from shardserve.query.parse_writes import parse_delete, parse_upsert
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.ops import Op, Upsert
+from shardserve.writes.redis_log import LogUnavailable
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 
@@ -58,19 +59,25 @@ class WriteFront:
         self._thread = ThreadPoolExecutor(1, "writes")
 
     async def accept(self, body: bytes, upsert: bool, manifest: Manifest,
-                     log: LogAddress | None | Same = SAME) -> dict:
+                     log: LogAddress | None | Same = SAME,
+                     served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
         """A write request from an event loop: parsed and appended in the writes thread, a 503 at
         once when `max_waiting` are already waiting for it. `log`: the served version's log, when
-        a swap may have moved the server onto another index (its own log) since the last write."""
+        a swap may have moved the server onto another index (its own log) since the last write.
+        `served`: read again in the writes thread just before the append, since a swap may land
+        while the request waits behind others there."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
         path = self.path if log is SAME else log
         if upsert and self._known_full(path, manifest.log_position):  # at once: no parse, no hand-off
             raise self._backlog_full()
         self.waiting += 1
+        def work() -> dict:
+            now, where = served() if served is not None else (manifest, path)
+            return (self.upsert if upsert else self.delete)(body, now, where)
+
         try:
-            work = self.upsert if upsert else self.delete
-            return await asyncio.get_running_loop().run_in_executor(self._thread, work, body, manifest, path)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, work)
         finally:
             self.waiting -= 1
 
@@ -109,12 +116,15 @@ class WriteFront:
                                       "file beside its manifest) or a Redis write log "
                                       "(SHARDSERVE_WRITE_LOG): this index is on remote storage")
         with self._lock:
-            if self._log is None:
-                self._log = open_log(self.path)
             adding = sum(isinstance(op, Upsert) for op in ops)
-            if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
-                raise self._backlog_full()
-            return self._log.append(list(ops))
+            try:
+                if self._log is None:
+                    self._log = open_log(self.path)
+                if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
+                    raise self._backlog_full()
+                return self._log.append(list(ops), after=manifest.log_position)
+            except LogUnavailable as exc:  # nothing acknowledged: the client may send it again
+                raise ApiError(503, None, str(exc), self.retry_after_s) from None
 
     def _known_full(self, path: LogAddress | None, base_position: int) -> bool:
         """The backlog past `base_position` was already at its bound when last counted: it only

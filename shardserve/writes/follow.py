@@ -15,7 +15,9 @@ to answers exactly as before (the base searcher alone), and its replicas hold no
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,10 +26,15 @@ from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.delta import MAX_DELTA_ROWS, ShardDelta
 from shardserve.writes.locate import Log, LogAddress, open_log
+from shardserve.writes.redis_log import LogUnavailable
 from shardserve.writes.route import WriteRoute
 from shardserve.writes.shard import ShardWithDelta
 
-READ_REQUESTS = 256  # requests read from the log at once while catching up
+# Requests read from the log at once while catching up: a request holds up to 1,000 points
+# (~3 MB at 784 dims), so this bounds one read's memory (and a Redis reply's) to ~100 MB.
+logger = logging.getLogger(__name__)
+READ_REQUESTS = 32
+LOG_DOWN_BACKOFF_S = 1.0  # after the log failed to answer, searches skip it this long
 
 
 class LogGap(RuntimeError):
@@ -49,13 +56,29 @@ class ShardWrites:
         self._view: ShardWithDelta | None = None
         self._lock = threading.Lock()
         self.position = base_position
+        self._log_down_until = 0.0
 
     @property
     def delta(self) -> ShardDelta | None:
         return None if self._view is None else self._view.delta
 
-    def catch_up(self) -> int:
-        """Apply every request committed to the log before this call; return the position applied."""
+    def catch_up(self, required: bool = False) -> int:
+        """Apply every request committed to the log before this call; return the position applied.
+        When the log cannot be read (its Redis down), what was applied is served, and the log is
+        tried again after LOG_DOWN_BACKOFF_S, unless `required` (a replica starting: it raises)."""
+        if not required and time.monotonic() < self._log_down_until:
+            return self.position
+        try:
+            return self._catch_up()
+        except LogUnavailable as exc:
+            if required:
+                raise
+            if time.monotonic() >= self._log_down_until + 60.0:  # said once a minute at most
+                logger.warning("shard %d serves position %d: %s", self.shard, self.position, exc)
+            self._log_down_until = time.monotonic() + LOG_DOWN_BACKOFF_S
+            return self.position
+
+    def _catch_up(self) -> int:
         log = self._log or self._open()
         if log is None:
             return self.position

@@ -27,7 +27,7 @@ def index_root(index: str) -> str:
     """The index's own location (its directory, even when `index` names one of its published
     versions), as one canonical string: what a Redis log is keyed by."""
     location = Location.parse(index)
-    root = location.root
+    root = location.root if "://" in location.uri else os.path.realpath(location.root)
     if posixpath.basename(posixpath.dirname(root)) == VERSIONS_DIR:
         root = posixpath.dirname(posixpath.dirname(root))
     scheme = location.uri.split("://", 1)[0] if "://" in location.uri else "file"

@@ -88,9 +88,11 @@ class WriteLog:
         with self._lock:
             self._db.close()
 
-    def append(self, ops: list[Op]) -> int:
+    def append(self, ops: list[Op], after: int = 0) -> int:
         """Write one request (all its operations, or none) and return its log position, once the
-        commit is on disk: the caller may acknowledge it then."""
+        commit is on disk: the caller may acknowledge it then. The position is past `after` (the
+        served version's): a log that lost its newest requests (a file restored from a backup)
+        never hands out a position a replica would skip as already applied."""
         if not ops:
             raise ValueError("a write request needs at least one operation")
         rows = [_row(seq, op) for seq, op in enumerate(ops)]
@@ -98,8 +100,8 @@ class WriteLog:
             cursor = self._db.cursor()
             cursor.execute("BEGIN IMMEDIATE")  # the write lock now: no other writer interleaves
             try:
-                cursor.execute("INSERT INTO requests (ops) VALUES (?)", (len(ops),))
-                position = int(cursor.lastrowid or 0)
+                position = max(_newest(cursor), after) + 1
+                cursor.execute("INSERT INTO requests (position, ops) VALUES (?, ?)", (position, len(ops)))
                 cursor.executemany("INSERT INTO ops (position, seq, id, vector, metadata) VALUES "
                                    "(?, ?, ?, ?, ?)", [(position, *row) for row in rows])
                 cursor.execute("COMMIT")
