@@ -412,6 +412,16 @@ def head_loss_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def log_latency_line(record: dict) -> str:
+    """The write log's acknowledgement latency on both engines, one run (lab.write_log)."""
+    sqlite, redis = record["levels"], record["redis"]["levels"]
+    cells = [f"batches of {s['batch']}: {s['p50_ms']} / {s['p99_ms']} ms on SQLite, {r['p50_ms']} / "
+             f"{r['p99_ms']} ms on Redis" for s, r in zip(sqlite, redis, strict=True)]
+    return ("Acknowledgement latency, p50 / p99, in-process, one thread, side by side in one run "
+            f"(`python -m lab.write_log`, on a {record['filesystem']} virtual disk whose flush may stop "
+            "at the host's cache; Redis on loopback): " + "; ".join(cells) + ".")
+
+
 def _ingest_rate(search: dict) -> float:
     """The upserts/s achieved beside the searches (older records: `ingest_per_s`)."""
     return search["ingest"]["qps"] if "ingest" in search else search["ingest_per_s"]
@@ -432,6 +442,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
                                    load("compact-under-load.json"), load("write-backpressure.json")),
             "bench-filter": filter_table(load("bench-filter.json")),
             "head-loss": head_loss_table(load("head-loss.json")),
+            "log-latency": log_latency_line(load("writes-log-latency.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),
