@@ -68,7 +68,9 @@ class AppArgs(BaseModel):
         description="each router replica also answers HTTP itself on this port (transport.http_front: "
                     "SO_REUSEPORT, shared by the replicas on a node), off Serve's per-request HTTP "
                     "path; `shardserve serve` points its edge here. None = Serve's HTTP only")
-    front_host: str = Field("127.0.0.1", description="address the front door binds (keep it private)")
+    front_host: str = Field("127.0.0.1", description="address the front door binds (keep it private); "
+                            "`node`: the node's own address as Ray knows it, where an edge on a node "
+                            "with several addresses (or several nodes on one machine) reaches its router")
     router_max_ongoing_requests: int = Field(512, ge=1)
     router_max_queued_requests: int = Field(1024, ge=-1, description="beyond this Serve answers 503")
     shard_max_ongoing_requests: int = Field(16, ge=1)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import orjson
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
@@ -130,7 +131,8 @@ class Router(ReportsCoresWanted):
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]
         self.front = FrontDoor(self.respond, a.max_body_bytes, a.body_timeout_s)  # own HTTP door
         if a.front_port is not None:  # SO_REUSEPORT: the replicas on a node share the port
-            await self.front.listen(a.front_host, a.front_port)
+            host = ray.util.get_node_ip_address() if a.front_host == "node" else a.front_host
+            await self.front.listen(host, a.front_port)
         lower_priority(a.serving_nice)  # a replica starting beside this one gets the CPU first
         self.pauses = settled(logger)  # start-up's objects frozen out of every full collection
 

@@ -41,6 +41,8 @@ def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str 
     run_app(build_app(args), app_name, route_prefix if serve_http else None, blocking=wait)
     if not serve_http:
         host, port, route_prefix = args["front_host"], args["front_port"], "/"  # the door: no prefix
+    if host == "node":  # a door on each router's node address: Serve said RUNNING, the caller probes
+        return f"http://NODE-ADDRESS:{port}"
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}"
     if wait:
         wait_until_healthy(url)

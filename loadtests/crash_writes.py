@@ -148,7 +148,7 @@ class Load:
     one searcher, each on its own connection, until stopped. `writes_per_s`: the writer's pace
     (None: back to back); `searcher`: whether the searcher runs."""
 
-    def __init__(self, url: str, dim: int, base: np.ndarray, seed: int = 0,
+    def __init__(self, url: str | list[str], dim: int, base: np.ndarray, seed: int = 0,
                  writes_per_s: float | None = None, searcher: bool = True):
         self.url, self.dim, self.base = url, dim, base
         self.pause_s = 0.0 if writes_per_s is None else 1.0 / writes_per_s
@@ -254,7 +254,7 @@ class Load:
                 time.sleep(0.05)
 
 
-def check(url: str, ledger: Ledger) -> dict:
+def check(url: str | list[str], ledger: Ledger) -> dict:
     """After the kills: every acknowledged upsert still live found by its own vector, no
     acknowledged delete answered (ids an unanswered write touched are left out)."""
     client = Client(url, timeout_s=120)

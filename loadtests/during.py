@@ -30,13 +30,18 @@ from shardserve.data.datasets import load_dataset
 class BackgroundLoad:
     """`with BackgroundLoad(...) as load: <event>`; then `load.results()` → decoded vegeta hits."""
 
-    def __init__(self, url: str, queries, rate: float, duration_s: float, work: Path,
+    def __init__(self, url: str | list[str], queries, rate: float, duration_s: float, work: Path,
                  params: dict | None = None, timeout_s: float = 10.0):
-        assert_loopback(url)
+        """`url`: one, or several (edges: the targets alternate between them, so each gets an
+        equal share of the rate)."""
+        urls = [url] if isinstance(url, str) else list(url)
+        for each in urls:
+            assert_loopback(each)
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
-        self.targets = write_targets(work / "targets.jsonl", make_targets(queries, url, 10, params,
-                                                                          count=1000))
+        per_url = [make_targets(queries, each, 10, params, count=1000) for each in urls]
+        self.targets = write_targets(work / "targets.jsonl",
+                                     [line for lines in zip(*per_url, strict=True) for line in lines])
         self.output = work / "results.bin"
         self.flags = [*attack_flags(self.targets, duration_s, rate=rate, timeout_s=timeout_s,
                                     max_workers=256), f"-output={self.output}"]

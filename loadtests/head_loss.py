@@ -2,9 +2,11 @@
 kept in Redis (GCS fault tolerance) and without it (the control).
 
 The head runs no replicas (`--num-cpus=0`): it holds the GCS and Serve's controller. Two worker
-nodes each run a router replica (`router_max_per_node=1`) and shard replicas; IndexControl runs
-beside a router. Clients reach the routers' own HTTP door on the worker nodes (on one machine the
-two doors share a port through SO_REUSEPORT; on a cluster each node's edge is in front of its own).
+nodes, each with its own loopback address (127.0.0.2, 127.0.0.3), each run a router replica
+(`router_max_per_node=1`) whose door binds that address (`front_host="node"`), shard replicas, and
+an edge (HAProxy, the default admission) on that address in front of its own router, as
+configs/cluster.yaml's serving workers do; IndexControl runs beside a router. The load alternates
+between the two edges.
 
 Each run: deploy index A, swap to B, an open loop of searches (vegeta, ~60/s, bounded), SIGKILL of
 every process of the head node, the same `ray start --head` again after `down_s`, then a swap back
@@ -19,8 +21,10 @@ to A through the restarted head. It records, per run:
   `SHARDSERVE_WRITE_LOG` on every node) from before the kill to after the restart, each checked by
   a search right after its 200, then all checked again (before the swap back: they are B's).
 
-Then, with the store only, the same load while worker 2 (a router and shards on it) is SIGKILLed
-(`worker_loss`): what was answered, and whether Serve placed its shard replicas on worker 1 again.
+Then, with the store only, worker 2 (a router and shards on it) and its edge are SIGKILLed under
+the same rate through worker 1's edge (a load balancer's health check takes the lost node's edge
+out; `worker_loss`): what was answered, and whether Serve placed its shard replicas on worker 1
+again.
 
     python -m loadtests.head_loss --out loadtests/records/head-loss.json
 
@@ -43,16 +47,19 @@ from pathlib import Path
 
 import httpx
 
+from deployments.run import wait_until_healthy
 from index_build.job import build_index
 from loadtests.crash_writes import Load, check
 from loadtests.during import BackgroundLoad, tally
 from loadtests.local_cluster import LocalCluster, RedisStore
 from loadtests.record import RECORDS, header
+from serving.edge import EdgeProcess
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime import procfs
 
 WORKERS: list[dict[str, float]] = [{"shard_host": 1, "serving": 1}, {"shard_host": 1, "serving": 1}]
-FRONT_PORT = 28080
+FRONT_PORT = 28080  # each router's door, on its node's address
+EDGE_PORT = 28090  # each serving node's edge, on its node's address
 WRITES_PER_S = 5.0  # single upserts and deletes beside the searches, with the store
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
 
@@ -151,28 +158,34 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
             kill_worker: bool = True) -> dict:
     data = load_dataset("fashion-mnist", limit=5000, num_queries=200)
     queries, base = data.queries, data.base
-    url = f"http://127.0.0.1:{FRONT_PORT}"
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(RedisStore()) if with_store else None
         cluster = stack.enter_context(LocalCluster(
             workers=WORKERS, head_cpus=0, head_resources={}, store=store, own_temp_dirs=True,
-            worker_wait_for_head_s=600, node_env=store.write_log_env() if store else None))
+            worker_wait_for_head_s=600, node_env=store.write_log_env() if store else None,
+            node_ips=True))
+        ips = [cluster.node_ip(n) for n in range(1, len(WORKERS) + 1)]
+        edges = [stack.enter_context(EdgeProcess(f"{ip}:{FRONT_PORT}", f"{ip}:{EDGE_PORT}")) for ip in ips]
+        urls = [f"http://{ip}:{EDGE_PORT}" for ip in ips]
+        url = urls[0]
         _driver(cluster, f"""
             from deployments.run import deploy
-            deploy({a!r}, serve_http=False, front_port={FRONT_PORT}, router_replicas=2,
+            deploy({a!r}, serve_http=False, front_port={FRONT_PORT}, front_host="node", router_replicas=2,
                    router_max_per_node=1, router_resources={{"serving": 0.01}},
                    shard_resources={{"shard_host": 0.01}}, shard_num_cpus=0.25, router_num_cpus=0.25,
                    warm_workers=0)
         """, timeout_s=600)  # a driver of its own, gone before the head is
+        for each in urls:  # every node's edge reaches its own router
+            wait_until_healthy(each)
         swapped_before, swap_note = _swap(cluster, b)
         if not swapped_before:
             raise RuntimeError(f"the swap to B before the head's loss failed: {swap_note}")
         version_b = _served_version(url)
         before = _settled(cluster)
         events: dict[str, float] = {}
-        load = BackgroundLoad(url, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
+        load = BackgroundLoad(urls, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
         # with the store, the write log is a stream in the same Redis: single writes go on throughout
-        writes = Load(url, base.shape[1], base, writes_per_s=WRITES_PER_S, searcher=False) if store else None
+        writes = Load(urls, base.shape[1], base, writes_per_s=WRITES_PER_S, searcher=False) if store else None
         with load:
             if writes is not None:
                 writes.start()
@@ -190,7 +203,7 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         written = None
         if writes is not None:
             writes.stop()  # then every acknowledged write checked, through the restarted head
-            written = _writes_kept(url, writes)
+            written = _writes_kept(urls, writes)
         after = serving_replicas(cluster)
         pointer_ok = version_b is not None and _served_version(url) == version_b
         version_a = None
@@ -199,8 +212,8 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
             version_a = _served_version(url)
             swap_after_ok = version_a is not None and version_a != version_b
         result = tally(hits, events)
-        lost_worker = (_lose_a_worker(cluster, url, queries, rate, work) if with_store and kill_worker
-                       else None)
+        lost_worker = (_lose_a_worker(cluster, url, edges[1], queries, rate, work)
+                       if with_store and kill_worker else None)
     codes = result["status_codes"]
     return {
         "requests": result["requests"], "answered_200": codes.get("200", 0), "lost": result["lost"],
@@ -218,7 +231,7 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
     }
 
 
-def _writes_kept(url: str, writes: Load) -> dict:
+def _writes_kept(url: list[str], writes: Load) -> dict:
     """What the writer was told across the head's loss, and what a search finds of it after."""
     ledger, checked = writes.ledger, check(url, writes.ledger)
     return {"upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
@@ -234,10 +247,11 @@ def _deployment(name: str) -> str:
     return name.split("#")[0].rsplit(":", 1)[-1]
 
 
-def _lose_a_worker(cluster: LocalCluster, url: str, queries, rate: float, work: Path,
+def _lose_a_worker(cluster: LocalCluster, url: str, edge: EdgeProcess, queries, rate: float, work: Path,
                    lead_s: float = 8.0, after_s: float = 40.0, replace_wait_s: float = 120.0) -> dict:
-    """Under the same load, SIGKILL worker 2 (a router, IndexControl or shards on it): what was
-    answered, and whether Serve placed its shard replicas on worker 1 again."""
+    """Under the same rate through worker 1's edge `url`, SIGKILL worker 2 (a router, IndexControl
+    or shards on it) and its `edge`: what was answered, and whether Serve placed its shard replicas
+    on worker 1 again."""
     _settled(cluster)  # the swap back's old version gone first: its replicas are not this node's load
     on_victim = sorted({_deployment(n) for n in serving_replicas(cluster, [2])})
     events: dict[str, float] = {}
@@ -246,6 +260,8 @@ def _lose_a_worker(cluster: LocalCluster, url: str, queries, rate: float, work: 
         time.sleep(lead_s)
         events["worker_killed"] = time.time()
         cluster.kill_worker(2)
+        if edge.process is not None:
+            edge.process.kill()  # the node's edge goes with it
     result = tally(load.results(), events)
     wanted = {d for d in on_victim if d.startswith("shard-")}
     deadline = time.monotonic() + replace_wait_s
@@ -278,7 +294,8 @@ def run(work: Path, rate: float = 60.0, lead_s: float = 10.0, down_s: float = 20
                     "worker_wait_for_head_s": 600,
                     "store": "Debian redis-server on loopback, password, appendonly + appendfsync always"},
         "load": {"rate": rate, "lead_s": lead_s, "down_s": down_s, "after_s": after_s,
-                 "through": "the routers' own HTTP doors on the worker nodes (one shared port here)"},
+                 "through": "each worker node's edge (HAProxy, default admission) on its own address, "
+                            "in front of its own router's door; alternating (worker loss: worker 1's)"},
         **runs,
     }
 

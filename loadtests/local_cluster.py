@@ -33,13 +33,15 @@ class LocalCluster:
                  port: int = 26380, port_base: int = 27000, detect_death_s: float = 3.0,
                  store: RedisStore | None = None, worker_wait_for_head_s: float | None = None,
                  head_resources: dict[str, float] | None = None, own_temp_dirs: bool = False,
-                 node_env: dict[str, str] | None = None):
+                 node_env: dict[str, str] | None = None, node_ips: bool = False):
         """`store`: Ray's GCS keeps its state in this Redis (GCS fault tolerance).
         `own_temp_dirs`: every node its own temp dir, so the head's processes can be told apart,
         killed and started again (`kill_head`, `restart_head`; with a store or without, the
         control). `worker_wait_for_head_s`: how long worker raylets wait for a lost GCS
         (RAY_gcs_rpc_server_reconnect_timeout_s). `node_env`: set on every node and driver (what
-        its replicas inherit, e.g. RedisStore.write_log_env())."""
+        its replicas inherit, e.g. RedisStore.write_log_env()). `node_ips`: every worker node its own
+        loopback address (`node_ip`), as nodes of a real cluster have, so that what binds its
+        node's address (a router's door with front_host="node", an edge) is that node's alone."""
         self.workers = workers
         self.store, self.own_temp_dirs = store, own_temp_dirs or store is not None
         self.worker_wait_for_head_s = worker_wait_for_head_s
@@ -53,6 +55,7 @@ class LocalCluster:
         self.object_store_bytes = 512 * 1024 * 1024  # per node; the default (30% of RAM) x 3 nodes
         period_ms = 500
         self.node_env = dict(node_env or {})
+        self.node_ips = node_ips
         self.env = {
             **os.environ, **SERVING_NODE_ENV, **self.node_env,
             # one token for every node and driver of this cluster (Ray 2.60 token auth)
@@ -73,6 +76,12 @@ class LocalCluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def node_ip(self, node: int) -> str:
+        """Worker `node`'s address (1, 2, ...): 127.0.0.(node + 1) with `node_ips`."""
+        if not self.node_ips or node < 1:
+            raise ValueError("node_ip needs node_ips=True and a worker number (1, 2, ...)")
+        return f"127.0.0.{node + 1}"
+
     def node_temp_dir(self, node: int) -> str:
         """Node `node`'s temp dir (0: the head): one per node with `own_temp_dirs`, else the cluster's."""
         return f"{self.temp_dir}/n{node}" if self.own_temp_dirs else self.temp_dir
@@ -83,6 +92,8 @@ class LocalCluster:
             for number, resources in enumerate(self.workers, start=1):
                 before = set(self._raylets())
                 extra = [f"--temp-dir={self.node_temp_dir(number)}"] if self.own_temp_dirs else []
+                if self.node_ips:
+                    extra.append(f"--node-ip-address={self.node_ip(number)}")
                 self._ray_start(f"--address={self.address}", f"--num-cpus={self.worker_cpus}",
                                 "--resources", json.dumps(resources), *extra, node=number)
                 started = set(self._raylets()) - before

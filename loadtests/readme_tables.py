@@ -405,8 +405,11 @@ def head_loss_table(record: dict) -> str:
     lost = record["with_store"].get("worker_loss")
     if lost:
         on_it = ", ".join(lost["deployments_on_killed_worker"])
+        others = ", ".join(f"{n} answered {code}" for code, n in sorted(lost["status_codes"].items())
+                           if code not in ("200", "0"))
         rows += ["", f"Then worker 2 ({on_it}) SIGKILLed under the same load: {lost['answered_200']} of "
-                     f"{lost['requests']} answered 200, {lost['lost']} lost (in flight on its router), "
+                     f"{lost['requests']} answered 200{', ' + others if others else ''}, {lost['lost']} "
+                     "lost (in flight on its router), "
                      f"{lost['partial_answers']} answers partial while its shards moved; its shards "
                      f"running on worker 1 again: {'yes' if lost['shards_placed_again'] else 'no'}."]
     return "\n".join(rows)
