@@ -205,20 +205,27 @@ def test_compaction_and_its_swap_under_searches_and_upserts_answer_everything(tm
     assert set(record["memory"]["after_last_swap"]) == {"router", "shards"}, record["memory"]
 
 
+def _small_index_and_new_points(tmp_path: Path, seed: int, first_id: int, count: int):
+    """A 5,000-row 2-shard IVF index of Fashion-MNIST, its version, the data, and `count` new
+    points (ids from `first_id`, vectors near base rows) to upsert into it."""
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    first = read_manifest(Location.parse(str(index))).index_version
+    data = load_dataset("fashion-mnist", limit=5000, num_queries=10)
+    rng = np.random.default_rng(seed)
+    ids = list(range(first_id, first_id + count))
+    vectors = (data.base[rng.integers(0, 5000, count)] + rng.normal(0, 8, (count, data.base.shape[1]))
+               ).astype(np.float32)
+    return index, first, data, ids, vectors
+
+
 @pytest.mark.haproxy
 def test_the_default_server_compacts_and_swaps_by_itself_once_enough_writes_wait(tmp_path: Path) -> None:
     """`shardserve serve --compact-at N` with nothing else: once N operations wait past the served
     version, it compacts and swaps on its own (its default logical CPUs leave room for the second
     version), the new version is at the last write's position, every upsert is found with its own
     vector and no deleted id is answered."""
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
-    first = read_manifest(Location.parse(str(index))).index_version
-    data = load_dataset("fashion-mnist", limit=5000, num_queries=10)
-    rng = np.random.default_rng(5)
-    ids = list(range(1 << 40, (1 << 40) + 400))
-    vectors = (data.base[rng.integers(0, 5000, 400)] + rng.normal(0, 8, (400, data.base.shape[1]))
-               ).astype(np.float32)
+    index, first, data, ids, vectors = _small_index_and_new_points(tmp_path, 5, 1 << 40, 400)
     deleted = list(range(50))  # base rows: their ids are their row numbers
     server = Server(index, free_port(), tmp_path / "serve.log", ("--compact-at", "450"))
     try:
@@ -258,14 +265,7 @@ def test_with_a_redis_write_log_writes_compaction_and_a_sigkill_of_the_server_ke
     from shardserve.writes.locate import log_address
     from shardserve.writes.redis_log import RedisWriteLog
 
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
-    first = read_manifest(Location.parse(str(index))).index_version
-    data = load_dataset("fashion-mnist", limit=5000, num_queries=10)
-    rng = np.random.default_rng(7)
-    ids = list(range(1 << 41, (1 << 41) + 300))
-    vectors = (data.base[rng.integers(0, 5000, 300)] + rng.normal(0, 8, (300, data.base.shape[1]))
-               ).astype(np.float32)
+    index, first, data, ids, vectors = _small_index_and_new_points(tmp_path, 7, 1 << 41, 300)
     deleted = list(range(100, 150))
     with RedisStore(port=free_port()) as store:
         env = store.write_log_env()
