@@ -147,9 +147,12 @@ bench-filter: install data vegeta haproxy $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench_filter --index $(INDEX)
 
 # Millions of vectors (default 4M x 128, 2 GB of parquet) streamed into a build on a Ray whose object
-# store is capped at 1 GB, served and graded over HTTP: loadtests/records/bench-scale.json. Not in make test.
-bench-scale: install
+# store is capped at 1 GB, served and graded over HTTP: loadtests/records/bench-scale.json; then the
+# default `shardserve serve` against the uvicorn monolith at 4M (IVF1024,Flat, nprobe 32) at 1, 32 and
+# 128 clients and through a burst: bench-scale-served.json. Not in make test.
+bench-scale: install vegeta haproxy
 	$(BIN)/python -m loadtests.bench_scale
+	$(BIN)/python -m loadtests.scale_served
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) .bin indexes

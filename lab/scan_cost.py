@@ -5,11 +5,11 @@ BLAS_MIN_ROWS rows as the router runs it), then the shards' `search_preassigned`
 shards dealt as the index was built (whole IVF lists per shard, index.partition) and, for comparison,
 the same vectors dealt by row (i mod S, every shard a piece of every list; built here in memory from
 the same trained index); the lists-dealt scans query by query (FAISS's own order, rows by lowest
-list: query.searcher.LIST_ORDER_ROWS) instead of list by list (query.list_scan, from LIST_SCAN_ROWS
-rows), and with the rows in arrival order too; and the unsharded (merged) index, both its scan of
-the same assigned lists and its full search as the uvicorn baseline runs it. Whatever a served
-request costs beyond quantizer + scans is serving overhead (HTTP, parsing, the hop, Ray's
-processes); `make bench` measures that total.
+list: query.searcher.LIST_ORDER_ROWS) instead of list by list (query.list_scan, where
+query.scan_choice picks it), and with the rows in arrival order too; and the unsharded (merged)
+index, both its scan of the same assigned lists and its full search as the uvicorn baseline runs
+it. Whatever a served request costs beyond quantizer + scans is serving overhead (HTTP, parsing,
+the hop, Ray's processes); `make bench` measures that total.
 
     python -m lab.scan_cost --index indexes/fashion-mnist-ivf1024-4 → records/scan-cost.json
 """
@@ -32,7 +32,7 @@ from shardserve.index.indexes import BLAS_MIN_ROWS, add_to_copy, flat_search_wit
 from shardserve.index.manifest import read_shard_checked
 from shardserve.index.partition import BY_LISTS, Partition
 from shardserve.index.storage import Location
-from shardserve.query.searcher import LIST_ORDER_ROWS, LIST_SCAN_ROWS, ShardSearcher, load_all_shards
+from shardserve.query.searcher import LIST_ORDER_ROWS, ShardSearcher, load_all_shards
 
 
 def cpu_ms_per_query(items: list, queries: int, search: Callable[[object], object], rounds: int = 3) -> float:
@@ -76,13 +76,16 @@ def measure(index: str, dataset: str, queries: np.ndarray, k: int, params: dict,
         scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         rows_scans = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in by_rows])
         for shard in shards:  # the same scans query by query (FAISS's order), rows by lowest list
-            shard.list_scan_rows = batch + 1
+            if shard.scan_choice is not None:
+                shard.scan_choice.forced = False
         query_major = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         for shard in shards:  # ... and rows in arrival order
             shard.list_order_rows = batch + 1
         arrival = cpu_ms_per_query(assigned, n, lambda q: [shard.answer(q) for shard in shards])
         for shard in shards:
-            shard.list_order_rows, shard.list_scan_rows = LIST_ORDER_ROWS, LIST_SCAN_ROWS
+            shard.list_order_rows = LIST_ORDER_ROWS
+            if shard.scan_choice is not None:
+                shard.scan_choice.forced = None
         unsharded_scan = cpu_ms_per_query(assigned, n, monolith.answer)
         full = cpu_ms_per_query(matrices, n, lambda m: monolith.search(m, k, params, prepared=True))
         rows.append({"batch": batch, "quantizer_ms": quantizer, "shard_scans_ms": scans,

@@ -51,14 +51,18 @@ def attack_phase(targets: Path, rate: int, seconds: float, out: Path) -> None:
 
 def per_second(results: list[Path], start: float) -> list[dict]:
     """Bin every request by the second it was sent: QPS, latency percentiles, status codes."""
+    return per_second_of([hit for path in results for hit in decode(path)], start)
+
+
+def per_second_of(hits: list[dict], start: float) -> list[dict]:
+    """per_second over decoded requests."""
     bins: dict[int, dict] = {}
-    for path in results:
-        for hit in decode(path):
-            second = int(parse_timestamp(hit["timestamp"]) - start)
-            entry = bins.setdefault(second, {"latencies": [], "codes": {}, "by_code": {}})
-            entry["latencies"].append(hit["latency"] / 1e6)
-            entry["codes"][str(hit["code"])] = entry["codes"].get(str(hit["code"]), 0) + 1
-            entry["by_code"].setdefault(str(hit["code"]), []).append(hit["latency"] / 1e6)
+    for hit in hits:
+        second = int(parse_timestamp(hit["timestamp"]) - start)
+        entry = bins.setdefault(second, {"latencies": [], "codes": {}, "by_code": {}})
+        entry["latencies"].append(hit["latency"] / 1e6)
+        entry["codes"][str(hit["code"])] = entry["codes"].get(str(hit["code"]), 0) + 1
+        entry["by_code"].setdefault(str(hit["code"]), []).append(hit["latency"] / 1e6)
     rows = []
     for second in sorted(bins):
         lat = np.asarray(bins[second]["latencies"])

@@ -54,17 +54,22 @@ def test_quantize_once_equals_unsharded(factory: str, metric: str, by: str) -> N
 
 
 def test_row_order_of_a_large_batch_changes_no_answer() -> None:
-    """Large batches are scanned list by list (IVF-Flat, query.list_scan) or in list order (other IVF
-    codes, LIST_ORDER_ROWS) and answered in the caller's order, as FAISS's scan of them in arrival
-    order and one query at a time answers."""
+    """Large batches are scanned list by list (IVF-Flat, query.list_scan, here forced: these lists are
+    small enough for query.scan_choice to leave them to FAISS) or in list order (LIST_ORDER_ROWS) and
+    answered in the caller's order, as FAISS's scan of them in arrival order and one query at a time
+    answers."""
     data = load_dataset("synthetic:8000x32")
     for factory in ("IVF64,Flat", "IVF64,SQ8"):
         searchers, _, assigner = sharded_and_unsharded(factory, "l2", data.base)
         query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 7})
         for searcher in searchers:
-            assert (searcher.nonempty is not None) == (factory == "IVF64,Flat")
+            assert (searcher.scan_choice is not None) == (factory == "IVF64,Flat")
+            if searcher.scan_choice is not None:
+                searcher.scan_choice.forced = True
             ordered_d, ordered_i, _ = searcher.answer(query)
-            searcher.list_order_rows = searcher.list_scan_rows = 10**9
+            searcher.list_order_rows = 10**9
+            if searcher.scan_choice is not None:
+                searcher.scan_choice.forced = False
             arrival_d, arrival_i, _ = searcher.answer(query)
             assert np.array_equal(ordered_i, arrival_i) and np.array_equal(ordered_d, arrival_d)
             rows = [searcher.answer(ShardQuery(query.matrix[r:r + 1], 10, query.params, query.assign[r:r + 1],
@@ -85,7 +90,8 @@ def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None
         query = assigner.query(queries, k, {"nprobe": nprobe})
         tied = 0
         for searcher in searchers:
-            assert searcher.nonempty is not None
+            assert searcher.nonempty is not None and searcher.scan_choice is not None
+            searcher.scan_choice.forced = True  # small lists: the byte rule would leave them to FAISS
             distances, ids, again = search_by_lists(
                 searcher.ivf, searcher.nonempty, query.matrix, query.assign, query.coarse, k,
                 metric != "l2", faiss.SearchParametersIVF(nprobe=1))

@@ -18,17 +18,16 @@ from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
 from shardserve.query.list_scan import nonempty_lists, search_by_lists
+from shardserve.query.scan_choice import ScanChoice
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
 
 __all__ = ["Exclusion", "FilterPlan", "ShardSearcher", "both_selected", "load_all_shards"]
 
 
-# From this many rows an IVF-Flat shard scans a batch list by list (shardserve.query.list_scan): each list is
-# read once for all its queries. Other IVF codes are scanned query by query, as FAISS does, with the
-# rows in order of their lowest-numbered list, so queries that share lists run back to back while
-# those lists are still in cache. Both pay at 256 rows, neither at 32: `python -m
-# lab.scan_cost` records each order (scan-cost.json).
-LIST_SCAN_ROWS = 64
+# IVF-Flat shards choose a batch's scan by the bytes it reads (query.scan_choice: list by list, each
+# list read once for all its queries, or FAISS's own query by query). From LIST_ORDER_ROWS rows, a
+# batch scanned query by query runs its rows in order of their lowest-numbered list, so queries that
+# share lists run back to back while those lists are still in cache (other IVF codes too).
 GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (in all, <= its own rows)
 # Per-filter state a replica keeps for the filter's next batches, each cache bounded by bytes: the
 # matching ids (8 bytes a row) and the selectors over them (a hash set or a bitmap).
@@ -63,8 +62,9 @@ class ShardSearcher:
         self.list_order_rows = LIST_ORDER_ROWS
         # IVF-Flat only: its scans are bound by reading the lists (other codes are small, and their
         # per-list tables would be built once per pair instead of once per query).
-        self.nonempty = nonempty_lists(self.ivf) if type(self.ivf) is faiss.IndexIVFFlat else None
-        self.list_scan_rows = LIST_SCAN_ROWS
+        flat = self.ivf if type(self.ivf) is faiss.IndexIVFFlat else None
+        self.nonempty = None if flat is None else nonempty_lists(flat)
+        self.scan_choice = None if flat is None else ScanChoice.of(flat)
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
@@ -145,7 +145,7 @@ class ShardSearcher:
         coarse = np.ascontiguousarray(query.coarse, np.float32)
         sel = None if exclude is None else exclude.selector
         start = time.perf_counter()
-        if self.nonempty is not None and n >= self.list_scan_rows:
+        if self.nonempty is not None and self.scan_choice is not None and self.scan_choice.by_lists(assign):
             one_probe = self._params(1) if sel is None else faiss.SearchParametersIVF(nprobe=1, sel=sel)
             distances, ids, again = search_by_lists(self.ivf, self.nonempty, matrix, assign, coarse, query.k,
                                                     self.metric != "l2", one_probe)

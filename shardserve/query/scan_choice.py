@@ -1,0 +1,101 @@
+"""Which scan a shard runs for an IVF-Flat batch, chosen by the bytes the batch reads.
+
+FAISS scans a batch query by query: a list probed by several queries of the batch is read once per
+query. The list-by-list scan (query.list_scan) reads each list once for all its queries, at a fixed
+cost per (query, list) pair (a call row, a k+1 heap, the merge of each query's pairs). It pays where
+what query by query reads again would not still be in the core's cache when read again: a list
+larger than the core's own cache is evicted by its own scan before the next query needs it.
+
+Counted per batch, from the shard's list sizes and its code size:
+- `pair_bytes`: what the batch reads query by query (every pair reads its whole list);
+- `distinct_bytes`: what it reads list by list (each list once);
+- `read_again` = pair_bytes - distinct_bytes.
+
+List by list where lists are larger than the core's cache and the batch reads each of them
+READS_PER_LIST times or more on average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+_L2_FALLBACK = 1 << 20  # where sysfs does not say (1 MiB: a common server core's L2)
+
+
+def cache_bytes(cpu: int = 0) -> int:
+    """The unified L2 cache of one core, from sysfs (Linux), else 1 MiB. Why sysfs and not a
+    library: psutil does not report caches, py-cpuinfo runs a subprocess to find out; this is two
+    small files the kernel writes."""
+    root = Path(f"/sys/devices/system/cpu/cpu{cpu}/cache")
+    try:
+        for entry in sorted(root.glob("index*")):
+            level, kind = ((entry / name).read_text().strip() for name in ("level", "type"))
+            if level == "2" and kind != "Instruction":
+                size = (entry / "size").read_text().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+                return int(size.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        pass
+    return _L2_FALLBACK
+
+
+# List by list from this many reads of the batch's lists each, on average (pair_bytes /
+# distinct_bytes), where lists are larger than the core's cache. Fitted on lab.scan_choice's records:
+# at 4M x 128 (lists ~1.9 MB, L2 1 MB) 1.36 reads (batches of 16) scanned 3-8 % slower list by
+# list and 1.75 (32) 5-15 % faster, up to 25 % at 64-128; at 60K (lists ~180 KB) list by list was
+# slower at every batch size up to 256, where FAISS's own scan finds the lists still in cache.
+READS_PER_LIST = 1.5
+
+
+@dataclass(frozen=True)
+class Counted:
+    pairs: int
+    pair_bytes: int
+    distinct_bytes: int
+
+    @property
+    def read_again(self) -> int:
+        return self.pair_bytes - self.distinct_bytes
+
+
+class ScanChoice:
+    """One shard's choice (its base index's lists never change: writes go to a delta). `forced`:
+    True / False always / never list by list (labs and tests), None: by the bytes."""
+
+    def __init__(self, list_bytes: np.ndarray, cache: int | None = None,
+                 reads_per_list: float = READS_PER_LIST):
+        self.list_bytes = list_bytes.astype(np.int64)
+        held = self.list_bytes[self.list_bytes > 0]
+        self.mean_list_bytes = float(held.mean()) if len(held) else 0.0
+        self.cache = cache_bytes() if cache is None else cache
+        self.reads_per_list = reads_per_list
+        self.forced: bool | None = None
+
+    @classmethod
+    def of(cls, ivf: faiss.IndexIVF, cache: int | None = None) -> ScanChoice:
+        lists = ivf.invlists
+        assert lists is not None, "an IVF index without inverted lists"
+        sizes = np.array([lists.list_size(number) for number in range(ivf.nlist)], np.int64)
+        return cls(sizes * int(ivf.code_size), cache)
+
+    def count(self, assign: np.ndarray) -> Counted:
+        """The batch's pairs and bytes (`assign`: the router's (n, nprobe) lists; -1 is no list)."""
+        probed = assign[assign >= 0]
+        sizes = self.list_bytes[probed]
+        seen = np.zeros(len(self.list_bytes), bool)
+        seen[probed] = True
+        return Counted(int((sizes > 0).sum()), int(sizes.sum()), int(self.list_bytes[seen].sum()))
+
+    def by_lists(self, assign: np.ndarray) -> bool:
+        """Scan this batch list by list? Only where a list does not stay in the core's cache between
+        two of its reads, and the batch reads its lists often enough to amortise the pairs' cost."""
+        if self.forced is not None:
+            return self.forced
+        if self.mean_list_bytes <= self.cache or len(assign) < 2:
+            return False  # nothing counted: FAISS's own scan finds small lists still in cache
+        counted = self.count(assign)
+        return counted.pair_bytes >= self.reads_per_list * counted.distinct_bytes

@@ -1,0 +1,49 @@
+"""query.scan_choice: a batch's bytes counted from the shard's own lists, and the choice they make."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from shardserve.query.scan_choice import READS_PER_LIST, ScanChoice, cache_bytes
+
+
+def test_counts_pairs_and_distinct_lists_in_bytes() -> None:
+    choice = ScanChoice(np.array([100, 0, 300, 50]), cache=0)  # list 1 is on another shard
+    assign = np.array([[0, 2, 1], [2, 3, -1]])  # -1: no list (FAISS's answer when nprobe > nlist)
+    counted = choice.count(assign)
+    assert counted.pairs == 4  # list 1 and -1 read nothing here
+    assert counted.pair_bytes == 100 + 300 + 300 + 50
+    assert counted.distinct_bytes == 100 + 300 + 50
+    assert counted.read_again == 300
+
+
+def test_lists_larger_than_the_cache_read_often_enough_go_list_by_list() -> None:
+    sizes = np.full(8, 4096)
+    shared = np.array([[0, 1], [0, 1], [0, 2]])  # 6 reads of 3 lists: 2 each
+    spread = np.array([[0, 1], [2, 3], [4, 5]])  # each list once
+    assert READS_PER_LIST <= 2
+    assert ScanChoice(sizes, cache=1024).by_lists(shared)
+    assert not ScanChoice(sizes, cache=1024).by_lists(spread)  # nothing read again
+    assert not ScanChoice(sizes, cache=1 << 20).by_lists(shared)  # the lists stay in cache anyway
+    assert not ScanChoice(sizes, cache=1024).by_lists(shared[:1])  # one query shares nothing
+    forced = ScanChoice(sizes, cache=1 << 20)
+    forced.forced = True
+    assert forced.by_lists(spread)
+
+
+def test_a_shard_counts_its_own_lists_codes() -> None:
+    rng = np.random.default_rng(3)
+    quantizer = faiss.IndexFlatL2(16)
+    ivf = faiss.IndexIVFFlat(quantizer, 16, 8)
+    base = rng.normal(size=(2000, 16)).astype(np.float32)
+    ivf.train(base)
+    ivf.add(base)
+    choice = ScanChoice.of(ivf, cache=0)
+    assert choice.list_bytes.sum() == 2000 * 16 * 4  # every vector's code, once
+    assert choice.mean_list_bytes == 2000 * 16 * 4 / 8
+
+
+def test_the_cache_is_a_positive_size() -> None:
+    assert cache_bytes() > 0
+    assert cache_bytes(cpu=10**6) > 0  # no such core: the fallback
