@@ -210,6 +210,58 @@ def bench_scale_table(record: dict) -> str:
     return "\n".join(rows)
 
 
+def scan_choice_table(records: list[dict]) -> str:
+    """lab.scan_choice on each index: per batch size, list by list against query by query (CPU per
+    query, mean over the shards), how often the batch reads each of its lists, what the rule picks."""
+    rows = ["| index | list size | batch | list by list vs query by query (CPU) | reads per list | "
+            "chosen |", "|---|---|---|---|---|---|"]
+    for record in records:
+        index = record["index"]
+        by_batch: dict[int, list[dict]] = {}
+        for row in record["scan_choice"]:
+            by_batch.setdefault(row["batch"], []).append(row)
+        for batch, shards in sorted(by_batch.items()):
+            ratio = statistics.mean(r["by_list_vs_by_query"] for r in shards)
+            reads = sum(r["pair_mb"] for r in shards) / sum(r["distinct_mb"] for r in shards)
+            chosen = {r.get("chosen", "?") for r in shards}
+            picked = "by list" if chosen == {"lists"} else "by query" if chosen == {"queries"} else "both"
+            rows.append(f"| {index['vectors']:,} `{index['factory']}`, nprobe {index['params']['nprobe']} "
+                        f"| {shards[0]['mean_list_kb']:,.0f} KB | {batch} | {ratio:.2f}× | {reads:.2f} | "
+                        f"{picked} |")
+    return "\n".join(rows)
+
+
+def scale_served_table(record: dict) -> str:
+    """loadtests.scale_served: the default `shardserve serve` against the monolith at millions of
+    vectors, per client count; then the ratios and the burst."""
+    summary, recall, index = record["summary"], record["recall"], record["index"]
+    clients = sorted(int(key[1:]) for key in summary["shardserve"])
+    rows = [f"{index['vectors']:,} × {record['dataset']['dim']}, `{index['factory']}`, "
+            f"{index['shards']} shards, nprobe {index['params']['nprobe']}; {record['rounds']} rounds of "
+            f"each side, alternating, {record['duration_s']:g} s a level. recall@10 over HTTP: "
+            f"`shardserve serve` {recall['shardserve']['recall_at_k']:.4f}, monolith "
+            f"{recall['monolith']['recall_at_k']:.4f}.", "",
+            "| clients | `shardserve serve` q/s | monolith q/s | ratio | CPU ms/request: ours / monolith | "
+            "ratio | p99 ms: ours / monolith |", "|---|---|---|---|---|---|---|"]
+    for c in clients:
+        ours, theirs = summary["shardserve"][f"c{c}"], summary["monolith"][f"c{c}"]
+        ratios = summary["ratios"]
+        rows.append(f"| {c} | {ours['qps']:,.0f} | {theirs['qps']:,.0f} | "
+                    f"{ratios[f'qps_c{c}_vs_monolith']:.2f}× | "
+                    f"{ours['cpu_ms_per_request']:.2f} / {theirs['cpu_ms_per_request']:.2f} | "
+                    f"{ratios[f'cpu_per_request_c{c}_vs_monolith']:.2f}× | "
+                    f"{ours['p99_ms']:.1f} / {theirs['p99_ms']:.1f} |")
+    for b in record.get("bursts", []):
+        codes = ", ".join(f"{code}: {n:,}" for code, n in sorted(b["status_codes"].items()))
+        worst = max((s["p99_ms_by_status"].get("200", 0.0) for s in b["per_second"]), default=0.0)
+        refused = "" if b.get("p99_ms_503") is None else f"; its 503s in p99 {b['p99_ms_503']} ms"
+        side = b["label"].rsplit("-", 1)[0]
+        rows += ["", f"Burst, {side}: {b['rate']:,} req/s open loop for {b['seconds']:g} s: {codes}; "
+                     f"answered p50 {b['p50_ms_200']} ms, p99 {b['p99_ms_200']} ms (worst second "
+                     f"{worst:,.0f} ms){refused}."]
+    return "\n".join(rows)
+
+
 def glove_table(record: dict) -> str:
     """GloVe-50 from parquet: the streaming build, recall over HTTP, QPS at the front door."""
     d, b, served = record["dataset"], record["build"], record["served"]
@@ -447,6 +499,8 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "head-loss": head_loss_table(load("head-loss.json")),
             "log-latency": log_latency_line(load("writes-log-latency.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
+            "scan-choice": scan_choice_table([load("scan-choice-60k.json"), load("scan-choice-4m.json")]),
+            "scale-served": scale_served_table(load("bench-scale-served.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),
             "autoscale": autoscale_table(load("autoscale.json")),

@@ -7,7 +7,8 @@ bench`'s headline is at 60K.
 3. `--rounds` rounds, the two sides in alternating order, each started afresh: closed loops at 1,
    32 and 128 clients, CPU per request by process class, then recall@10 over HTTP;
 4. on each side's last round, an open-loop burst at `--burst-x` times the monolith's capacity (its
-   best closed-loop queries/s) for `--burst-s` seconds, per second: requests, answers, p99.
+   best closed-loop queries/s in the first round, so both sides get the same rate) for `--burst-s`
+   seconds, per second: requests, answers, p99.
 
     python -m loadtests.scale_served [--work DIR] → loadtests/records/bench-scale-served.json
 Everything it starts it stops; without --work the data goes to a temp dir, removed at the end.
@@ -134,18 +135,18 @@ def run(args: argparse.Namespace, work: Path) -> None:
     clients = [int(c) for c in args.clients.split(",")]
     recalls: dict[str, list[float]] = {name: [] for name in SIDES}
     bursts: list[dict] = []
-    capacity: list[float] = []
+    capacity: list[float] = []  # the monolith's closed-loop queries/s, first round
 
     def measure(name: str, round_number: int, url: str, processes: dict[str, int] | None) -> None:
         bench.warm_up(url, seconds=5.0)
         for c in clients:
             level = bench.run(url, f"{name}-{round_number}", c, extra_processes=processes)
-            if name == "monolith":
+            if name == "monolith" and round_number == 0:
                 capacity.append(level["qps"])
         recalls[name].append(recall(url, queries[:args.recall_queries], truth, args.k, params))
         print(f"  {name} recall@{args.k}: {recalls[name][-1]}", flush=True)
         if round_number == args.rounds - 1 and args.burst_s > 0 and capacity:  # each side's last round
-            rate = round(args.burst_x * max(capacity))
+            rate = round(args.burst_x * max(capacity))  # the same for both sides
             bursts.append(burst(bench, url, f"{name}-burst", rate, args.burst_s))
 
     def monolith(round_number: int) -> None:
