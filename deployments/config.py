@@ -60,6 +60,11 @@ class AppArgs(BaseModel):
                                 "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json); "
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
                                 "past its knee depth")
+    batch_fill: float = Field(
+        0.0, ge=0, le=1, description="when a batch ends, the next waits up to this fraction of its time "
+                                     "(at most 5 ms) for the clients it answered to send their next "
+                                     "requests (query.batcher): closed-loop clients stay in one batch "
+                                     "instead of alternating groups; 0: start with what is queued")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")

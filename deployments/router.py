@@ -125,7 +125,7 @@ class Router(ReportsCoresWanted):
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
-                                       overlap_min_size=overlap_rows)
+                                       overlap_min_size=overlap_rows, fill=a.batch_fill)
         jobs = [self._follow_pointer(), self.metrics.export_histograms(),
                 *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from shardserve.query.batcher import AdaptiveBatcher
+from shardserve.query.batcher import FILL_SHARE, AdaptiveBatcher
 
 
 def test_low_load_runs_alone_and_a_burst_forms_big_batches() -> None:
@@ -111,3 +111,69 @@ def test_beyond_at_once_only_large_work_starts_another_batch() -> None:
         assert batcher.running == 0 and batcher.queued == 0
 
     asyncio.run(scenario())
+
+
+def _closed_loop(fill: float, clients: int = 8, batches: int = 12) -> list[int]:
+    """`clients` callers that each send their next request right after their answer (a short hop
+    away, as over HTTP), against one batch slot; the batch sizes seen."""
+    sizes: list[int] = []
+
+    async def handler(batch: list[int]) -> list[int]:
+        sizes.append(len(batch))
+        await asyncio.sleep(0.02)
+        return batch
+
+    async def scenario() -> None:
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=fill, fill_max_s=1.0)
+
+        async def client(number: int) -> None:
+            await asyncio.sleep(number * 0.001)  # they start apart: the first batch is not all of them
+            while len(sizes) < batches:
+                await batcher.submit(number)
+                await asyncio.sleep(0.0005)  # the answer's way back and the next request's way in
+
+        await asyncio.gather(*[client(n) for n in range(clients)])
+
+    asyncio.run(scenario())
+    return sizes
+
+
+def test_without_filling_closed_loop_clients_split_into_alternating_groups() -> None:
+    sizes = _closed_loop(fill=0.0)
+    assert max(sizes[2:]) < 8  # the groups the start made stay apart: no batch holds every client
+
+
+def test_filling_lets_the_answered_clients_back_into_one_batch() -> None:
+    sizes = _closed_loop(fill=0.5)
+    # after the first batches, FILL_SHARE of the clients or more in every batch (the last one is cut
+    # short: the clients stop)
+    assert min(sizes[4:-1]) >= int(FILL_SHARE * 8), sizes
+
+
+def test_a_fill_that_never_comes_is_ended_by_its_timer() -> None:
+    sizes: list[int] = []
+
+    async def handler(batch: list[int]) -> list[int]:
+        sizes.append(len(batch))
+        await asyncio.sleep(0.05)
+        return batch
+
+    async def scenario() -> None:
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=0.2, fill_max_s=1.0)
+        first = asyncio.ensure_future(batcher.submit(0))
+        await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(asyncio.gather(*[batcher.submit(i) for i in range(1, 5)]))
+        await first  # its client sends nothing more: the fill waits for a request that never comes
+        assert batcher._fill_until == 5  # filling, for 0.2 x the batch's time
+        assert await asyncio.wait_for(queued, timeout=60) == [1, 2, 3, 4]  # (the timeout guards a hang)
+
+    asyncio.run(scenario())
+    assert sizes == [1, 4]  # the timer started what was queued
+
+
+def test_fill_is_a_fraction() -> None:
+    async def handler(batch: list[int]) -> list[int]:
+        return batch
+
+    with pytest.raises(ValueError):
+        AdaptiveBatcher(handler, max_batch_size=8, max_concurrent=1, fill=1.5)

@@ -11,6 +11,15 @@ vectors queued): a shard replica scans one batch at a time, so a second small ba
 the router's parsing and merging with a scan, and measured, cost more than it gained (smaller
 batches, more of them: loadtests/records/one-batch-ab.json), while two 256-vector requests gain from
 overlapping one's quantizing and merging with the other's scan.
+
+Filling (`fill`, a fraction of a batch's time): when a batch ends, the clients it answered are about
+to send their next requests. Starting the next batch at once with what is queued splits the clients
+into groups that alternate (16 and 16 of 32, each batch half as large as the clients), and where a
+shard's scan is shared by a batch's queries (query.scan_choice) half-size batches share half as
+much. So when a batch ends, the next one waits until the queue holds what was queued plus most of
+the batch just answered (FILL_SHARE of it), or for `fill` x that batch's time (at most
+`fill_max_s`), whichever comes first. One request at a time waits at most that; a queue that
+already holds a full batch's worth never waits.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
+
+FILL_SHARE = 0.9  # of the batch just answered: the share of its clients a new batch waits for
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -29,9 +40,12 @@ class AdaptiveBatcher(Generic[Item, Result]):
 
     def __init__(self, handler: Callable[[list[Item]], Awaitable[list[Result]]], max_batch_size: int,
                  max_concurrent: int, size_of: Callable[[Item], int] = lambda _: 1,
-                 at_once: int | None = None, overlap_min_size: int = 1):
+                 at_once: int | None = None, overlap_min_size: int = 1, fill: float = 0.0,
+                 fill_max_s: float = 0.005):
         if max_batch_size < 1 or max_concurrent < 1 or overlap_min_size < 1:
             raise ValueError("max_batch_size, max_concurrent and overlap_min_size must be >= 1")
+        if not 0.0 <= fill <= 1.0 or fill_max_s < 0.0:
+            raise ValueError("fill must be in [0, 1] and fill_max_s >= 0")
         self.handler = handler
         self.max_batch_size = max_batch_size
         self.max_concurrent = max_concurrent
@@ -41,6 +55,9 @@ class AdaptiveBatcher(Generic[Item, Result]):
         self.running = 0
         self._queue: deque[tuple[Item, asyncio.Future]] = deque()
         self._queued_size = 0  # vectors waiting
+        self.fill, self.fill_max_s = fill, fill_max_s
+        self._fill_until: int | None = None  # queued vectors the next batch waits for, if filling
+        self._fill_timer: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
@@ -57,6 +74,10 @@ class AdaptiveBatcher(Generic[Item, Result]):
         while self.running < self.max_concurrent and self._queue:
             if self.running >= self.at_once and self._queued_size < self.overlap_min_size:
                 return  # small work waits for a batch in flight to end
+            if self._fill_until is not None:
+                if self._queued_size < min(self._fill_until, self.max_batch_size):
+                    return  # filling: the timer or the next arrival starts it
+                self._stop_filling()
             batch = [self._queue.popleft()]
             size = self.size_of(batch[0][0])
             while self._queue and size + self.size_of(self._queue[0][0]) <= self.max_batch_size:
@@ -69,7 +90,28 @@ class AdaptiveBatcher(Generic[Item, Result]):
             self.running += 1
             asyncio.get_running_loop().create_task(self._run(live))
 
+    def _stop_filling(self) -> None:
+        self._fill_until = None
+        if self._fill_timer is not None:
+            self._fill_timer.cancel()
+            self._fill_timer = None
+
+    def _filled(self) -> None:
+        self._fill_timer = None
+        self._fill_until = None
+        self._start_batches()
+
+    def _start_filling(self, answered: int, took_s: float) -> None:
+        """A batch of `answered` vectors ended after `took_s`: let its clients' next requests in."""
+        wait_s = min(self.fill * took_s, self.fill_max_s)
+        if wait_s <= 0 or self._fill_until is not None:
+            return
+        self._fill_until = self._queued_size + max(1, int(FILL_SHARE * answered))
+        self._fill_timer = asyncio.get_running_loop().call_later(wait_s, self._filled)
+
     async def _run(self, batch: list[tuple[Item, asyncio.Future]]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             results = await self.handler([item for item, _ in batch])
             for (_, future), result in zip(batch, results, strict=True):
@@ -81,4 +123,6 @@ class AdaptiveBatcher(Generic[Item, Result]):
                     future.set_exception(exc)
         finally:
             self.running -= 1
+            if self.fill > 0 and self.running < self.at_once:
+                self._start_filling(sum(self.size_of(item) for item, _ in batch), loop.time() - started)
             self._start_batches()
