@@ -5,7 +5,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from shardserve.query.scan_choice import READS_PER_LIST, ScanChoice, cache_bytes
+from shardserve.query.scan_choice import READS_PER_CACHED_LIST, READS_PER_LIST, ScanChoice, cache_bytes
 
 
 def test_counts_pairs_and_distinct_lists_in_bytes() -> None:
@@ -25,7 +25,9 @@ def test_lists_larger_than_the_cache_read_often_enough_go_list_by_list() -> None
     assert READS_PER_LIST <= 2
     assert ScanChoice(sizes, cache=1024).by_lists(shared)
     assert not ScanChoice(sizes, cache=1024).by_lists(spread)  # nothing read again
-    assert not ScanChoice(sizes, cache=1 << 20).by_lists(shared)  # the lists stay in cache anyway
+    assert not ScanChoice(sizes, cache=1 << 20).by_lists(shared)  # they stay in cache: read 2x is not enough
+    assert READS_PER_CACHED_LIST <= 5
+    assert ScanChoice(sizes, cache=1 << 20).by_lists(np.zeros((5, 1), np.int64))  # one list read 5 times
     assert not ScanChoice(sizes, cache=1024).by_lists(shared[:1])  # one query shares nothing
     forced = ScanChoice(sizes, cache=1 << 20)
     forced.forced = True

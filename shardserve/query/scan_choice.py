@@ -11,8 +11,8 @@ Counted per batch, from the shard's list sizes and its code size:
 - `distinct_bytes`: what it reads list by list (each list once);
 - `read_again` = pair_bytes - distinct_bytes.
 
-List by list where lists are larger than the core's cache and the batch reads each of them
-READS_PER_LIST times or more on average.
+List by list where the batch reads each of its lists READS_PER_LIST times or more on average if they
+are larger than the core's cache, READS_PER_CACHED_LIST times if they fit in it.
 """
 
 from __future__ import annotations
@@ -45,10 +45,14 @@ def cache_bytes(cpu: int = 0) -> int:
 
 # List by list from this many reads of the batch's lists each, on average (pair_bytes /
 # distinct_bytes), where lists are larger than the core's cache. Fitted on lab.scan_choice's records:
-# at 4M x 128 (lists ~1.9 MB, L2 1 MB) 1.36 reads (batches of 16) scanned 3-8 % slower list by
-# list and 1.75 (32) 5-15 % faster, up to 25 % at 64-128; at 60K (lists ~180 KB) list by list was
-# slower at every batch size up to 256, where FAISS's own scan finds the lists still in cache.
+# at 4M x 128 (lists ~1.9 MB, L2 1 MB) 1.38 reads (batches of 16) scanned 5 % slower list by list
+# and 1.79 (32) 17 % faster, up to 29 % at 256.
 READS_PER_LIST = 1.5
+# ... and where they fit in it. In-process, alone on its core, a shard scanning 60K's lists (~180 KB)
+# query by query finds them still in cache at every batch size up to 256 (list by list 1.15-2x the
+# CPU); served, the core is shared with the router and the other shards, and 256-row batches (5.0
+# reads per list) ran 1.03x faster list by list, in 3 rounds of 3 (scan-choice-ab.json).
+READS_PER_CACHED_LIST = 4.0
 
 
 @dataclass(frozen=True)
@@ -66,13 +70,12 @@ class ScanChoice:
     """One shard's choice (its base index's lists never change: writes go to a delta). `forced`:
     True / False always / never list by list (labs and tests), None: by the bytes."""
 
-    def __init__(self, list_bytes: np.ndarray, cache: int | None = None,
-                 reads_per_list: float = READS_PER_LIST):
+    def __init__(self, list_bytes: np.ndarray, cache: int | None = None):
         self.list_bytes = list_bytes.astype(np.int64)
         held = self.list_bytes[self.list_bytes > 0]
         self.mean_list_bytes = float(held.mean()) if len(held) else 0.0
         self.cache = cache_bytes() if cache is None else cache
-        self.reads_per_list = reads_per_list
+        self.reads_per_list = READS_PER_LIST if self.mean_list_bytes > self.cache else READS_PER_CACHED_LIST
         self.forced: bool | None = None
 
     @classmethod
@@ -91,11 +94,11 @@ class ScanChoice:
         return Counted(int((sizes > 0).sum()), int(sizes.sum()), int(self.list_bytes[seen].sum()))
 
     def by_lists(self, assign: np.ndarray) -> bool:
-        """Scan this batch list by list? Only where a list does not stay in the core's cache between
-        two of its reads, and the batch reads its lists often enough to amortise the pairs' cost."""
+        """Scan this batch list by list? Where the batch reads its lists often enough to amortise the
+        pairs' cost: more often where they stay in the core's cache between two reads."""
         if self.forced is not None:
             return self.forced
-        if self.mean_list_bytes <= self.cache or len(assign) < 2:
-            return False  # nothing counted: FAISS's own scan finds small lists still in cache
+        if len(assign) < self.reads_per_list:
+            return False  # no list can be read that often: nothing to count
         counted = self.count(assign)
         return counted.pair_bytes >= self.reads_per_list * counted.distinct_bytes
