@@ -36,7 +36,18 @@ IDLE_S = 20.0
 LEVELS = (("c1", 1, 0), ("c32", 32, 0), ("batch256", 2, 256))  # (label, concurrency, vectors/request)
 
 
-def measure(index: str, duration_s: float, overrides: dict) -> dict:
+def queries_of(spec: str):
+    """The load's queries: a dataset's, or `embedding-like:DIM` (bench_scale's distribution, for its
+    synthetic 4M index)."""
+    if spec.startswith("embedding-like:"):
+        from loadtests.bench_scale import embedding_like
+        return embedding_like(1000, int(spec.partition(":")[2]), seed=9_999)
+    from shardserve.data.datasets import load_dataset
+    return load_dataset(spec).queries
+
+
+def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = "fashion-mnist",
+            nprobe: int = 16) -> dict:
     """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
     from shardserve.runtime.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
@@ -45,13 +56,12 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
 
     from deployments.run import deploy
     from loadtests.vegeta_run import attack, make_targets, write_targets
-    from shardserve.data.datasets import load_dataset
     from shardserve.index.manifest import read_manifest
     from shardserve.index.storage import Location
     from shardserve.runtime.procfs import CpuMeter
 
     index = overrides.pop("index", index)
-    queries, params = load_dataset("fashion-mnist").queries, {"nprobe": 16}
+    queries, params = queries_of(queries_spec), {"nprobe": nprobe}
     front = f"http://127.0.0.1:{FRONT_PORT}"
     if not ensure_ray(serving_node=True):
         raise SystemExit("error: needs its own Ray, and one is already running here")
@@ -83,7 +93,7 @@ def measure(index: str, duration_s: float, overrides: dict) -> dict:
     return result
 
 
-def run_revision(spec: str, index: str, duration_s: float) -> dict:
+def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe: int) -> dict:
     """`measure` in a child process importing the revision's code from a temporary worktree."""
     revision, _, overrides = spec.partition("+")
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +104,8 @@ def run_revision(spec: str, index: str, duration_s: float) -> dict:
             env = {**os.environ, "PYTHONPATH": str(tree), "VEGETA": str(ROOT / ".bin" / "vegeta")}
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure",
                                   "--index", index, "--duration", str(duration_s),
-                                  "--overrides", overrides or "{}"],
+                                  "--overrides", overrides or "{}", "--queries", queries,
+                                  "--nprobe", str(nprobe)],
                                  cwd=tree, env=env, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
@@ -130,12 +141,15 @@ def main() -> None:
     cli.add_argument("--rounds", type=int, default=2)
     cli.add_argument("--duration", type=float, default=8.0)
     cli.add_argument("--name", default="hot-path-ab")
+    cli.add_argument("--queries", default="fashion-mnist", help="a dataset, or embedding-like:DIM")
+    cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     cli.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = cli.parse_args()
     index = str(Path(args.index).resolve())
     if args.measure:
-        print("RESULT " + json.dumps(measure(index, args.duration, json.loads(args.overrides))), flush=True)
+        print("RESULT " + json.dumps(measure(index, args.duration, json.loads(args.overrides), args.queries,
+                                             args.nprobe)), flush=True)
         return
     if len(args.revisions) < 2:
         raise SystemExit("error: give at least two revisions to compare")
@@ -149,7 +163,8 @@ def main() -> None:
     for round_number in range(args.rounds):
         order = list(runs) if round_number % 2 == 0 else list(runs)[::-1]
         for revision in order:
-            result = run_revision(revision, index, args.duration)  # resolved: a short hash (+ overrides)
+            # `revision` is resolved: a short hash (+ overrides)
+            result = run_revision(revision, index, args.duration, args.queries, args.nprobe)
             result["round"] = round_number
             runs[revision].append(result)
             print(f"round {round_number} {revision}: " + ", ".join(
@@ -167,10 +182,12 @@ def main() -> None:
     manifest = read_manifest(Location.parse(index))
     record = header(args.name, index={"uri": index, "version": manifest.index_version,
                                       "factory": manifest.index_factory, "shards": len(manifest.shards),
-                                      "replicas": 1, "params": {"nprobe": 16}})
+                                      "replicas": 1, "params": {"nprobe": args.nprobe}},
+                    queries=args.queries)
     record.update(revisions=subjects, rounds=args.rounds, duration_s=args.duration, runs=runs,
                   summary=summarise(runs, resolved[args.revisions[0]]),
-                  not_covered=["one index (Fashion-MNIST IVF1024,Flat, 4 shards, 1 replica each)",
+                  not_covered=[f"one index ({manifest.index_factory}, {len(manifest.shards)} shards, "
+                               "1 replica each)",
                                "closed loop only", "this 2-core machine only"])
     print(json.dumps(record["summary"], indent=1))
     print(f"record: {save(record, plot_levels=False)}")
