@@ -61,7 +61,7 @@ class AppArgs(BaseModel):
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
                                 "past its knee depth")
     batch_fill: float = Field(
-        0.0, ge=0, le=1, description="when a batch ends, the next waits up to this fraction of its time "
+        0.1, ge=0, le=1, description="when a batch ends, the next waits up to this fraction of its time "
                                      "(at most 5 ms) for the clients it answered to send their next "
                                      "requests (query.batcher): closed-loop clients stay in one batch "
                                      "instead of alternating groups; 0: start with what is queued")
