@@ -160,15 +160,32 @@ def test_a_fill_that_never_comes_is_ended_by_its_timer() -> None:
 
     async def scenario() -> None:
         batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=0.2, fill_max_s=1.0)
-        first = asyncio.ensure_future(batcher.submit(0))
+        alone = asyncio.ensure_future(batcher.submit(0))
+        await asyncio.sleep(0.01)  # [0] runs
+        pair = asyncio.ensure_future(asyncio.gather(batcher.submit(1), batcher.submit(2)))
+        await alone  # after a batch of one no fill: [1, 2] starts at once
         await asyncio.sleep(0.01)
-        queued = asyncio.ensure_future(asyncio.gather(*[batcher.submit(i) for i in range(1, 5)]))
-        await first  # its client sends nothing more: the fill waits for a request that never comes
-        assert batcher._fill_until == 5  # filling, for 0.2 x the batch's time
-        assert await asyncio.wait_for(queued, timeout=60) == [1, 2, 3, 4]  # (the timeout guards a hang)
+        queued = asyncio.ensure_future(asyncio.gather(*[batcher.submit(i) for i in range(3, 7)]))
+        await pair  # its two clients send nothing more: the fill waits in vain
+        assert batcher._fill_until == 4 + 1  # the 4 queued and 90 % of the pair, for 0.2 x its time
+        assert await asyncio.wait_for(queued, timeout=60) == [3, 4, 5, 6]  # (the timeout guards a hang)
 
     asyncio.run(scenario())
-    assert sizes == [1, 4]  # the timer started what was queued
+    assert sizes == [1, 2, 4]  # the timer started what was queued
+
+
+def test_after_a_batch_of_one_nothing_waits() -> None:
+    async def handler(batch: list[int]) -> list[int]:
+        await asyncio.sleep(0.01)
+        return batch
+
+    async def scenario() -> None:
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=1.0, fill_max_s=1.0)
+        for number in range(3):  # one client at a time
+            assert await batcher.submit(number) == number
+            assert batcher._fill_until is None and batcher._fill_timer is None
+
+    asyncio.run(scenario())
 
 
 def test_fill_is_a_fraction() -> None:

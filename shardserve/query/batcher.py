@@ -18,8 +18,8 @@ into groups that alternate (16 and 16 of 32, each batch half as large as the cli
 shard's scan is shared by a batch's queries (query.scan_choice) half-size batches share half as
 much. So when a batch ends, the next one waits until the queue holds what was queued plus most of
 the batch just answered (FILL_SHARE of it), or for `fill` x that batch's time (at most
-`fill_max_s`), whichever comes first. One request at a time waits at most that; a queue that
-already holds a full batch's worth never waits.
+`fill_max_s`), whichever comes first. After a batch of one nothing waits (one client at a time is
+never delayed); a queue that already holds a full batch's worth never waits.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class AdaptiveBatcher(Generic[Item, Result]):
     def _start_filling(self, answered: int, took_s: float) -> None:
         """A batch of `answered` vectors ended after `took_s`: let its clients' next requests in."""
         wait_s = min(self.fill * took_s, self.fill_max_s)
-        if wait_s <= 0 or self._fill_until is not None:
-            return
+        if wait_s <= 0 or answered < 2 or self._fill_until is not None:
+            return  # one client answered: whatever it sends next is a batch of one anyway
         self._fill_until = self._queued_size + max(1, int(FILL_SHARE * answered))
         self._fill_timer = asyncio.get_running_loop().call_later(wait_s, self._filled)
 
