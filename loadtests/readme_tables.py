@@ -251,14 +251,25 @@ def scale_served_table(record: dict) -> str:
                     f"{ours['cpu_ms_per_request']:.2f} / {theirs['cpu_ms_per_request']:.2f} | "
                     f"{ratios[f'cpu_per_request_c{c}_vs_monolith']:.2f}× | "
                     f"{ours['p99_ms']:.1f} / {theirs['p99_ms']:.1f} |")
+    per_round = {c: [round(lv["qps"] / other["qps"], 2) for lv, other in zip(
+        [lv for lv in record["levels"] if lv["label"].startswith("shardserve-") and lv["value"] == c],
+        [lv for lv in record["levels"] if lv["label"].startswith("monolith-") and lv["value"] == c],
+        strict=True)] for c in clients}
+    rows += ["", "Each round's queries/s ratio: " + "; ".join(
+        f"{c} clients {', '.join(f'{r:.2f}×' for r in ratios)}" for c, ratios in per_round.items()) + "."]
     for b in record.get("bursts", []):
         codes = ", ".join(f"{code}: {n:,}" for code, n in sorted(b["status_codes"].items()))
         worst = max((s["p99_ms_by_status"].get("200", 0.0) for s in b["per_second"]), default=0.0)
         refused = "" if b.get("p99_ms_503") is None else f"; its 503s in p99 {b['p99_ms_503']} ms"
         side = b["label"].rsplit("-", 1)[0]
-        rows += ["", f"Burst, {side}: {b['rate']:,} req/s open loop for {b['seconds']:g} s: {codes}; "
-                     f"answered p50 {b['p50_ms_200']} ms, p99 {b['p99_ms_200']} ms (worst second "
-                     f"{worst:,.0f} ms){refused}."]
+        sent = b["requests"] / b["seconds"]
+        short = "" if sent >= 0.95 * b["rate"] else (" (the load generator's workers, all waiting, sent "
+                                                      "no more)")
+        answered = b["status_codes"].get("200", 0) / b["seconds"]
+        rows += ["", f"Burst, {side}: {b['rate']:,} req/s open loop for {b['seconds']:g} s, "
+                     f"{sent:,.0f} req/s sent{short}: {codes}, {answered:,.0f} answered a second; "
+                     f"answered p50 {b['p50_ms_200']} ms, p99 {b['p99_ms_200']} ms (worst "
+                     f"second {worst:,.0f} ms){refused}."]
     return "\n".join(rows)
 
 

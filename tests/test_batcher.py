@@ -120,7 +120,7 @@ def _closed_loop(fill: float, clients: int = 8, batches: int = 12) -> list[int]:
 
     async def handler(batch: list[int]) -> list[int]:
         sizes.append(len(batch))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # a fill waits 0.05 s: far longer than the clients' 0.5 ms hop
         return batch
 
     async def scenario() -> None:
@@ -155,11 +155,11 @@ def test_a_fill_that_never_comes_is_ended_by_its_timer() -> None:
 
     async def handler(batch: list[int]) -> list[int]:
         sizes.append(len(batch))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
         return batch
 
     async def scenario() -> None:
-        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=0.2, fill_max_s=1.0)
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=1.0, fill_max_s=10.0)
         alone = asyncio.ensure_future(batcher.submit(0))
         await asyncio.sleep(0.01)  # [0] runs
         pair = asyncio.ensure_future(asyncio.gather(batcher.submit(1), batcher.submit(2)))
@@ -167,7 +167,7 @@ def test_a_fill_that_never_comes_is_ended_by_its_timer() -> None:
         await asyncio.sleep(0.01)
         queued = asyncio.ensure_future(asyncio.gather(*[batcher.submit(i) for i in range(3, 7)]))
         await pair  # its two clients send nothing more: the fill waits in vain
-        assert batcher._fill_until == 4 + 1  # the 4 queued and 90 % of the pair, for 0.2 x its time
+        assert batcher._fill_until == 4 + 1  # the 4 queued and 90 % of the pair, for its 0.5 s
         assert await asyncio.wait_for(queued, timeout=60) == [3, 4, 5, 6]  # (the timeout guards a hang)
 
     asyncio.run(scenario())
@@ -183,6 +183,21 @@ def test_after_a_batch_of_one_nothing_waits() -> None:
         batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, fill=1.0, fill_max_s=1.0)
         for number in range(3):  # one client at a time
             assert await batcher.submit(number) == number
+            assert batcher._fill_until is None and batcher._fill_timer is None
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_client_with_several_vectors_is_not_held_either() -> None:
+    async def handler(batch: list[int]) -> list[int]:
+        await asyncio.sleep(0.01)
+        return batch
+
+    async def scenario() -> None:
+        batcher = AdaptiveBatcher(handler, max_batch_size=64, max_concurrent=1, size_of=lambda n: n,
+                                  fill=1.0, fill_max_s=1.0)
+        for vectors in (8, 4):  # one request at a time, of several vectors each
+            assert await batcher.submit(vectors) == vectors
             assert batcher._fill_until is None and batcher._fill_timer is None
 
     asyncio.run(scenario())

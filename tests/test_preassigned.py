@@ -91,7 +91,6 @@ def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None
         tied = 0
         for searcher in searchers:
             assert searcher.nonempty is not None and searcher.scan_choice is not None
-            searcher.scan_choice.forced = True  # small lists: the byte rule would leave them to FAISS
             distances, ids, again = search_by_lists(
                 searcher.ivf, searcher.nonempty, query.matrix, query.assign, query.coarse, k,
                 metric != "l2", faiss.SearchParametersIVF(nprobe=1))
@@ -100,6 +99,7 @@ def test_list_by_list_scan_keeps_faiss_answers_through_ties(metric: str) -> None
             settled = np.setdiff1d(np.arange(len(queries)), again)
             assert np.array_equal(ids[settled], expected_i[settled]), (metric, k, nprobe)
             assert np.array_equal(distances[settled], expected_d[settled]), (metric, k, nprobe)
+            searcher.scan_choice.forced = True  # small lists: the byte rule would leave them to FAISS
             got_d, got_i, _ = searcher.answer(query)  # the tied rows too, once scanned again
             assert np.array_equal(got_i, expected_i) and np.array_equal(got_d, expected_d)
         assert tied > 0, (metric, k, nprobe)  # the ties this test is about did happen

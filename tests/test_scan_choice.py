@@ -46,6 +46,21 @@ def test_a_shard_counts_its_own_lists_codes() -> None:
     assert choice.mean_list_bytes == 2000 * 16 * 4 / 8
 
 
-def test_the_cache_is_a_positive_size() -> None:
-    assert cache_bytes() > 0
-    assert cache_bytes(cpu=10**6) > 0  # no such core: the fallback
+def test_the_cache_is_the_cores_unified_level_2_from_sysfs(tmp_path) -> None:
+    def level(index: int, number: str, kind: str, size: str) -> None:
+        entry = tmp_path / "cpu0" / "cache" / f"index{index}"
+        entry.mkdir(parents=True)
+        for name, value in (("level", number), ("type", kind), ("size", size)):
+            (entry / name).write_text(value + "\n")
+
+    level(0, "1", "Data", "32K")
+    level(1, "1", "Instruction", "32K")
+    level(2, "2", "Unified", "2048K")
+    level(3, "3", "Unified", "32768K")
+    assert cache_bytes(sys_cpu=tmp_path) == 2 << 20
+    assert cache_bytes(cpu=1, sys_cpu=tmp_path) == 1 << 20  # no such core: the 1 MiB fallback
+
+
+def test_a_batch_reading_nothing_here_goes_query_by_query() -> None:
+    choice = ScanChoice(np.array([0, 0, 4096]), cache=0)
+    assert not choice.by_lists(np.array([[0, 1], [0, 1], [-1, -1]]))  # lists held by other shards only

@@ -18,8 +18,10 @@ into groups that alternate (16 and 16 of 32, each batch half as large as the cli
 shard's scan is shared by a batch's queries (query.scan_choice) half-size batches share half as
 much. So when a batch ends, the next one waits until the queue holds what was queued plus most of
 the batch just answered (FILL_SHARE of it), or for `fill` x that batch's time (at most
-`fill_max_s`), whichever comes first. After a batch of one nothing waits (one client at a time is
-never delayed); a queue that already holds a full batch's worth never waits.
+`fill_max_s`), whichever comes first. After a batch of one request nothing waits (one client at a
+time is never delayed), nor while another batch is in flight; a queue that already holds a full
+batch's worth never waits. The cost: the clients past FILL_SHARE that come back after the batch
+started wait for the next one (batch-fill-4m-ab.json: p99 about twice p50 at 32 clients).
 """
 
 from __future__ import annotations
@@ -101,11 +103,12 @@ class AdaptiveBatcher(Generic[Item, Result]):
         self._fill_until = None
         self._start_batches()
 
-    def _start_filling(self, answered: int, took_s: float) -> None:
-        """A batch of `answered` vectors ended after `took_s`: let its clients' next requests in."""
+    def _start_filling(self, requests: int, answered: int, took_s: float) -> None:
+        """A batch of `requests` (`answered` vectors) ended after `took_s`: let its clients' next
+        requests in."""
         wait_s = min(self.fill * took_s, self.fill_max_s)
-        if wait_s <= 0 or answered < 2 or self._fill_until is not None:
-            return  # one client answered: whatever it sends next is a batch of one anyway
+        if wait_s <= 0 or requests < 2 or self._fill_until is not None:
+            return  # one client answered: whatever it sends next is a batch of its own anyway
         self._fill_until = self._queued_size + max(1, int(FILL_SHARE * answered))
         self._fill_timer = asyncio.get_running_loop().call_later(wait_s, self._filled)
 
@@ -123,6 +126,7 @@ class AdaptiveBatcher(Generic[Item, Result]):
                     future.set_exception(exc)
         finally:
             self.running -= 1
-            if self.fill > 0 and self.running < self.at_once:
-                self._start_filling(sum(self.size_of(item) for item, _ in batch), loop.time() - started)
+            if self.fill > 0 and self.running == 0:  # never while a slot is busy with another batch
+                self._start_filling(len(batch), sum(self.size_of(item) for item, _ in batch),
+                                    loop.time() - started)
             self._start_batches()

@@ -26,11 +26,14 @@ import numpy as np
 _L2_FALLBACK = 1 << 20  # where sysfs does not say (1 MiB: a common server core's L2)
 
 
-def cache_bytes(cpu: int = 0) -> int:
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def cache_bytes(cpu: int = 0, sys_cpu: Path = SYS_CPU) -> int:
     """The unified L2 cache of one core, from sysfs (Linux), else 1 MiB. Why sysfs and not a
     library: psutil does not report caches, py-cpuinfo runs a subprocess to find out; this is two
     small files the kernel writes."""
-    root = Path(f"/sys/devices/system/cpu/cpu{cpu}/cache")
+    root = sys_cpu / f"cpu{cpu}" / "cache"
     try:
         for entry in sorted(root.glob("index*")):
             level, kind = ((entry / name).read_text().strip() for name in ("level", "type"))
@@ -101,4 +104,6 @@ class ScanChoice:
         if len(assign) < self.reads_per_list:
             return False  # no list can be read that often: nothing to count
         counted = self.count(assign)
+        if not counted.distinct_bytes:
+            return False  # none of the probed lists is held here
         return counted.pair_bytes >= self.reads_per_list * counted.distinct_bytes
