@@ -25,13 +25,6 @@ from shardserve.query.merge import merge_topk
 _MISSING = {False: np.finfo(np.float32).max, True: -np.finfo(np.float32).max}
 
 
-def nonempty_lists(ivf: faiss.IndexIVF) -> np.ndarray:
-    """Which of the index's lists hold vectors: the probes a shard dealt by lists can skip."""
-    lists = ivf.invlists
-    assert lists is not None, "an IVF index without inverted lists"
-    return np.array([lists.list_size(number) > 0 for number in range(ivf.nlist)], bool)
-
-
 def search_by_lists(ivf: faiss.IndexIVF, nonempty: np.ndarray, matrix: np.ndarray, assign: np.ndarray,
                     coarse: np.ndarray, k: int, higher_is_better: bool,
                     one_probe: faiss.SearchParametersIVF) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
-from shardserve.query.list_scan import nonempty_lists, search_by_lists
+from shardserve.query.list_scan import search_by_lists
 from shardserve.query.scan_choice import ScanChoice
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
 
@@ -63,8 +63,9 @@ class ShardSearcher:
         # IVF-Flat only: its scans are bound by reading the lists (other codes are small, and their
         # per-list tables would be built once per pair instead of once per query).
         flat = self.ivf if type(self.ivf) is faiss.IndexIVFFlat else None
-        self.nonempty = None if flat is None else nonempty_lists(flat)
         self.scan_choice = None if flat is None else ScanChoice.of(flat)
+        # the lists this shard holds: the probes a shard dealt by lists can skip
+        self.nonempty = None if self.scan_choice is None else self.scan_choice.list_bytes > 0
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
