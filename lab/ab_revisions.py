@@ -33,7 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_PORT, FRONT_PORT = 18000, 18001
 IDLE_S = 20.0
-LEVELS = (("c1", 1, 0), ("c32", 32, 0), ("batch256", 2, 256))  # (label, concurrency, vectors/request)
+# (label, concurrency, vectors/request): the levels `--levels` names, and those run by default
+KNOWN_LEVELS = {"c1": (1, 0), "c32": (32, 0), "c128": (128, 0), "batch256": (2, 256)}
+LEVELS = ("c1", "c32", "batch256")
 
 
 def queries_of(spec: str):
@@ -47,7 +49,7 @@ def queries_of(spec: str):
 
 
 def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = "fashion-mnist",
-            nprobe: int = 16) -> dict:
+            nprobe: int = 16, levels: tuple[str, ...] = LEVELS) -> dict:
     """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
     from shardserve.runtime.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
@@ -80,7 +82,8 @@ def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = 
             time.sleep(IDLE_S)
             result["idle_percent_of_a_core"] = {
                 cls: round(100 * cpu / IDLE_S, 2) for cls, cpu in sorted(meter.stop().items())}
-            for label, concurrency, batch in LEVELS:
+            for label in levels:
+                concurrency, batch = KNOWN_LEVELS[label]
                 targets = write_targets(work / f"{label}.jsonl", make_targets(
                     queries, front, 10, params, batch, count=20 if batch else 1000))
                 level = attack(targets, "concurrency", concurrency, duration_s, work, label,
@@ -93,7 +96,8 @@ def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = 
     return result
 
 
-def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe: int) -> dict:
+def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe: int,
+                 levels: tuple[str, ...] = LEVELS) -> dict:
     """`measure` in a child process importing the revision's code from a temporary worktree."""
     revision, _, overrides = spec.partition("+")
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +109,7 @@ def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe:
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure",
                                   "--index", index, "--duration", str(duration_s),
                                   "--overrides", overrides or "{}", "--queries", queries,
-                                  "--nprobe", str(nprobe)],
+                                  "--nprobe", str(nprobe), "--levels", ",".join(levels)],
                                  cwd=tree, env=env, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
@@ -116,18 +120,18 @@ def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe:
                            check=False, capture_output=True)
 
 
-def summarise(runs: dict[str, list[dict]], first: str) -> dict:
+def summarise(runs: dict[str, list[dict]], first: str, levels: tuple[str, ...] = LEVELS) -> dict:
     """Median QPS and CPU per request per level and revision, and each revision's ratio to `first`."""
     summary: dict = {}
     for revision, results in runs.items():
         summary[revision] = {}
-        for label, _, _ in LEVELS:
+        for label in levels:
             qps = [r["levels"][label]["queries_per_s"] for r in results]
             cpu = [r["levels"][label]["cpu_ms_per_request"]["total (servers)"] for r in results]
             summary[revision][label] = {"queries_per_s": round(statistics.median(qps), 1),
                                         "cpu_ms_per_request": round(statistics.median(cpu), 3)}
     for revision in runs:
-        for label, _, _ in LEVELS:
+        for label in levels:
             mine, base = summary[revision][label], summary[first][label]
             mine["qps_vs_first"] = round(mine["queries_per_s"] / base["queries_per_s"], 3)
             mine["cpu_vs_first"] = round(mine["cpu_ms_per_request"] / base["cpu_ms_per_request"], 3)
@@ -143,13 +147,17 @@ def main() -> None:
     cli.add_argument("--name", default="hot-path-ab")
     cli.add_argument("--queries", default="fashion-mnist", help="a dataset, or embedding-like:DIM")
     cli.add_argument("--nprobe", type=int, default=16)
+    cli.add_argument("--levels", default=",".join(LEVELS), help=f"of {', '.join(KNOWN_LEVELS)}")
     cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     cli.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = cli.parse_args()
     index = str(Path(args.index).resolve())
+    levels = tuple(args.levels.split(","))
+    if not set(levels) <= set(KNOWN_LEVELS):
+        raise SystemExit(f"error: --levels: of {', '.join(KNOWN_LEVELS)}")
     if args.measure:
         print("RESULT " + json.dumps(measure(index, args.duration, json.loads(args.overrides), args.queries,
-                                             args.nprobe)), flush=True)
+                                             args.nprobe, levels)), flush=True)
         return
     if len(args.revisions) < 2:
         raise SystemExit("error: give at least two revisions to compare")
@@ -164,7 +172,7 @@ def main() -> None:
         order = list(runs) if round_number % 2 == 0 else list(runs)[::-1]
         for revision in order:
             # `revision` is resolved: a short hash (+ overrides)
-            result = run_revision(revision, index, args.duration, args.queries, args.nprobe)
+            result = run_revision(revision, index, args.duration, args.queries, args.nprobe, levels)
             result["round"] = round_number
             runs[revision].append(result)
             print(f"round {round_number} {revision}: " + ", ".join(
@@ -185,7 +193,7 @@ def main() -> None:
                                       "replicas": 1, "params": {"nprobe": args.nprobe}},
                     queries=args.queries)
     record.update(revisions=subjects, rounds=args.rounds, duration_s=args.duration, runs=runs,
-                  summary=summarise(runs, resolved[args.revisions[0]]),
+                  levels=list(levels), summary=summarise(runs, resolved[args.revisions[0]], levels),
                   not_covered=[f"one index ({manifest.index_factory}, {len(manifest.shards)} shards, "
                                "1 replica each)",
                                "closed loop only", "this 2-core machine only"])
