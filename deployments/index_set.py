@@ -131,6 +131,15 @@ class IndexSet:
         by_id = dict(zip(wanted, found, strict=True))
         return [[by_id[int(i)] or {} for i in ids] for ids in per_query]
 
+    async def ids_matching(self, where: str, timeout_s: float) -> np.ndarray:
+        """Every live id that passes a checked filter, from every shard (through Serve, a side path
+        like `metadata`), sorted."""
+        calls = [handle.options(method_name="ids_matching", request_serialization="cloudpickle",
+                                response_serialization="cloudpickle").remote(where)
+                 for handle in self.shards]
+        found = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
+        return np.unique(np.concatenate([np.asarray(ids, np.int64) for ids in found]))
+
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""
         return self.links.count() if self.links is not None else [0] * len(self.shards)

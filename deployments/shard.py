@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
+import numpy as np
 import ray
 from ray import serve
 
@@ -172,6 +173,10 @@ class ShardDeployment:
     def metadata(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """The metadata of those `ids` this shard holds (None for the others'); `include` answers."""
         return self.writes.lookup(ids, columns)
+
+    def ids_matching(self, where: str) -> np.ndarray:
+        """The live ids this shard holds that pass a checked filter (a delete by filter)."""
+        return self.writes.ids_matching(where)
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": self.writes.live_rows(),

@@ -116,8 +116,10 @@ def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | No
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _delete_body(ids: Any) -> bytes:
-    return orjson.dumps({"ids": [int(i) for i in ids]})
+def _delete_body(ids: Any, filter: dict | None) -> bytes:
+    if (ids is None) == (filter is None):
+        raise ValueError("delete: give ids or a filter, one of the two")
+    return orjson.dumps({"filter": filter} if filter is not None else {"ids": [int(i) for i in ids]})
 
 
 class Client:
@@ -163,9 +165,11 @@ class Client:
         Returns {"position", "upserted"} once the write is durable and visible to every later search."""
         return _answer(self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
 
-    def delete(self, ids: Any) -> dict:
-        """Delete points by id (an unknown id is no error). Returns {"position", "deleted"}."""
-        return _answer(self._send("POST", "/v1/delete", _delete_body(ids)))
+    def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
+        """Delete points by id (an unknown id is no error), or every point a search's `filter` matches
+        now. Returns {"position", "deleted"} once durable and visible ("position" None when a filter
+        matched nothing: nothing was written)."""
+        return _answer(self._send("POST", "/v1/delete", _delete_body(ids, filter)))
 
     def health(self) -> dict:
         return _answer(self._send("GET", "/v1/health"))
@@ -220,8 +224,8 @@ class AsyncClient:
     async def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
         return _answer(await self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
 
-    async def delete(self, ids: Any) -> dict:
-        return _answer(await self._send("POST", "/v1/delete", _delete_body(ids)))
+    async def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
+        return _answer(await self._send("POST", "/v1/delete", _delete_body(ids, filter)))
 
     async def health(self) -> dict:
         return _answer(await self._send("GET", "/v1/health"))

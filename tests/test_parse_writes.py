@@ -8,7 +8,9 @@ import orjson
 import pytest
 
 from shardserve.query.api import ApiError
-from shardserve.query.parse_writes import parse_delete, parse_upsert
+from shardserve.query.filters import check_filter
+from shardserve.query.parse_writes import delete_filter, parse_delete, parse_upsert
+from shardserve.writes.accept import matching_deletes
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 
 DIM = 4
@@ -125,3 +127,30 @@ def test_a_delete_takes_ids_only() -> None:
     with pytest.raises(ApiError) as refused:
         parse_delete(b'{"ids": [1], "vectors": [[1, 2, 3, 4]]}', 10)
     assert refused.value.field == "vectors" and "unknown field" in refused.value.message
+
+
+def test_a_delete_by_filter_is_a_checked_search_filter_or_nothing() -> None:
+    assert delete_filter(b'{"ids": [1, 2]}', KINDS, 1000) is None  # by ids: parse_delete's
+    assert delete_filter(b'{"filter": {"label": 3}}', KINDS, 1000) == check_filter({"label": 3}, KINDS, 1000)
+    big = 2**53 + 1  # compared exactly, as a search's filter is
+    assert str(big) in delete_filter(orjson.dumps({"filter": {"big": big}}), KINDS, 1000)  # type: ignore[operator]
+    for body, field, says in [
+        (b'{"ids": [1], "filter": {"label": 3}}', "filter", "not both"),
+        (b'{"filter": {"nope": 3}}', "filter", "nope"),
+        (b'{"filter": {"label": 300}}', "filter", "300"),
+        (b'{"filter": {"label": 3}, "vectors": []}', "vectors", "unknown field"),
+    ]:
+        with pytest.raises(ApiError) as refused:
+            delete_filter(body, KINDS, 1000)
+        assert (refused.value.status, refused.value.field) == (422, field) and says in refused.value.message
+    with pytest.raises(ApiError) as refused:
+        delete_filter(b'{"filter": {"label": 3}}', {}, 1000)
+    assert "without metadata" in refused.value.message
+
+
+def test_a_delete_by_filter_is_bounded() -> None:
+    assert matching_deletes(np.array([4, 9], np.int64)) == [Delete(4), Delete(9)]
+    with pytest.raises(ApiError) as refused:
+        matching_deletes(np.arange(11), limit=10)
+    assert (refused.value.status, refused.value.field) == (422, "filter")
+    assert "11 points" in refused.value.message

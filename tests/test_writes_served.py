@@ -90,6 +90,31 @@ def test_a_write_is_seen_by_the_next_search_on_any_replica(writable) -> None:
         assert reader.search(vector, k=5, filter=either).ids.size == 0
 
 
+def test_a_delete_by_filter_deletes_what_matches_now_and_nothing_else(writable) -> None:
+    url, data = writable
+    rng = np.random.default_rng(6)
+    doomed = {"caption": "doomed-by-filter"}
+    with Client(url) as writer, Client(url) as reader:
+        base_id = int(reader.search(data.queries[1], k=1).ids[0])  # a base row, renamed by an upsert
+        vectors = np.stack([_vector(rng) + 120.0 for _ in range(4)])
+        ids = [20 << 50, 21 << 50, 22 << 50, base_id]
+        writer.upsert(ids, vectors, metadata=[doomed, doomed, {"caption": "kept"}, doomed])
+        assert reader.search(vectors[0], k=10, filter=doomed).extra["matched"] == 3
+        gone = writer.delete(filter=doomed)
+        assert gone["deleted"] == 3 and gone["position"] >= 1
+        for _ in range(6):  # 2 replicas per shard: each saw it
+            assert reader.search(vectors[0], k=10, filter=doomed).ids.size == 0
+            found = reader.search(vectors[2], k=10).ids.tolist()
+            assert ids[2] in found and not {ids[0], ids[1], base_id} & set(found)
+        assert base_id not in reader.search(data.queries[1], k=10).ids
+        again = writer.delete(filter=doomed)  # nothing matches any more: nothing written
+        assert again == {"position": None, "deleted": 0}
+        for body, field in (({"ids": [1], "filter": doomed}, "filter"), ({"filter": {"nope": 1}}, "filter")):
+            answer = httpx.post(f"{url}/v1/delete", content=orjson.dumps(body), timeout=30)
+            assert answer.status_code == 422 and answer.json()["field"] == field, answer.text
+        assert writer.delete([ids[2]])["position"] == gone["position"] + 1  # the refused left nothing
+
+
 def test_a_refused_write_leaves_nothing_behind(writable) -> None:
     """Each bad write is a 422 naming its field, and the next good one takes the very next log
     position: nothing of the refused ones reached the log."""

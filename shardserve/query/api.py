@@ -79,13 +79,20 @@ class UpsertRequest(BaseModel):
 
 
 class DeleteRequest(BaseModel):
+    """By `ids` or by `filter`, one of the two."""
+
     model_config = ConfigDict(extra="forbid")
-    ids: list[int] = Field(..., description="ids to delete (an id the index does not hold is no error)")
+    ids: list[int] | None = Field(None, description="ids to delete (an id the index does not hold is "
+                                                    "no error)")
+    filter: dict | None = Field(None, description="a search's filter: every point whose latest metadata "
+                                                  "passes it when the delete is evaluated (at most "
+                                                  "max_filter_delete_points)")
 
 
 class WriteResponse(BaseModel):
-    position: int = Field(..., description="the request's place in the write log: durable, and seen by "
-                                           "every search that starts after this answer")
+    position: int | None = Field(..., description="the request's place in the write log: durable, and "
+                                                  "seen by every search that starts after this answer "
+                                                  "(null: a filter matched nothing, nothing was written)")
     upserted: int | None = None
     deleted: int | None = None
 
@@ -118,3 +125,4 @@ class Limits:
     max_body_bytes: int
     max_write_points: int = 1000
     max_write_backlog: int = 200_000  # upserts not yet compacted (shardserve.writes.delta.MAX_DELTA_ROWS)
+    max_filter_delete_points: int = 100_000  # shardserve.writes.accept.MAX_FILTER_DELETE

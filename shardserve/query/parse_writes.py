@@ -12,7 +12,7 @@ must fit their column's kind (shardserve.index.metadata.column_kinds): integers 
 their column's type, as filters compare them.
 
     {"ids": [int64 >= 0, ...], "vectors": [[float x dim], ...], "metadata": [{"col": value} | null, ...]}
-    {"ids": [int64 >= 0, ...]}
+    {"ids": [int64 >= 0, ...]}  or  {"filter": {...}}   (a delete: by id or by a search's filter)
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import orjson
 from shardserve.index.indexes import prepare_vectors
 from shardserve.index.metadata import EXACT_FLOAT, INTEGER_KINDS
 from shardserve.query.api import ApiError
+from shardserve.query.filters import check_filter
 from shardserve.query.parse import _matrix
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 
@@ -129,6 +130,19 @@ def parse_upsert(body: bytes, dim: int, metric: str, kinds: dict[str, str], max_
 
 
 def parse_delete(body: bytes, max_points: int) -> list[Delete]:
-    """A /v1/delete body: the ids to delete (an id not in the index is no error: nothing to do)."""
+    """A /v1/delete body by ids: the ids to delete (an id not in the index is no error: nothing to do)."""
     return [Delete(id_) for id_ in _ids(_payload(body, ("ids",)).get("ids"), max_points)]
+
+
+def delete_filter(body: bytes, kinds: dict[str, str], rows: int) -> str | None:
+    """A /v1/delete body by filter: the filter, checked and canonical as a search's (query.filters);
+    None for a body by ids (parse_delete reads it). One of the two, never both."""
+    if b'"filter"' not in body:
+        return None
+    payload = _payload(body, ("ids", "filter"))
+    if "filter" not in payload:
+        return None
+    if "ids" in payload:
+        raise ApiError(422, "filter", "a delete takes `ids` or a `filter`, not both")
+    return check_filter(payload["filter"], kinds, rows)
 

@@ -67,6 +67,7 @@ def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits
         "params": sorted(supported), "max_k": limits.max_k, "max_vectors": limits.max_vectors,
         "max_body_bytes": limits.max_body_bytes, "max_work": limits.max_work,
         "max_write_points": limits.max_write_points, "max_write_backlog": limits.max_write_backlog,
+        "max_filter_delete_points": limits.max_filter_delete_points,
         "log_position": manifest.log_position,
         "metadata_kinds": manifest.dataset.metadata_kinds,
     }

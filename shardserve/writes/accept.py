@@ -22,15 +22,28 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.parse_writes import parse_delete, parse_upsert
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.locate import Log, LogAddress, open_log
-from shardserve.writes.ops import Op, Upsert
+from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
+# Ids one delete by filter may delete (GET /v1/index: max_filter_delete_points): the matching ids go
+# to the log as one request (8 bytes and a row each), applied by every replica at once.
+MAX_FILTER_DELETE = 100_000
+
+
+def matching_deletes(ids: np.ndarray, limit: int = MAX_FILTER_DELETE) -> list[Delete]:
+    """A delete by filter's operations: one per id its filter matched, at most `limit` (a 422)."""
+    if len(ids) > limit:
+        raise ApiError(422, "filter", f"the filter matches {len(ids)} points, more than {limit} in one "
+                                      "delete (max_filter_delete_points): narrow it, or delete in parts")
+    return [Delete(int(id_)) for id_ in ids.tolist()]
 
 
 class Same(enum.Enum):
@@ -58,12 +71,13 @@ class WriteFront:
         self._counted: tuple[LogAddress | None, int, int, int] = (path, -1, 0, 0)
         self._thread = ThreadPoolExecutor(1, "writes")
 
-    async def accept(self, body: bytes, upsert: bool, manifest: Manifest,
+    async def accept(self, body: bytes | list[Delete], upsert: bool, manifest: Manifest,
                      log: LogAddress | None | Same = SAME,
                      served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
         """A write request from an event loop: parsed and appended in the writes thread, a 503 at
         once when `max_waiting` are already waiting for it. `log`: the served version's log, when
         a swap may have moved the server onto another index (its own log) since the last write.
+        `body` a list: deletes already found (a delete by filter), appended as they are.
         `served`: read again in the writes thread just before the append, since a swap may land
         while the request waits behind others there."""
         if self.waiting >= self.max_waiting:
@@ -74,6 +88,8 @@ class WriteFront:
         self.waiting += 1
         def work() -> dict:
             now, where = served() if served is not None else (manifest, path)
+            if isinstance(body, list):  # a delete by filter: nothing to write when nothing matched
+                return {"position": self._append(body, now, where) if body else None, "deleted": len(body)}
             return (self.upsert if upsert else self.delete)(body, now, where)
 
         try:

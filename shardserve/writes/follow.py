@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from shardserve.index.partition import Partition
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
@@ -115,6 +117,14 @@ class ShardWrites:
         if self.searcher.metadata is None:
             return [None] * len(ids)
         return self.searcher.metadata.lookup(ids, columns)
+
+    def ids_matching(self, where: str) -> np.ndarray:
+        """The live ids of this shard that pass a checked filter, at the newest committed position
+        (a delete by filter: the router deletes these)."""
+        self.catch_up()
+        if self._view is not None:
+            return self._view.ids_matching(where)
+        return self.searcher.selected(where)
 
     def live_rows(self) -> int:
         delta = self.delta
