@@ -57,9 +57,7 @@ class AppArgs(BaseModel):
         None, ge=1, description="batches in flight per router replica (`batching()`). Unset, with fixed "
                                 "replicas: one per shard replica (replicas_per_shard), since a replica "
                                 "scans one batch at a time, plus one more for large work only (>= "
-                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json) "
-                                "unless the index's IVF-Flat lists outgrow a core's cache (then none: "
-                                "one-batch-4m-ab.json); "
+                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json); "
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
                                 "past its knee depth")
     batch_fill: float = Field(
@@ -123,18 +121,13 @@ class AppArgs(BaseModel):
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
 
-    def batching(self, share_lists: bool = False) -> tuple[int, int, int]:
+    def batching(self) -> tuple[int, int, int]:
         """(batches in flight at most, how many start whatever their size, queued vectors that let
-        one more start): `max_concurrent_batches` or its default (see its description).
-        `share_lists`: the index's lists outgrow a core's cache (query.scan_choice.batches_share_lists),
-        so with fixed replicas no batch overlaps the one each replica scans: the next takes all
-        that queued meanwhile, and its lists are read once for all of it."""
+        one more start): `max_concurrent_batches` or its default (see its description)."""
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches, self.max_concurrent_batches, 1
         if self.shard_autoscaling:
             return AUTOSCALED_BATCHES, AUTOSCALED_BATCHES, 1
-        if share_lists:
-            return self.replicas_per_shard, self.replicas_per_shard, 1
         return self.replicas_per_shard + 1, self.replicas_per_shard, OVERLAP_MIN_ROWS
 
 

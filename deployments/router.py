@@ -23,7 +23,6 @@ from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
-from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.query.fanout import search_grouped
@@ -32,7 +31,6 @@ from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import parse_query, receive_body
 from shardserve.query.parse_writes import delete_filter
 from shardserve.query.render import coverage_error, index_summary, render_search
-from shardserve.query.scan_choice import batches_share_lists
 from shardserve.runtime.heap import give_back, settled
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
@@ -115,14 +113,6 @@ def _let_go(links: ShardLinks | None) -> None:
     give_back()
 
 
-def batch_for(batcher: AdaptiveBatcher, args: AppArgs, manifest: Manifest) -> None:
-    """Batches in flight for the index served: fewer, larger ones where its lists outgrow a core's
-    cache (AppArgs.batching); a batch already running finishes as it started."""
-    batcher.max_concurrent, at_once, batcher.overlap_min_size = args.batching(
-        batches_share_lists(manifest.index_factory, manifest.num_vectors, manifest.dim))
-    batcher.at_once = min(at_once, batcher.max_concurrent)
-
-
 @serve.deployment(max_ongoing_requests=512)
 class Router(ReportsCoresWanted):
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
@@ -139,9 +129,10 @@ class Router(ReportsCoresWanted):
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         self.writes = WriteFront(self.active.log, a.max_write_points, retry_after_s=a.retry_after_s)
-        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
-                                       size_of=lambda item: len(item[1].matrix), fill=a.batch_fill)
-        batch_for(self.batcher, a, self.active.manifest)
+        most, at_once, overlap_rows = a.batching()
+        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
+                                       size_of=lambda item: len(item[1].matrix), at_once=at_once,
+                                       overlap_min_size=overlap_rows, fill=a.batch_fill)
         jobs = [self._follow_pointer(), self.metrics.export_histograms(),
                 *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]
@@ -238,7 +229,6 @@ class Router(ReportsCoresWanted):
                     # its last requests drain first (swap waits); then its memory goes back
                     asyncio.get_running_loop().call_later(60.0, _let_go, links)
                     self.metrics.follow(loaded.manifest, loaded.generation)
-                    batch_for(self.batcher, self.args, loaded.manifest)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # control restarting, manifest unreadable: keep serving, retry

@@ -5,13 +5,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from shardserve.query.scan_choice import (
-    READS_PER_CACHED_LIST,
-    READS_PER_LIST,
-    ScanChoice,
-    batches_share_lists,
-    cache_bytes,
-)
+from shardserve.query.scan_choice import READS_PER_CACHED_LIST, READS_PER_LIST, ScanChoice, cache_bytes
 
 
 def test_counts_pairs_and_distinct_lists_in_bytes() -> None:
@@ -70,27 +64,3 @@ def test_the_cache_is_the_cores_unified_level_2_from_sysfs(tmp_path) -> None:
 def test_a_batch_reading_nothing_here_goes_query_by_query() -> None:
     choice = ScanChoice(np.array([0, 0, 4096]), cache=0)
     assert not choice.by_lists(np.array([[0, 1], [0, 1], [-1, -1]]))  # lists held by other shards only
-
-
-def test_batches_share_lists_where_ivf_flat_lists_outgrow_the_cache() -> None:
-    mib = 1 << 20
-    # 4M x 128 over 1024 lists: ~1.95 MiB a list, past a 1 MiB cache; 60K x 784 over 1024: ~180 KiB
-    assert batches_share_lists("IVF1024,Flat", 4_000_000, 128, cache=mib)
-    assert not batches_share_lists("IVF1024,Flat", 60_000, 784, cache=mib)
-    assert batches_share_lists("IVF1024,Flat", 4_000_000, 128, cache=4 * mib) is False  # a larger cache
-    assert batches_share_lists("IVF1024_HNSW32,Flat", 4_000_000, 128, cache=mib)
-    for factory in ("IVF1024,PQ16", "HNSW32", "Flat", "IVF1024,SQ8", "OPQ16,IVF1024,PQ16"):
-        assert not batches_share_lists(factory, 4_000_000, 128, cache=mib), factory
-
-
-def test_one_batch_per_replica_where_lists_are_shared_and_overlap_otherwise() -> None:
-    from deployments.config import OVERLAP_MIN_ROWS, AppArgs
-
-    args = AppArgs(index="x")
-    assert args.batching() == (2, 1, OVERLAP_MIN_ROWS)
-    assert args.batching(share_lists=True) == (1, 1, 1)
-    assert AppArgs(index="x", replicas_per_shard=3).batching(share_lists=True) == (3, 3, 1)
-    # what the user sets, and the autoscaled shards' depth, win
-    assert AppArgs(index="x", max_concurrent_batches=2).batching(share_lists=True) == (2, 2, 1)
-    autoscaled = AppArgs(index="x", shard_autoscaling={"min_replicas": 1}).batching(share_lists=True)
-    assert autoscaled == AppArgs(index="x", shard_autoscaling={"min_replicas": 1}).batching()

@@ -17,7 +17,6 @@ are larger than the core's cache, READS_PER_CACHED_LIST times if they fit in it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,21 +107,3 @@ class ScanChoice:
         if not counted.distinct_bytes:
             return False  # none of the probed lists is held here
         return counted.pair_bytes >= self.reads_per_list * counted.distinct_bytes
-
-
-_IVF_FLAT = re.compile(r"IVF(\d+)(?:_[A-Za-z0-9]+)?,Flat")
-
-
-def batches_share_lists(index_factory: str, num_vectors: int, dim: int, cache: int | None = None) -> bool:
-    """Are the index's IVF-Flat lists larger than a core's cache on average? Then a shard reads each
-    list of a batch from memory once (list by list) and the sharing grows with the batch, so the
-    router keeps one batch in flight per shard replica, which takes everything queued, rather than
-    overlapping a second (deployments.config.AppArgs.batching). At 4M x 128 (lists ~1.9 MB) one
-    batch of up to 128 rows served 1.25x the queries/s of two overlapping ones at 128 clients, at
-    0.76x the CPU a request, and the same at 32 (one-batch-4m-ab.json); at 60K (lists ~180 KB, in
-    cache) the overlap is what pays (one-batch-ab.json)."""
-    found = _IVF_FLAT.fullmatch(index_factory.replace(" ", ""))
-    if found is None or not int(found.group(1)):
-        return False
-    mean_list_bytes = num_vectors * dim * 4 / int(found.group(1))
-    return mean_list_bytes > (cache_bytes() if cache is None else cache)
