@@ -167,7 +167,7 @@ def test_a_fill_that_never_comes_is_ended_by_its_timer() -> None:
         await asyncio.sleep(0.01)
         queued = asyncio.ensure_future(asyncio.gather(*[batcher.submit(i) for i in range(3, 7)]))
         await pair  # its two clients send nothing more: the fill waits in vain
-        assert batcher._fill_until == 4 + 1  # the 4 queued and 90 % of the pair, for its 0.5 s
+        assert batcher._fill_until == 4 + int(FILL_SHARE * 2)  # the 4 queued and the pair, for its 0.5 s
         assert await asyncio.wait_for(queued, timeout=60) == [3, 4, 5, 6]  # (the timeout guards a hang)
 
     asyncio.run(scenario())
