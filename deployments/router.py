@@ -86,7 +86,12 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
         where = None if upsert else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
                                                   max(s.num_vectors for s in active.manifest.shards))
         if where is not None:  # its matching ids now, deleted by id (shardserve.writes.accept)
-            body = matching_deletes(await active.ids_matching(where, router.args.shard_timeout_s * 5))
+            try:
+                found = await active.ids_matching(where, router.args.shard_timeout_s * 5)
+            except Exception as exc:  # nothing written yet: the client may send it again
+                raise ApiError(503, None, f"the shards did not all answer the filter ({type(exc).__name__})",
+                               router.args.retry_after_s) from None
+            body = matching_deletes(found)
         return _json(await router.writes.accept(
             body, upsert, active.manifest, active.log,
             served=lambda: _served(router)))  # read again once its turn comes
