@@ -15,6 +15,7 @@ import faiss
 import orjson
 import ray
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
@@ -36,9 +37,9 @@ from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
-from shardserve.writes.accept import WriteFront, matching_deletes
+from shardserve.writes.accept import MAX_FILTER_DELETE, Matches, WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
-from shardserve.writes.ops import Delete
+from shardserve.writes.redis_log import LogUnavailable
 
 logger = logging.getLogger("ray.serve")
 
@@ -82,18 +83,13 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     started, status = time.perf_counter(), 200
     try:
         active = router.active  # one version: its manifest checks the body, its log takes it
-        body: bytes | list[Delete] = request.body
         where = None if upsert else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
                                                   max(s.num_vectors for s in active.manifest.shards))
-        if where is not None:  # its matching ids now, deleted by id (shardserve.writes.accept)
-            try:
-                found = await active.ids_matching(where, router.args.shard_timeout_s * 5)
-            except Exception as exc:  # nothing written yet: the client may send it again
-                raise ApiError(503, None, f"the shards did not all answer the filter ({type(exc).__name__})",
-                               router.args.retry_after_s) from None
-            body = matching_deletes(found)
+        if where is not None:  # its matching ids, deleted by id (shardserve.writes.accept)
+            return _json(await delete_matching(router.writes, lambda: _matching(router, active, where),
+                                               active.manifest, active.log, served=lambda: _served(router)))
         return _json(await router.writes.accept(
-            body, upsert, active.manifest, active.log,
+            request.body, upsert, active.manifest, active.log,
             served=lambda: _served(router)))  # read again once its turn comes
     except ApiError as error:
         status = error.status
@@ -103,6 +99,16 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
         raise
     finally:
         router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+
+
+async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
+    """A delete by filter's matches from every shard; a shard that cannot answer (gone, late, its
+    log unreadable) is a 503: nothing was written, the client may send it again."""
+    try:
+        return await active.ids_matching(where, MAX_FILTER_DELETE, router.args.shard_timeout_s * 5)
+    except (TimeoutError, RayActorError, ActorUnavailableError, LogUnavailable) as exc:
+        raise ApiError(503, None, f"the shards did not all answer the filter: {type(exc).__name__}",
+                       router.args.retry_after_s) from None
 
 
 def _served(router: "Router") -> tuple:

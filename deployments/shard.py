@@ -174,9 +174,10 @@ class ShardDeployment:
         """The metadata of those `ids` this shard holds (None for the others'); `include` answers."""
         return self.writes.lookup(ids, columns)
 
-    def ids_matching(self, where: str) -> np.ndarray:
-        """The live ids this shard holds that pass a checked filter (a delete by filter)."""
-        return self.writes.ids_matching(where)
+    def ids_matching(self, where: str, limit: int) -> tuple[np.ndarray, int, int]:
+        """The live ids this shard holds that pass a checked filter, their count and the log
+        position they were found at (a delete by filter; ShardWrites.ids_matching)."""
+        return self.writes.ids_matching(where, limit)
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": self.writes.live_rows(),

@@ -3,14 +3,18 @@ the field, for the whole request. No server: the parser alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import orjson
 import pytest
 
+from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse_writes import delete_filter, parse_delete, parse_upsert
-from shardserve.writes.accept import matching_deletes
+from shardserve.writes.accept import WriteFront, delete_matching
+from shardserve.writes.locate import open_log
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 
 DIM = 4
@@ -148,9 +152,66 @@ def test_a_delete_by_filter_is_a_checked_search_filter_or_nothing() -> None:
     assert "without metadata" in refused.value.message
 
 
-def test_a_delete_by_filter_is_bounded() -> None:
-    assert matching_deletes(np.array([4, 9], np.int64)) == [Delete(4), Delete(9)]
+def _front(tmp_path: Path) -> tuple[WriteFront, Manifest]:
+    (tmp_path / "idx").mkdir()
+    manifest = Manifest.model_construct(log_position=0)  # a delete by ids reads nothing else of it
+    return WriteFront(tmp_path / "idx" / "log.sqlite"), manifest
+
+
+def test_a_delete_by_filter_deletes_at_the_position_it_was_evaluated_at(tmp_path: Path) -> None:
+    """Appended only onto the log position every shard found the ids at: a write landing between
+    the evaluation and the append, or shards found at two positions, make it evaluate again."""
+    import asyncio
+
+    front, manifest = _front(tmp_path)
+    log = front.path
+    evaluations: list[int] = []
+
+    async def scenario() -> dict:
+        async def find() -> tuple:
+            evaluations.append(len(evaluations))
+            if len(evaluations) == 1:  # the shards disagree: a write landed while they looked
+                return np.array([4], np.int64), 1, None
+            if len(evaluations) == 2:  # agreed at 0, but an upsert lands before the append
+                await front.accept(b'{"ids": [7]}', False, manifest, log)
+                return np.array([4, 9], np.int64), 2, 0
+            return np.array([4, 9], np.int64), 2, 1
+        return await delete_matching(front, find, manifest, log)
+
+    assert asyncio.run(scenario()) == {"position": 2, "deleted": 2} and evaluations == [0, 1, 2]
+    written = open_log(log).read(0)  # type: ignore[arg-type]
+    assert [(p, ops) for p, ops in written] == [(1, [Delete(7)]), (2, [Delete(4), Delete(9)])]
+    front.close()
+
+
+def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -> None:
+    import asyncio
+
+    front, manifest = _front(tmp_path)
+
+    async def over() -> tuple:
+        return np.zeros(0, np.int64), 11, 0  # a shard over the limit sends the count alone
+
+    async def moving() -> tuple:
+        return np.array([1], np.int64), 1, None
+
+    for find, status, says in ((over, 422, "11 points"), (moving, 503, "kept landing")):
+        with pytest.raises(ApiError) as refused:
+            asyncio.run(delete_matching(front, find, manifest, front.path, limit=10))
+        assert refused.value.status == status and says in refused.value.message
+    assert not front.deleting and not (tmp_path / "idx" / "log.sqlite").exists()  # nothing written
+
+    async def nothing() -> tuple:
+        return np.zeros(0, np.int64), 0, 0
+    assert asyncio.run(delete_matching(front, nothing, manifest, front.path)) == {"position": None,
+                                                                                   "deleted": 0}
+    front.deleting = True  # one at a time per router
+    with pytest.raises(ApiError) as busy:
+        asyncio.run(delete_matching(front, nothing, manifest, front.path))
+    assert busy.value.status == 503 and busy.value.retry_after
+    front.close()
+    no_log = WriteFront(None)
     with pytest.raises(ApiError) as refused:
-        matching_deletes(np.arange(11), limit=10)
-    assert (refused.value.status, refused.value.field) == (422, "filter")
-    assert "11 points" in refused.value.message
+        asyncio.run(delete_matching(no_log, nothing, manifest, None))
+    assert refused.value.status == 501
+    no_log.close()

@@ -18,6 +18,7 @@ import pytest
 from loadtests.local_cluster import RedisStore
 from shardserve.runtime.ports import free_port
 from shardserve.writes.locate import log_address, open_log
+from shardserve.writes.log import LogMoved
 from shardserve.writes.ops import Delete, Op, Upsert, same_ops
 from shardserve.writes.redis_log import RedisLogAddress, RedisWriteLog
 
@@ -86,6 +87,17 @@ def test_append_read_truncate(engine) -> None:
     log.close()
     again = open_log(address)
     assert again.last_position() == 8 and same_ops(again.read(7)[0][1], request(8))
+
+
+def test_a_conditional_append_writes_only_onto_the_position_it_names(engine) -> None:
+    log = open_log(engine[0])
+    assert log.append(request(1)) == 1
+    assert log.append(request(2), unless_past=1) == 2  # the log was at 1: written
+    with pytest.raises(LogMoved):
+        log.append(request(3), unless_past=1)  # the log is at 2 now: nothing written
+    assert log.last_position() == 2 and [p for p, _ in log.read(0)] == [1, 2]
+    assert log.append(request(3), after=10, unless_past=2) == 11  # past the served version, as any append
+    log.close()
 
 
 def test_a_failing_request_leaves_nothing(engine) -> None:

@@ -207,7 +207,8 @@ def test_sharded_writes_equal_the_unsharded_index(factory: str, by: str, metric:
             assert got[2] == expected[3] == sum(1 for g in reference.groups.values()
                                                 if (g in (3, 17) if where == selective else g < 12))
             # a delete by filter's ids: every live point whose latest metadata matches, once
-            found = np.concatenate([shard.ids_matching(where) for shard in shards])
+            found = np.concatenate([shard.ids_matching(where)[0] for shard in shards])
+            assert {shard.ids_matching(where)[1] for shard in shards} == {position}  # found at one position
             assert sorted(found.tolist()) == sorted(i for i, g in reference.groups.items()
                                                     if (g in (3, 17) if where == selective else g < 12))
     # every shard applied the same log; a replay changes nothing
@@ -221,13 +222,13 @@ def test_sharded_writes_equal_the_unsharded_index(factory: str, by: str, metric:
     assert sorted(held + base_live) == sorted(reference.groups)
     assert moved > 100
     # a delete by filter: the matching ids, deleted by id in one request, and none match again
-    doomed = np.concatenate([shard.ids_matching(selective) for shard in shards])
+    doomed = np.concatenate([shard.ids_matching(selective)[0] for shard in shards])
     assert len(doomed)
     position = log.append([Delete(int(i)) for i in doomed])
     for shard in shards:
         assert shard.delta.apply(position, log.read(position - 1, limit=1)[0][1])
     reference.apply([Delete(int(i)) for i in doomed])
-    assert not any(len(shard.ids_matching(selective)) for shard in shards)
+    assert not any(len(shard.ids_matching(selective)[0]) for shard in shards)
     query = _query(assigner, queries, {"filter": selective, **({"nprobe": 16} if ivf else {})})
     assert (_sharded(shards, query)[1] == -1).all()
     _deleted_never_come_back(shards, reference, assigner)

@@ -125,4 +125,4 @@ class Limits:
     max_body_bytes: int
     max_write_points: int = 1000
     max_write_backlog: int = 200_000  # upserts not yet compacted (shardserve.writes.delta.MAX_DELTA_ROWS)
-    max_filter_delete_points: int = 100_000  # shardserve.writes.accept.MAX_FILTER_DELETE
+    max_filter_delete_points: int = 10_000  # shardserve.writes.accept.MAX_FILTER_DELETE

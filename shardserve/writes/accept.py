@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -29,21 +29,53 @@ from shardserve.query.api import ApiError
 from shardserve.query.parse_writes import parse_delete, parse_upsert
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.locate import Log, LogAddress, open_log
+from shardserve.writes.log import LogMoved
 from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 # Ids one delete by filter may delete (GET /v1/index: max_filter_delete_points): the matching ids go
-# to the log as one request (8 bytes and a row each), applied by every replica at once.
-MAX_FILTER_DELETE = 100_000
+# to the log as one request (a row each), read 32 requests at a time by every replica
+# (writes.follow.READ_REQUESTS) and applied under its delta's lock: ten times a request by ids.
+MAX_FILTER_DELETE = 10_000
 
 
-def matching_deletes(ids: np.ndarray, limit: int = MAX_FILTER_DELETE) -> list[Delete]:
-    """A delete by filter's operations: one per id its filter matched, at most `limit` (a 422)."""
-    if len(ids) > limit:
-        raise ApiError(422, "filter", f"the filter matches {len(ids)} points, more than {limit} in one "
-                                      "delete (max_filter_delete_points): narrow it, or delete in parts")
-    return [Delete(int(id_)) for id_ in ids.tolist()]
+FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while writes keep landing, then a 503
+Matches = tuple[np.ndarray, int, "int | None"]  # (ids, how many, the log position they were found at)
+
+
+async def delete_matching(front: WriteFront, find: Callable[[], Awaitable[Matches]], manifest: Manifest,
+                          log: LogAddress | None,
+                          served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
+                          limit: int = MAX_FILTER_DELETE, tries: int = FILTER_DELETE_TRIES) -> dict:
+    """A delete by filter: `find()` gathers the matching ids from every shard and the log position
+    they all found them at; they are deleted by id only if the log is still there (a conditional
+    append), so the delete takes effect exactly at the state it was evaluated on: a write landing
+    in between (an upsert that makes a point stop matching) makes it evaluate again. One at a
+    time per front; more than `limit` matches: a 422, no ids moved."""
+    if front.path is None:
+        raise front.no_log()
+    if front.deleting:
+        raise ApiError(503, None, "a delete by filter is already running here", front.retry_after_s)
+    front.deleting = True
+    try:
+        for _ in range(tries):
+            ids, count, position = await find()
+            if count > limit:
+                raise ApiError(422, "filter", f"the filter matches {count} points, more than {limit} "
+                                              "in one delete (max_filter_delete_points): narrow it, or "
+                                              "delete in parts")
+            if position is None:
+                continue  # the shards found them at different positions: a write landed meanwhile
+            try:
+                deletes = [Delete(int(i)) for i in ids.tolist()]
+                return await front.accept(deletes, False, manifest, log, served, unless_past=position)
+            except LogMoved:
+                continue
+        raise ApiError(503, None, f"writes kept landing while the filter was evaluated ({tries} times): send "
+                                  "it again", front.retry_after_s)
+    finally:
+        front.deleting = False
 
 
 class Same(enum.Enum):
@@ -70,14 +102,17 @@ class WriteFront:
         # (the log, its base position, counted up to, upserts): one tuple, replaced whole
         self._counted: tuple[LogAddress | None, int, int, int] = (path, -1, 0, 0)
         self._thread = ThreadPoolExecutor(1, "writes")
+        self.deleting = False  # a delete by filter in progress (delete_matching)
 
     async def accept(self, body: bytes | list[Delete], upsert: bool, manifest: Manifest,
                      log: LogAddress | None | Same = SAME,
-                     served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
+                     served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
+                     unless_past: int | None = None) -> dict:
         """A write request from an event loop: parsed and appended in the writes thread, a 503 at
         once when `max_waiting` are already waiting for it. `log`: the served version's log, when
         a swap may have moved the server onto another index (its own log) since the last write.
-        `body` a list: deletes already found (a delete by filter), appended as they are.
+        `body` a list: deletes already found (a delete by filter) in `log` at `unless_past`,
+        appended as they are if that log is still served and holds nothing past it, else LogMoved.
         `served`: read again in the writes thread just before the append, since a swap may land
         while the request waits behind others there."""
         if self.waiting >= self.max_waiting:
@@ -89,7 +124,10 @@ class WriteFront:
         def work() -> dict:
             now, where = served() if served is not None else (manifest, path)
             if isinstance(body, list):  # a delete by filter: nothing to write when nothing matched
-                return {"position": self._append(body, now, where) if body else None, "deleted": len(body)}
+                if where != path:
+                    raise LogMoved("the server moved to another index while the filter was evaluated")
+                return {"position": self._append(body, now, where, unless_past) if body else None,
+                        "deleted": len(body)}
             return (self.upsert if upsert else self.delete)(body, now, where)
 
         try:
@@ -121,16 +159,20 @@ class WriteFront:
         if self._log is not None:
             self._log.close()
 
-    def _append(self, ops: Sequence[Op], manifest: Manifest, log: LogAddress | None | Same = SAME) -> int:
+    def no_log(self) -> ApiError:
+        return ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "
+                                   "file beside its manifest) or a Redis write log "
+                                   "(SHARDSERVE_WRITE_LOG): this index is on remote storage")
+
+    def _append(self, ops: Sequence[Op], manifest: Manifest, log: LogAddress | None | Same = SAME,
+                unless_past: int | None = None) -> int:
         if log is not SAME and log != self.path:  # the server now serves another index: its log
             with self._lock:
                 if self._log is not None:
                     self._log.close()
                 self.path, self._log, self._counted = log, None, (log, -1, 0, 0)
         if self.path is None:
-            raise ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "
-                                      "file beside its manifest) or a Redis write log "
-                                      "(SHARDSERVE_WRITE_LOG): this index is on remote storage")
+            raise self.no_log()
         with self._lock:
             adding = sum(isinstance(op, Upsert) for op in ops)
             try:
@@ -138,7 +180,7 @@ class WriteFront:
                     self._log = open_log(self.path)
                 if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
                     raise self._backlog_full()
-                return self._log.append(list(ops), after=manifest.log_position)
+                return self._log.append(list(ops), after=manifest.log_position, unless_past=unless_past)
             except LogUnavailable as exc:  # nothing acknowledged: the client may send it again
                 raise ApiError(503, None, str(exc), self.retry_after_s) from None
 

@@ -118,13 +118,16 @@ class ShardWrites:
             return [None] * len(ids)
         return self.searcher.metadata.lookup(ids, columns)
 
-    def ids_matching(self, where: str) -> np.ndarray:
-        """The live ids of this shard that pass a checked filter, at the newest committed position
-        (a delete by filter: the router deletes these)."""
-        self.catch_up()
-        if self._view is not None:
-            return self._view.ids_matching(where)
-        return self.searcher.selected(where)
+    def ids_matching(self, where: str, limit: int) -> tuple[np.ndarray, int, int]:
+        """(the live ids of this shard that pass a checked filter, how many, the log position they
+        were found at) once every committed request is applied (LogUnavailable if the log cannot
+        be read): a delete by filter deletes these, if the log is still there. More than `limit`:
+        no ids, the count only."""
+        self._catch_up()
+        position, view = self.position, self._view
+        found, position = view.ids_matching(where) if view is not None else (self.searcher.selected(where),
+                                                                              position)
+        return (found if len(found) <= limit else found[:0]), len(found), position
 
     def live_rows(self) -> int:
         delta = self.delta

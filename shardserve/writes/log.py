@@ -55,6 +55,10 @@ class Backlog(NamedTuple):
     upserts: int
 
 
+class LogMoved(RuntimeError):
+    """A conditional append found requests past the position it was conditioned on: nothing written."""
+
+
 class WriteLog:
     """`WriteLog(path)` opens (creating) the log to append to; `WriteLog(path, readonly=True)` reads
     what a writer in another process committed. Safe across threads (one connection, one lock)."""
@@ -88,11 +92,13 @@ class WriteLog:
         with self._lock:
             self._db.close()
 
-    def append(self, ops: list[Op], after: int = 0) -> int:
+    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None) -> int:
         """Write one request (all its operations, or none) and return its log position, once the
         commit is on disk: the caller may acknowledge it then. The position is past `after` (the
         served version's): a log that lost its newest requests (a file restored from a backup)
-        never hands out a position a replica would skip as already applied."""
+        never hands out a position a replica would skip as already applied. `unless_past`: raise
+        LogMoved instead, writing nothing, when the log holds a request past that position (checked
+        in the same transaction as the write: a delete by filter evaluated at that position)."""
         if not ops:
             raise ValueError("a write request needs at least one operation")
         rows = [_row(seq, op) for seq, op in enumerate(ops)]
@@ -100,7 +106,10 @@ class WriteLog:
             cursor = self._db.cursor()
             cursor.execute("BEGIN IMMEDIATE")  # the write lock now: no other writer interleaves
             try:
-                position = max(_newest(cursor), after) + 1
+                newest = _newest(cursor)
+                if unless_past is not None and newest > unless_past:
+                    raise LogMoved(f"the log is at {newest}, past {unless_past}")
+                position = max(newest, after) + 1
                 cursor.execute("INSERT INTO requests (position, ops) VALUES (?, ?)", (position, len(ops)))
                 cursor.executemany("INSERT INTO ops (position, seq, id, vector, metadata) VALUES "
                                    "(?, ?, ?, ?, ?)", [(position, *row) for row in rows])

@@ -43,7 +43,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardserve.errors import ShardserveError
-from shardserve.writes.log import Backlog
+from shardserve.writes.log import Backlog, LogMoved
 from shardserve.writes.ops import Delete, Op, Upsert
 
 WRITE_LOG_ENV = "SHARDSERVE_WRITE_LOG"  # redis://HOST:PORT[/DB]: the log of every index in Redis
@@ -53,15 +53,20 @@ READ_TIMEOUT_S = 1.0  # a reader (a search catching up): then it serves what it 
 
 # The next position is past the last one handed out, the stream's newest entry and the served
 # version's position (ARGV[7]): a counter lost (a flushed or restored Redis, a log moved from
-# SQLite) never hands out a position a replica would skip as applied. XADD runs first: if it
-# refuses, the script has written nothing (Redis does not undo a script's earlier writes).
+# SQLite) never hands out a position a replica would skip as applied. With ARGV[8] >= 0 (a
+# conditional append, WriteLog.append's `unless_past`) a log already past it gets -1, nothing
+# written. XADD runs first: if it refuses, the script has written nothing (Redis does not undo a
+# script's earlier writes).
 _APPEND = """
-local position = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(ARGV[7]))
+local position = tonumber(redis.call('GET', KEYS[1]) or '0')
 local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if newest[1] then
   position = math.max(position, tonumber(string.match(newest[1][1], '^(%d+)')))
 end
-position = position + 1
+if tonumber(ARGV[8]) >= 0 and position > tonumber(ARGV[8]) then
+  return -1
+end
+position = math.max(position, tonumber(ARGV[7])) + 1
 local totals = redis.call('HMGET', KEYS[3], 'ops', 'upserts')
 local ops = tonumber(totals[1] or '0') + tonumber(ARGV[5])
 local upserts = tonumber(totals[2] or '0') + tonumber(ARGV[6])
@@ -147,10 +152,11 @@ class RedisWriteLog:
         """Whether any request was ever appended."""
         return bool(self._db.exists(self._seq))
 
-    def append(self, ops: list[Op], after: int = 0) -> int:
+    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None) -> int:
         """Write one request (all its operations, or none) and return its log position (past
         `after`, the served version's), once Redis answered (after its fsync): the caller may
-        acknowledge it then. LogUnavailable when Redis cannot be reached: nothing acknowledged."""
+        acknowledge it then. LogUnavailable when Redis cannot be reached: nothing acknowledged.
+        `unless_past`: as WriteLog.append (checked inside the script)."""
         if not ops:
             raise ValueError("a write request needs at least one operation")
         if self.readonly:
@@ -160,10 +166,14 @@ class RedisWriteLog:
         upserts = [op for op in ops if isinstance(op, Upsert)]
         vectors = b"".join(np.ascontiguousarray(op.vector, np.float32).tobytes() for op in upserts)
         metadata = orjson.dumps([op.metadata for op in upserts])
+        condition = -1 if unless_past is None else unless_past
         with self._lock, _unavailable(self.address):
-            return int(self._append(keys=[self._seq, self._stream, self._totals],
-                                    args=[ids.tobytes(), kinds.tobytes(), vectors, metadata, len(ops),
-                                          len(upserts), after]))
+            position = int(self._append(keys=[self._seq, self._stream, self._totals],
+                                        args=[ids.tobytes(), kinds.tobytes(), vectors, metadata, len(ops),
+                                              len(upserts), after, condition]))
+        if position < 0:
+            raise LogMoved(f"the log holds requests past {unless_past}")
+        return position
 
     def read(self, after: int, limit: int = 1000) -> list[tuple[int, list[Op]]]:
         """Up to `limit` requests past position `after`, oldest first: (position, its operations)."""

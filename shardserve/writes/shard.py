@@ -79,15 +79,16 @@ class ShardWithDelta:
         distances, ids = merge_topk(parts_d, parts_i, query.k, self._ip, ties_by_id=True)
         return distances, ids, (time.perf_counter() - start) * 1000.0, matched
 
-    def ids_matching(self, where: str) -> np.ndarray:
-        """The live ids that pass a (checked) filter, by their latest metadata: the base's matching
-        ids not deleted or replaced since, plus the delta's matching points."""
+    def ids_matching(self, where: str) -> tuple[np.ndarray, int]:
+        """(the live ids that pass a checked filter, by their latest metadata, the log position
+        that state is at): the base's matching ids not deleted or replaced since, plus the delta's
+        matching points."""
         selected = self.searcher.selected(where)
         with self.delta.lock:
             exclude = self.delta.tombstones.exclusion()
             if exclude is not None:
                 selected = selected[~np.isin(selected, exclude.ids)]
-            return np.union1d(selected, self.delta.matching(where))
+            return np.union1d(selected, self.delta.matching(where)), self.delta.position
 
     def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """Per id, its latest `columns` (None: not in this shard, or deleted): the delta's for its
