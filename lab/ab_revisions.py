@@ -4,7 +4,8 @@ python -m lab.ab_revisions --index DIR [--rounds 2] [--duration 8] [--name hot-p
 
 A REV may carry app-arg overrides as JSON after a `+`: `HEAD+{"max_concurrent_batches":2}` (the
 same code with other settings); an `"index"` override serves another index (the same code on two
-builds of the same data).
+builds of the same data). `--through-serve` runs each revision's own `shardserve serve` instead
+(its edge and default admission included, as `make bench`'s headline), at the same levels.
 
 Why: a hot-path change is worth a few percent, and on this shared 2-core machine two `make bench`
 runs of the same code differ by more than that. Here every revision runs in every round (order
@@ -48,9 +49,52 @@ def queries_of(spec: str):
     return load_dataset(spec).queries
 
 
+def measure_served(index: str, duration_s: float, queries_spec: str, nprobe: int,
+                   levels: tuple[str, ...]) -> dict:
+    """One run through `shardserve serve INDEX` itself, edge and default admission included, as
+    `make bench`'s headline starts it (the revision's own command, its own Ray)."""
+    from loadtests.bench import served
+    from loadtests.vegeta_run import attack, make_targets, write_targets
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
+
+    queries, params = queries_of(queries_spec), {"nprobe": nprobe}
+    result: dict = {"levels": {}, "index": {"version": read_manifest(Location.parse(index)).index_version},
+                    "through": "shardserve serve"}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        with served(index, work / "serve.log") as url:
+            warm = write_targets(work / "warm.jsonl", make_targets(queries, url, 10, params, 0, count=200))
+            attack(warm, "concurrency", 8, 4.0, work, "warm-up")
+            time.sleep(IDLE_S)  # the warm pool fills, as in the headline's steady wait
+            result["levels"] = run_levels(url, queries, params, levels, duration_s, work)
+    return result
+
+
+def run_levels(url: str, queries, params: dict, levels: tuple[str, ...], duration_s: float,  # type: ignore[no-untyped-def]
+               work: Path) -> dict:
+    """Each closed-loop level against `url`, with its CPU per request by process class."""
+    from loadtests.vegeta_run import attack, make_targets, write_targets
+    from shardserve.runtime.procfs import CpuMeter
+
+    found = {}
+    for label in levels:
+        concurrency, batch = KNOWN_LEVELS[label]
+        targets = write_targets(work / f"{label}.jsonl", make_targets(
+            queries, url, 10, params, batch, count=20 if batch else 1000))
+        level = attack(targets, "concurrency", concurrency, duration_s, work, label,
+                       queries_per_request=batch or 1, meter=CpuMeter())
+        found[label] = {key: level.get(key) for key in (
+            "qps", "queries_per_s", "p50_ms", "p99_ms", "compute_p50_ms", "status_codes",
+            "cpu_ms_per_request", "machine_cpu", "batch_mean", "batches_per_s")}
+    return found
+
+
 def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = "fashion-mnist",
             nprobe: int = 16, levels: tuple[str, ...] = LEVELS) -> dict:
     """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
+    if overrides.pop("through_serve", False):
+        return measure_served(index, duration_s, queries_spec, nprobe, levels)
     from shardserve.runtime.ray_session import apply_serving_node_env, ensure_ray, shutdown_ray
 
     apply_serving_node_env()
@@ -82,15 +126,7 @@ def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = 
             time.sleep(IDLE_S)
             result["idle_percent_of_a_core"] = {
                 cls: round(100 * cpu / IDLE_S, 2) for cls, cpu in sorted(meter.stop().items())}
-            for label in levels:
-                concurrency, batch = KNOWN_LEVELS[label]
-                targets = write_targets(work / f"{label}.jsonl", make_targets(
-                    queries, front, 10, params, batch, count=20 if batch else 1000))
-                level = attack(targets, "concurrency", concurrency, duration_s, work, label,
-                               queries_per_request=batch or 1, meter=CpuMeter())
-                result["levels"][label] = {key: level.get(key) for key in (
-                    "qps", "queries_per_s", "p50_ms", "p99_ms", "compute_p50_ms", "status_codes",
-                    "cpu_ms_per_request", "machine_cpu", "batch_mean", "batches_per_s")}
+            result["levels"] = run_levels(front, queries, params, levels, duration_s, work)
         finally:
             shutdown_ray()  # our own Ray (checked above): ending it ends the apps at once
     return result
@@ -148,6 +184,9 @@ def main() -> None:
     cli.add_argument("--queries", default="fashion-mnist", help="a dataset, or embedding-like:DIM")
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--levels", default=",".join(LEVELS), help=f"of {', '.join(KNOWN_LEVELS)}")
+    cli.add_argument("--through-serve", action="store_true",
+                     help="through each revision's `shardserve serve` (edge, default admission), not the "
+                          "router's door; no overrides then")
     cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     cli.add_argument("--overrides", default="{}", help=argparse.SUPPRESS)
     args = cli.parse_args()
@@ -172,7 +211,12 @@ def main() -> None:
         order = list(runs) if round_number % 2 == 0 else list(runs)[::-1]
         for revision in order:
             # `revision` is resolved: a short hash (+ overrides)
-            result = run_revision(revision, index, args.duration, args.queries, args.nprobe, levels)
+            spec = revision
+            if args.through_serve:
+                if "+" in revision:
+                    raise SystemExit("error: --through-serve runs each revision's defaults: no overrides")
+                spec = revision + '+{"through_serve": true}'
+            result = run_revision(spec, index, args.duration, args.queries, args.nprobe, levels)
             result["round"] = round_number
             runs[revision].append(result)
             print(f"round {round_number} {revision}: " + ", ".join(
@@ -193,6 +237,8 @@ def main() -> None:
                                       "replicas": 1, "params": {"nprobe": args.nprobe}},
                     queries=args.queries)
     record.update(revisions=subjects, rounds=args.rounds, duration_s=args.duration, runs=runs,
+                  through="shardserve serve (edge, default admission)" if args.through_serve
+                  else "the router's front door",
                   levels=list(levels), summary=summarise(runs, resolved[args.revisions[0]], levels),
                   not_covered=[f"one index ({manifest.index_factory}, {len(manifest.shards)} shards, "
                                "1 replica each)",
