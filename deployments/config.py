@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardserve.query.scan_choice import batches_share_lists
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
@@ -18,6 +19,9 @@ AUTOSCALED_BATCHES = 2
 # past 32 rows the router's quantizer runs in a thread and shards scan off their event loop, so
 # two such batches overlap for real; smaller ones run one after another.
 OVERLAP_MIN_ROWS = 32
+# The batch fill where a batch's queries share the scan (4M x 128: batches of 28-31 rows at 32
+# clients instead of 16-28; batch-fill-4m-ab.json, fill-served-4m-ab.json).
+AUTO_BATCH_FILL = 0.1
 
 
 class AppArgs(BaseModel):
@@ -60,11 +64,13 @@ class AppArgs(BaseModel):
                                 "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json); "
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
                                 "past its knee depth")
-    batch_fill: float = Field(
-        0.1, ge=0, le=1, description="when a batch ends, the next waits up to this fraction of its time "
-                                     "(at most 5 ms) for the clients it answered to send their next "
-                                     "requests (query.batcher): closed-loop clients stay in one batch "
-                                     "instead of alternating groups; 0: start with what is queued")
+    batch_fill: float | None = Field(
+        None, ge=0, le=1, description="when a batch ends, the next waits up to this fraction of its time "
+                                      "(at most 5 ms) for the clients it answered to send their next "
+                                      "requests (query.batcher): closed-loop clients stay in one batch "
+                                      "instead of alternating groups; 0: start with what is queued; "
+                                      "unset: AUTO_BATCH_FILL where the index's IVF-Flat lists outgrow a "
+                                      "core's cache (their scan is shared by a batch's queries), else 0")
     max_in_flight: int = Field(
         256, ge=1, description="admission control: requests inside a router replica beyond this get an "
                                "immediate 503 + Retry-After instead of joining a growing queue")
@@ -120,6 +126,12 @@ class AppArgs(BaseModel):
         0.0, ge=0, description="0 = off. A shard call not answered after this many ms is sent again "
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
+
+    def fill_for(self, index_factory: str, num_vectors: int, dim: int) -> float:
+        """`batch_fill`, or its default for this index (see its description)."""
+        if self.batch_fill is not None:
+            return self.batch_fill
+        return AUTO_BATCH_FILL if batches_share_lists(index_factory, num_vectors, dim) else 0.0
 
     def batching(self) -> tuple[int, int, int]:
         """(batches in flight at most, how many start whatever their size, queued vectors that let

@@ -24,6 +24,7 @@ from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
+from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.query.fanout import search_grouped
@@ -111,6 +112,17 @@ async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
                        router.args.retry_after_s) from None
 
 
+def _fill(args: AppArgs, manifest: Manifest) -> float:
+    """The batch fill for the index served (AppArgs.fill_for)."""
+    return args.fill_for(manifest.index_factory, manifest.num_vectors, manifest.dim)
+
+
+def _now_serving(router: "Router", loaded: IndexSet) -> None:
+    """A swap done: the metrics and the batch fill follow the index now served."""
+    router.metrics.follow(loaded.manifest, loaded.generation)
+    router.batcher.fill = _fill(router.args, loaded.manifest)
+
+
 def _served(router: "Router") -> tuple:
     """The served version's manifest and log, from one read of the pointer (any thread)."""
     active = router.active
@@ -143,7 +155,7 @@ class Router(ReportsCoresWanted):
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,
-                                       overlap_min_size=overlap_rows, fill=a.batch_fill)
+                                       overlap_min_size=overlap_rows, fill=_fill(a, self.active.manifest))
         jobs = [self._follow_pointer(), self.metrics.export_histograms(),
                 *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]
@@ -239,7 +251,7 @@ class Router(ReportsCoresWanted):
                     links, self.active = self.active.links, loaded  # nothing else of the old kept
                     # its last requests drain first (swap waits); then its memory goes back
                     asyncio.get_running_loop().call_later(60.0, _let_go, links)
-                    self.metrics.follow(loaded.manifest, loaded.generation)
+                    _now_serving(self, loaded)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # control restarting, manifest unreadable: keep serving, retry

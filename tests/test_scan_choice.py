@@ -5,7 +5,13 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from shardserve.query.scan_choice import READS_PER_CACHED_LIST, READS_PER_LIST, ScanChoice, cache_bytes
+from shardserve.query.scan_choice import (
+    READS_PER_CACHED_LIST,
+    READS_PER_LIST,
+    ScanChoice,
+    batches_share_lists,
+    cache_bytes,
+)
 
 
 def test_counts_pairs_and_distinct_lists_in_bytes() -> None:
@@ -64,3 +70,25 @@ def test_the_cache_is_the_cores_unified_level_2_from_sysfs(tmp_path) -> None:
 def test_a_batch_reading_nothing_here_goes_query_by_query() -> None:
     choice = ScanChoice(np.array([0, 0, 4096]), cache=0)
     assert not choice.by_lists(np.array([[0, 1], [0, 1], [-1, -1]]))  # lists held by other shards only
+
+
+def test_batches_share_lists_where_ivf_flat_lists_outgrow_the_cache() -> None:
+    mib = 1 << 20
+    # 4M x 128 over 1024 lists: ~1.95 MiB a list, past a 1 MiB cache; 60K x 784 over 1024: ~180 KiB
+    assert batches_share_lists("IVF1024,Flat", 4_000_000, 128, cache=mib)
+    assert not batches_share_lists("IVF1024,Flat", 60_000, 784, cache=mib)
+    assert not batches_share_lists("IVF1024,Flat", 4_000_000, 128, cache=4 * mib)  # a larger cache
+    assert batches_share_lists("IVF1024_HNSW32,Flat", 4_000_000, 128, cache=mib)
+    for factory in ("IVF1024,PQ16", "HNSW32", "Flat", "IVF1024,SQ8", "OPQ16,IVF1024,PQ16", "IVF0,Flat"):
+        assert not batches_share_lists(factory, 4_000_000, 128, cache=mib), factory
+
+
+def test_the_batch_fill_is_on_where_batches_share_lists_unless_set() -> None:
+    from deployments.config import AUTO_BATCH_FILL, AppArgs
+
+    huge = ("IVF16,Flat", 10**9, 128)  # lists of ~30 GB: past any core's cache
+    assert AppArgs(index="x").fill_for(*huge) == AUTO_BATCH_FILL
+    assert AppArgs(index="x").fill_for("IVF1024,Flat", 60_000, 784) == 0.0  # lists ~180 KB
+    assert AppArgs(index="x").fill_for("HNSW32", 10**9, 128) == 0.0
+    assert AppArgs(index="x", batch_fill=0.0).fill_for(*huge) == 0.0  # what the user sets wins
+    assert AppArgs(index="x", batch_fill=0.3).fill_for("HNSW32", 10, 4) == 0.3
