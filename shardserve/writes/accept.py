@@ -53,7 +53,7 @@ async def delete_matching(front: WriteFront, find: Callable[[], Awaitable[Matche
     append), so the delete takes effect exactly at the state it was evaluated on: a write landing
     in between (an upsert that makes a point stop matching) makes it evaluate again. One at a
     time per front; more than `limit` matches: a 422, no ids moved."""
-    if front.path is None:
+    if log is None:  # the served version's log (the front's own may still be the last index's)
         raise front.no_log()
     if front.deleting:
         raise ApiError(503, None, "a delete by filter is already running here", front.retry_after_s)
