@@ -132,6 +132,21 @@ def test_the_write_backlog_is_bounded_and_a_refusal_writes_nothing(index: Path) 
     assert remote.value.status == 501
 
 
+def test_the_backlog_bound_counts_what_another_router_appended(index: Path) -> None:
+    """A front counts its own appends without asking the log; once another writer's request lands
+    between two of its own, it counts the log again: the bound holds across routers."""
+    manifest = read_manifest(Location.parse(str(index)))
+    one, two = (WriteFront(log_path(str(index)), max_backlog=4) for _ in range(2))
+    vectors = np.ones((2, DIM), np.float32)
+    assert one.upsert(_body([1], vectors[:1]), manifest)["position"] == 1
+    assert one.upsert(_body([2], vectors[:1]), manifest)["position"] == 2  # counted: its own, 2
+    assert two.upsert(_body([3, 4], vectors), manifest)["position"] == 3  # counted from the log: 4
+    with pytest.raises(ApiError) as full:  # 2 of its own + 2 of the other's + 1 > 4
+        one.upsert(_body([5], vectors[:1]), manifest)
+    assert full.value.status == 503 and "backlog full" in full.value.message
+    assert WriteLog(log_path(str(index)), readonly=True).last_position() == 3
+
+
 def test_after_a_swap_to_another_index_writes_go_to_that_index_s_log(index: Path, tmp_path: Path) -> None:
     """The router's front follows the served version: once a swap moves the server onto another
     index directory, a write lands in that index's log (where its shards read), not the first's,

@@ -25,7 +25,7 @@ from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.delta import DeltaFull, ShardDelta
 from shardserve.writes.log import WriteLog
 from shardserve.writes.ops import Delete, Op, Upsert
-from shardserve.writes.route import WriteRoute
+from shardserve.writes.route import WriteRoute, splitmix64
 from shardserve.writes.shard import ShardWithDelta
 from shardserve.writes.tombstones import stored_ids
 from tests.shared import sharded_and_unsharded
@@ -261,6 +261,19 @@ def _base_vectors(searcher: ShardSearcher) -> np.ndarray:
     if searcher.ivf is not None:
         return searcher._vectors(ids)
     return searcher.index.reconstruct_batch(ids)
+
+
+def test_one_point_s_home_is_the_vectorised_rule_s() -> None:
+    """A replica routes a one-point request without numpy (home_of): the same shard as shard_of,
+    over ids spread to the top of int64."""
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([np.arange(1000), rng.integers(0, np.iinfo(np.int64).max, 5000, dtype=np.int64),
+                          [np.iinfo(np.int64).max]])
+    for shards in (1, 3, 4, 7):
+        route = WriteRoute(Partition(shards))
+        assert route.by_id
+        assert [route.home_of(int(i)) for i in ids] == route.shard_of(ids, np.zeros((len(ids), 2))).tolist()
+    assert splitmix64(ids[:1]).dtype == np.uint64
 
 
 def test_a_full_delta_refuses_the_whole_request(tmp_path: Path) -> None:

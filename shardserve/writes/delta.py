@@ -98,20 +98,25 @@ class ShardDelta:
             if position <= self.position:
                 return False
             upserts = [op for op in ops if isinstance(op, Upsert)]
-            vectors = np.stack([op.vector for op in upserts]) if upserts else np.zeros((0, self.dim))
-            if vectors.shape[1] != self.dim:  # checked before anything changes: all or nothing
-                raise ValueError(f"request {position}: vectors of dim {vectors.shape[1]}, the index's is "
-                                 f"{self.dim}")
-            home = (self.route.shard_of(np.array([op.id for op in upserts], np.int64), vectors) if upserts
-                    else np.zeros(0, np.int32))
-            adding = int((home == self.shard).sum())
+            for point in upserts:  # checked before anything changes: all or nothing
+                if point.vector.shape != (self.dim,):
+                    raise ValueError(f"request {position}: a vector of shape {point.vector.shape}, "
+                                     f"the index's dim is {self.dim}")
+            if self.route.by_id:  # most requests hold one point: no numpy round trip
+                home = [self.route.home_of(op.id) for op in upserts]
+            elif upserts:
+                home = self.route.shard_of(np.array([op.id for op in upserts], np.int64),
+                                           np.stack([op.vector for op in upserts])).tolist()
+            else:
+                home = []
+            adding = home.count(self.shard)
             if bounded and self.rows + adding > self.max_rows:
                 raise DeltaFull(self.rows, adding, self.max_rows)
             if self._used + adding > len(self._ids):
                 self._grow(self.rows + adding)
             touched = {op.id for op in ops}
             was_here = [id_ for id_ in touched if id_ in self._slot]
-            homes = iter(home.tolist())
+            homes = iter(home)
             for op in ops:
                 self._slot.pop(op.id, None)  # its previous row is dead (repacked later)
                 self.tombstones.hide(op.id)  # a base copy is hidden for good

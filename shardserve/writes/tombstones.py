@@ -65,7 +65,10 @@ class Tombstones:
 
     def hide(self, id_: int) -> bool:
         """Leave a base id out of every search from now on (False: not in the base, or hidden)."""
-        if id_ in self._hidden or not self.in_base(np.array([id_]))[0]:
+        if id_ in self._hidden:
+            return False
+        at = int(self.base_ids.searchsorted(id_))  # in_base for one id, without building arrays
+        if at == len(self.base_ids) or self.base_ids[at] != id_:
             return False
         self._hidden.add(id_)
         self._pending.append(id_)
