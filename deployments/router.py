@@ -30,7 +30,7 @@ from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.query.fanout import search_grouped
 from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
-from shardserve.query.parse import parse_query, receive_body
+from shardserve.query.parse import is_npy, parse_query, receive_body
 from shardserve.query.parse_writes import delete_filter
 from shardserve.query.render import coverage_error, index_summary, render_search
 from shardserve.runtime.heap import give_back, settled
@@ -84,14 +84,15 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     started, status = time.perf_counter(), 200
     try:
         active = router.active  # one version: its manifest checks the body, its log takes it
-        where = None if upsert else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
-                                                  max(s.num_vectors for s in active.manifest.shards))
+        npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (parse_writes)
+        where = None if upsert or npy else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
+                                                         max(s.num_vectors for s in active.manifest.shards))
         if where is not None:  # its matching ids, deleted by id (shardserve.writes.accept)
             return _json(await delete_matching(router.writes, lambda: _matching(router, active, where),
                                                active.manifest, active.log, served=lambda: _served(router)))
         return _json(await router.writes.accept(
             request.body, upsert, active.manifest, active.log,
-            served=lambda: _served(router)))  # read again once its turn comes
+            served=lambda: _served(router), npy=npy))  # `served` read again once its turn comes
     except ApiError as error:
         status = error.status
         return _error(error)

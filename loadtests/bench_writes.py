@@ -2,7 +2,8 @@
 real peer's server (Chroma's `chroma run`, its own venv: .venv-peer) holding the same 60K x 784
 Fashion-MNIST base. Both are driven by the same Python harness over HTTP on loopback:
 
-- batches of 100 upserts, one client: vectors/s;
+- batches of 100 upserts, one client: vectors/s (shardserve also with .npy bodies, which the
+  peer's API has no form of);
 - single upserts from 8 clients: upserts/s and the acknowledgement p50/p99;
 - read-your-writes: 500 single upserts, each searched by its own vector on another connection
   right after its 200; 1,000 deletes (batches of 100), each deleted id searched after its 200;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import os
 import shutil
@@ -69,6 +71,12 @@ class Shardserve:
 
     def delete(self, http: httpx.Client, ids: list[int]) -> None:
         _ok(http.post(f"{self.url}/v1/delete", content=orjson.dumps({"ids": ids}), headers=_JSON))
+
+    def upsert_npy(self, http: httpx.Client, ids: list[int], vectors: np.ndarray) -> None:
+        """The bulk form: the ids then the vectors as .npy arrays in one body (what Client.upsert
+        sends without metadata)."""
+        body = _npy(np.asarray(ids, np.int64)) + _npy(np.asarray(vectors, np.float32))
+        _ok(http.post(f"{self.url}/v1/upsert", content=body, headers={"content-type": "application/x-npy"}))
 
     def query(self, http: httpx.Client, vector: np.ndarray, k: int) -> list[int]:
         body = orjson.dumps({"vector": vector, "k": k}, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -140,6 +148,12 @@ class Chroma:
 _JSON = {"content-type": "application/json"}
 
 
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
 def _ok(response: httpx.Response) -> bytes:
     if response.status_code not in (200, 201):
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -149,8 +163,8 @@ def _ok(response: httpx.Response) -> bytes:
 class Points:
     """New points: base rows plus noise, each id used once."""
 
-    def __init__(self, base: np.ndarray, seed: int):
-        self.base, self.rng, self.next = base, np.random.default_rng(seed), NEW_IDS
+    def __init__(self, base: np.ndarray, seed: int, first: int = NEW_IDS):
+        self.base, self.rng, self.next = base, np.random.default_rng(seed), first
         self.lock = threading.Lock()
 
     def take(self, n: int) -> tuple[list[int], np.ndarray]:
@@ -165,14 +179,14 @@ def _percentiles(ms: list[float]) -> dict[str, float]:
     return {f"p{q}_ms": round(float(np.percentile(ms, q)), 2) for q in (50, 99)}
 
 
-def batch_upserts(target, points: Points, batches: int = 40, size: int = 100) -> dict:
+def batch_upserts(send: Callable, points: Points, batches: int = 40, size: int = 100) -> dict:
     ms: list[float] = []
     with httpx.Client(timeout=120) as http:
         started = time.perf_counter()
         for _ in range(batches):
             ids, vectors = points.take(size)
             t = time.perf_counter()
-            target.upsert(http, ids, vectors)
+            send(http, ids, vectors)
             ms.append((time.perf_counter() - t) * 1000)
         elapsed = time.perf_counter() - started
     return {"vectors_per_s": round(batches * size / elapsed, 1), **_percentiles(ms)}
@@ -323,10 +337,12 @@ def run(index: Path, work: Path) -> dict:
         chroma = Chroma(data.base, work / "chroma")
         for name, target in (("shardserve", shardserve), ("chroma", chroma)):
             points = Points(data.base, seed=1)
-            results[name] = {"batch_100": batch_upserts(target, points),
+            results[name] = {"batch_100": batch_upserts(target.upsert, points),
                              "single_8_clients": single_upserts(target, points),
                              **read_your_writes(target, points)}
         chroma.stop()  # idle, but not on the machine beside the next measure
+        results["shardserve"]["batch_100_npy"] = batch_upserts(
+            shardserve.upsert_npy, Points(data.base, seed=3, first=2 * NEW_IDS))
         results["shardserve"]["churn"] = churn
         results["shardserve"]["search_32_clients"] = search_under_ingest(
             shardserve, data.queries[:1000], Points(data.base, seed=2), work / "vegeta")

@@ -404,6 +404,10 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
     rows += ["", "| writes, one run | shardserve | Chroma's server | ratio |", "|---|---|---|---|",
              f"| batches of 100 upserts, vectors/s | {s['batch_100']['vectors_per_s']:,.0f} | "
              f"{c['batch_100']['vectors_per_s']:,.0f} | {ratio['batch_100_vectors_per_s']:.2f}x |",
+             *([f"| the same as .npy bodies (ids, then vectors), vectors/s | "
+                f"{s['batch_100_npy']['vectors_per_s']:,.0f} | (JSON only) | "
+                f"{s['batch_100_npy']['vectors_per_s'] / c['batch_100']['vectors_per_s']:.2f}x |"]
+               if "batch_100_npy" in s else []),
              f"| single upserts, 8 clients, /s | {one['upserts_per_s']:,.0f} | "
              f"{peer_one['upserts_per_s']:,.0f} | {ratio['single_upserts_per_s']:.2f}x |",
              f"| acknowledgement p50 / p99 | {one['p50_ms']} / {one['p99_ms']} ms | "

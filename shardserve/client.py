@@ -20,6 +20,7 @@ answer, a 503 included, is the edge's answer: overload is not failed over.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -82,6 +83,7 @@ def _batch(payload: dict) -> list[Hits]:
 
 
 _JSON = {"content-type": "application/json"}
+_NPY = {"content-type": "application/x-npy"}  # an upsert without metadata: ids then vectors
 # The connection never reached the edge: nothing was sent, any request may go to the next edge.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 CONNECT_TIMEOUT_S = 3.0  # an edge that does not accept a connection by then is taken as down
@@ -109,11 +111,26 @@ class _Edges(Generic[Http]):
         return following
 
 
-def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> bytes:
+def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> tuple[bytes, dict]:
+    """Without metadata: the ids then the vectors as two .npy arrays (no JSON numbers to write or
+    parse); with it, JSON."""
+    if metadata is None:
+        try:
+            id_array = np.asarray([int(i) for i in ids], np.int64)
+        except OverflowError:  # past int64: sent as given, for the server's 422
+            id_array = None
+        if id_array is not None:
+            return _npy(id_array) + _npy(np.asarray(vectors, np.float32)), _NPY
     body: dict[str, Any] = {"ids": [int(i) for i in ids], "vectors": np.asarray(vectors, np.float32)}
     if metadata is not None:
         body["metadata"] = metadata
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), _JSON
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
 
 
 def _delete_body(ids: Any, filter: dict | None) -> bytes:
@@ -134,14 +151,15 @@ class Client:
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self._edges = _Edges(url, lambda base: httpx.Client(base_url=base, timeout=timeout, headers=headers))
 
-    def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+    def _send(self, method: str, path: str, body: bytes | None = None,
+              headers: dict | None = None) -> httpx.Response:
         edge, tried = self._edges.current, 0
         while True:
             http = self._edges.clients[edge]
             try:
                 if body is None:
                     return http.request(method, path)
-                return http.request(method, path, content=body, headers=_JSON)
+                return http.request(method, path, content=body, headers=headers or _JSON)
             except _NOT_SENT:
                 following = self._edges.failed(edge, tried)
                 if following is None:
@@ -163,7 +181,7 @@ class Client:
     def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
         """Insert or replace points (ids int64 >= 0, one vector row each, metadata aligned or None).
         Returns {"position", "upserted"} once the write is durable and visible to every later search."""
-        return _answer(self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
+        return _answer(self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata)))
 
     def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         """Delete points by id (an unknown id is no error), or every point a search's `filter` matches
@@ -197,14 +215,15 @@ class AsyncClient:
         self._edges = _Edges(url, lambda base: httpx.AsyncClient(base_url=base, timeout=timeout,
                                                                  headers=headers))
 
-    async def _send(self, method: str, path: str, body: bytes | None = None) -> httpx.Response:
+    async def _send(self, method: str, path: str, body: bytes | None = None,
+                    headers: dict | None = None) -> httpx.Response:
         edge, tried = self._edges.current, 0
         while True:
             http = self._edges.clients[edge]
             try:
                 if body is None:
                     return await http.request(method, path)
-                return await http.request(method, path, content=body, headers=_JSON)
+                return await http.request(method, path, content=body, headers=headers or _JSON)
             except _NOT_SENT:
                 following = self._edges.failed(edge, tried)
                 if following is None:
@@ -222,7 +241,7 @@ class AsyncClient:
         return _batch(_answer(await self._send("POST", "/v1/search", body)))
 
     async def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
-        return _answer(await self._send("POST", "/v1/upsert", _upsert_body(ids, vectors, metadata)))
+        return _answer(await self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata)))
 
     async def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         return _answer(await self._send("POST", "/v1/delete", _delete_body(ids, filter)))

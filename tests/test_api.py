@@ -219,7 +219,7 @@ def test_the_openapi_document_describes_the_writes() -> None:
     paths = openapi_document()["paths"]
     for route in ("/v1/upsert", "/v1/delete"):
         post = paths[route]["post"]
-        assert "application/json" in post["requestBody"]["content"]
+        assert {"application/json", "application/x-npy"} <= set(post["requestBody"]["content"])
         assert {"200", "422", "503", "501"} <= set(post["responses"])
 
 

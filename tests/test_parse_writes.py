@@ -3,6 +3,7 @@ the field, for the whole request. No server: the parser alone."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,14 @@ import pytest
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
-from shardserve.query.parse_writes import delete_filter, parse_delete, parse_upsert
+from shardserve.query.parse import parse_npy_request
+from shardserve.query.parse_writes import (
+    delete_filter,
+    parse_delete,
+    parse_delete_npy,
+    parse_upsert,
+    parse_upsert_npy,
+)
 from shardserve.writes.accept import WriteFront, delete_matching
 from shardserve.writes.locate import open_log
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
@@ -131,6 +139,92 @@ def test_a_delete_takes_ids_only() -> None:
     with pytest.raises(ApiError) as refused:
         parse_delete(b'{"ids": [1], "vectors": [[1, 2, 3, 4]]}', 10)
     assert refused.value.field == "vectors" and "unknown field" in refused.value.message
+
+
+def npy(*arrays: object) -> bytes:
+    """Arrays saved one after the other, as a .npy write body holds them."""
+    out = b""
+    for array in arrays:
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(array), allow_pickle=False)
+        out += buffer.getvalue()
+    return out
+
+
+def test_an_npy_upsert_is_the_json_upsert() -> None:
+    """The ids array then the vectors array: the same operations as the JSON body, whatever the
+    ids' integer width or the vectors' float width; a delete's body is the ids alone."""
+    vectors = np.array([V, [0, 0, 0, 1], [1, 2, 3, 4]], np.float64)
+    json_ops = upsert({"ids": [0, 7, MAX_ID], "vectors": vectors.tolist()}, metric="cosine")
+    for ids in (np.array([0, 7, MAX_ID], np.int64), np.array([0, 7, MAX_ID], np.uint64)):
+        ops = parse_upsert_npy(npy(ids, vectors), DIM, "cosine", 10)
+        assert [op.id for op in ops] == [0, 7, MAX_ID] and all(type(op.id) is int for op in ops)
+        for mine, theirs in zip(ops, json_ops, strict=True):
+            assert mine.metadata is None and mine.vector.dtype == np.float32
+            assert mine.vector.tobytes() == theirs.vector.tobytes()
+    assert [op.id for op in parse_upsert_npy(npy(np.array([5], np.uint8), np.array(V, np.float32)),
+                                             DIM, "l2", 10)] == [5]  # one point: a (dim,) vector
+    assert parse_delete_npy(npy(np.array([3, 1], np.int32)), 10) == [Delete(3), Delete(1)]
+
+
+@pytest.mark.parametrize(("body", "field", "says"), [
+    (b"not npy", "body", "not a .npy array"),
+    (npy(np.array([1.0]), np.array([V])), "ids", "must hold integers"),
+    (npy(np.array([[1]]), np.array([V])), "ids", "must be (n,)"),
+    (npy(np.zeros(0, np.int64), np.zeros((0, DIM))), "ids", "must be (n,) and non-empty"),
+    (npy(np.arange(11), np.zeros((11, DIM))), "ids", "too many points"),
+    (npy(np.array([-1]), np.array([V])), "ids", "outside"),
+    (npy(np.array([2**63], np.uint64), np.array([V])), "ids", "outside"),
+    (npy(np.array([4, 2, 4]), np.array([V, V, V])), "ids", "ids[2] = 4 appears twice"),
+    (npy(np.array([1])), "vectors", "vectors is required"),
+    (npy(np.array([1, 2]), np.array([V])), "vectors", "aligned with ids: 2 ids, 1 vectors"),
+    (npy(np.array([1]), np.array([V + [0.0]])), "vectors", "wrong dimension"),
+    (npy(np.array([1]), np.array([[np.nan, 0, 0, 0]])), "vectors", "NaN"),
+    (npy(np.array([1]), np.array(["a", "b", "c", "d"])), "body", "must hold floats"),
+    (npy(np.array([1]), np.array([V]))[:-3], "body", "data is"),
+    (npy(np.array([1, 2]))[:-4], "body", "cut short"),
+])
+def test_bad_npy_upserts_are_422_naming_the_field(body: bytes, field: str, says: str) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_upsert_npy(body, DIM, "l2", 10)
+    assert refused.value.status == 422 and refused.value.field == field and says in refused.value.message
+
+
+def test_mangled_npy_write_bodies_are_422_or_parse_never_anything_else() -> None:
+    """Bytes flipped, cut and repeated anywhere in valid .npy write bodies (and in the vectors
+    array alone, as a search's body): every one parses, or is a 422; no other exception, nothing
+    unpickled (a cut header once raised tokenize's TokenError through NumPy's header reader)."""
+    rng = np.random.default_rng(11)
+    good = npy(np.array([1, 2, 3], np.int64), np.ones((3, DIM), np.float32))
+    outcomes = set()
+    for trial in range(3000):
+        body = bytearray(good)
+        for _ in range(int(rng.integers(1, 4))):
+            at = int(rng.integers(0, len(body)))
+            kind = trial % 3
+            if kind == 0:
+                body[at] = int(rng.integers(0, 256))
+            elif kind == 1:
+                del body[at:]
+                break
+            else:
+                body[at:at] = body[at:at + int(rng.integers(1, 16))]
+        for parse in (lambda b: parse_upsert_npy(b, DIM, "l2", 10), lambda b: parse_delete_npy(b, 10),
+                      lambda b: parse_npy_request(b[b.index(b"\x93NUMPY", 1):] if b.count(b"\x93NUMPY") > 1
+                                                  else b, "", DIM, 10, 10)):  # a search's: the vectors
+            try:
+                parse(bytes(body))
+                outcomes.add("parsed")
+            except ApiError as refused:
+                assert refused.status == 422
+                outcomes.add("422")
+    assert outcomes == {"parsed", "422"}
+
+
+def test_an_npy_delete_holds_the_ids_alone() -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_delete_npy(npy(np.array([1]), np.array([V])), 10)
+    assert refused.value.field == "body" and "ids alone" in refused.value.message
 
 
 def test_a_delete_by_filter_is_a_checked_search_filter_or_nothing() -> None:

@@ -5,6 +5,7 @@ write leaves nothing behind."""
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from pathlib import Path
@@ -138,6 +139,12 @@ def test_a_refused_write_leaves_nothing_behind(writable) -> None:
         nan = httpx.post(f"{url}/v1/upsert", content=b'{"ids": [1], "vectors": [[NaN' + b', 0' * (DIM - 1)
                          + b']]}', timeout=30)
         assert nan.status_code == 422 and nan.json()["field"] == "vectors"
+        ids, vectors = io.BytesIO(), io.BytesIO()  # .npy: the ids array twice over, then vectors
+        np.save(ids, np.array([3, 3], np.int64))
+        np.save(vectors, np.zeros((2, DIM), np.float32))
+        twice = httpx.post(f"{url}/v1/upsert", content=ids.getvalue() + vectors.getvalue(), timeout=30,
+                           headers={"content-type": "application/x-npy"})
+        assert twice.status_code == 422 and twice.json()["field"] == "ids", twice.text
         with pytest.raises(ApiError) as refused:
             client.delete([])
         assert refused.value.status == 422 and refused.value.field == "ids"

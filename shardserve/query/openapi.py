@@ -65,8 +65,9 @@ _NPY_QUERY = [("k", "integer", "neighbours to return (default 10)"),
 
 
 def openapi_document() -> dict:
-    """The pydantic-generated document, plus the .npy body that /v1/search also takes (its other
-    fields in the query string: shardserve.query.api.parse_npy_request)."""
+    """The pydantic-generated document, plus the .npy bodies that /v1/search (its other fields in
+    the query string: shardserve.query.parse.parse_npy_request), /v1/upsert and /v1/delete also
+    take (shardserve.query.parse_writes)."""
     document = _describe().openapi()
     search = document["paths"]["/v1/search"]["post"]
     search["requestBody"]["content"][NPY_CONTENT_TYPE] = {"schema": {
@@ -76,6 +77,12 @@ def openapi_document() -> dict:
     search["parameters"] = [{"name": name, "in": "query", "required": False,
                              "description": f"{text} (.npy bodies only)", "schema": {"type": kind}}
                             for name, kind, text in _NPY_QUERY]
+    for route, holds in (("/v1/upsert", "the ids ((n,) integers), then the vectors ((n, dim) floats); no "
+                                        "metadata"),
+                         ("/v1/delete", "the ids ((n,) integers) alone")):
+        document["paths"][route]["post"]["requestBody"]["content"][NPY_CONTENT_TYPE] = {"schema": {
+            "type": "string", "format": "binary",
+            "description": f"NumPy .npy arrays one after the other (bulk loads): {holds}"}}
     return document
 
 

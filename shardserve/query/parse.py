@@ -13,6 +13,7 @@ import dataclasses
 import io
 import math
 from collections.abc import AsyncIterator, Collection
+from tokenize import TokenError
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
 
@@ -186,19 +187,19 @@ _NPY_HEADER_MAX = 4096
 _npy_headers: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}  # header bytes -> parsed
 
 
-def _npy_header(body: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """(shape, fortran order, dtype, offset of the data) of a .npy body. NumPy's own header parser
-    (a Python literal_eval) cost more than parsing a 784-float JSON body, so each distinct header
-    is parsed by it once and kept: clients send few distinct shapes."""
-    if body[:6] != _NPY_MAGIC or len(body) < 10:
+def _npy_header(body: bytes, at: int = 0) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, offset of the data) of the .npy array starting at `at` in a
+    body. NumPy's own header parser (a Python literal_eval) cost more than parsing a 784-float JSON
+    body, so each distinct header is parsed by it once and kept: clients send few distinct shapes."""
+    if body[at:at + 6] != _NPY_MAGIC or len(body) < at + 10:
         raise ApiError(422, "body", "body is not a .npy array (no \\x93NUMPY magic)")
-    if body[6] not in (1, 2):
-        raise ApiError(422, "body", f".npy format version {body[6]} is not read here: use 1 or 2")
-    size_bytes = 2 if body[6] == 1 else 4
-    start = 8 + size_bytes + int.from_bytes(body[8:8 + size_bytes], "little")
-    if start - 8 - size_bytes > _NPY_HEADER_MAX or start > len(body):
+    if body[at + 6] not in (1, 2):
+        raise ApiError(422, "body", f".npy format version {body[at + 6]} is not read here: use 1 or 2")
+    size_bytes = 2 if body[at + 6] == 1 else 4
+    start = at + 8 + size_bytes + int.from_bytes(body[at + 8:at + 8 + size_bytes], "little")
+    if start - at - 8 - size_bytes > _NPY_HEADER_MAX or start > len(body):
         raise ApiError(422, "body", "the .npy header is cut short or too long")
-    header = body[:start]
+    header = body[at:start]
     parsed = _npy_headers.get(header)
     if parsed is None:
         stream = io.BytesIO(header)
@@ -206,7 +207,7 @@ def _npy_header(body: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
             version = npy_format.read_magic(stream)
             read = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
             parsed = read(stream, max_header_size=_NPY_HEADER_MAX)
-        except (ValueError, OSError, SyntaxError) as exc:
+        except (ValueError, OSError, SyntaxError, TokenError) as exc:  # a cut header: TokenError
             raise ApiError(422, "body", f"body is not a .npy array: {exc}") from None
         if len(_npy_headers) >= 1024:  # bounded: a client cycling shapes only costs re-parsing
             _npy_headers.clear()
@@ -214,9 +215,10 @@ def _npy_header(body: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     return (*parsed, start)
 
 
-def _npy_matrix(body: bytes, dim: int, max_vectors: int) -> tuple[np.ndarray, bool]:
-    """(float32 n x dim matrix, single?) from .npy bytes; 422 naming what is wrong otherwise."""
-    shape, fortran_order, dtype, start = _npy_header(body)
+def _npy_matrix(body: bytes, dim: int, max_vectors: int, at: int = 0) -> tuple[np.ndarray, bool]:
+    """(float32 n x dim matrix, single?) from the .npy array at `at` to the body's end; 422 naming
+    what is wrong otherwise."""
+    shape, fortran_order, dtype, start = _npy_header(body, at)
     if dtype.kind != "f" or dtype.hasobject:
         raise ApiError(422, "body", f"the array must hold floats (float16/32/64), not {dtype}")
     if len(shape) not in (1, 2) or 0 in shape:
