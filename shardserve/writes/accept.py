@@ -26,7 +26,7 @@ import numpy as np
 
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
-from shardserve.query.parse_writes import parse_delete, parse_upsert
+from shardserve.query.parse_writes import parse_delete, parse_delete_npy, parse_upsert, parse_upsert_npy
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.log import LogMoved
@@ -108,22 +108,24 @@ class WriteFront:
     async def accept(self, body: bytes | list[Delete], upsert: bool, manifest: Manifest,
                      log: LogAddress | None | Same = SAME,
                      served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
-                     unless_past: int | None = None) -> dict:
-        """A write request from an event loop: parsed here (as a search is), appended in the writes
-        thread, a 503 at once when `max_waiting` are already waiting for it. `log`: the served
-        version's log, when a swap may have moved the server onto another index (its own log) since
-        the last write. `body` a list: deletes already found (a delete by filter) in `log` at
-        `unless_past`, appended as they are if that log is still served and holds nothing past it,
-        else LogMoved. `served`: read again in the writes thread just before the append, since a
-        swap may land while the request waits behind others there (a body is then parsed again
-        against the version served).
+                     unless_past: int | None = None, npy: bool = False) -> dict:
+        """A write request from an event loop (`npy`: a .npy body): parsed here, as a search is,
+        then appended in the writes thread; a 503 at once when `max_waiting` are already waiting
+        for it. `log`: the served version's log, when a swap may have moved the server onto another
+        index (its own log) since the last write. `body` a list: deletes already found (a delete by
+        filter) in `log` at `unless_past`, appended as they are if that log is still served and
+        holds nothing past it, else LogMoved. `served`: read again in the writes thread just before
+        the append, since a swap may land while the request waits behind others there (a body is
+        then parsed again against the version served).
 
         Why the parse is not in the writes thread: the router's event loop is busy with searches,
-        and a thread that runs Python code beside it takes the GIL from it again and again (each
-        hand-off two context switches): at 200 single upserts/s beside 32 search clients, parsing
-        and appending in the thread cost the router ~0.4 ms more CPU per write than doing both on
-        the loop (loadtests/records/write-path-ab.json). The thread keeps the append alone, whose
-        commit waits for an fsync that must not stall the searches."""
+        and every time a thread beside it runs Python code, it takes the GIL from the loop (a
+        hand-off, two context switches). Parsing on the loop, with fewer SQLite statements in the
+        thread, took searches beside 200 single upserts/s from 0.693x to 0.718x of their quiet
+        rate (lab.ingest_ab, loadtests/records/write-path-ab.json). The thread keeps the append,
+        whose commit waits for an fsync: the whole append on the loop saved the router another
+        ~0.35 ms of CPU per write, but searches beside writes ran at 1.01x this, and an fsync on a
+        slower disk would stall every search in the router."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
         path = self.path if log is SAME else log
@@ -131,7 +133,7 @@ class WriteFront:
             raise self._backlog_full()
         if path is None and not isinstance(body, list):
             raise self.no_log()
-        parsed = body if isinstance(body, list) else self._parse(body, upsert, manifest)
+        parsed = body if isinstance(body, list) else self._parse(body, upsert, manifest, npy)
         self.waiting += 1
 
         def work() -> dict:
@@ -141,7 +143,7 @@ class WriteFront:
                     raise LogMoved("the server moved to another index while the filter was evaluated")
                 return {"position": self._append(body, now, where, unless_past) if body else None,
                         "deleted": len(body)}
-            ops = parsed if now is manifest else self._parse(body, upsert, now)
+            ops = parsed if now is manifest else self._parse(body, upsert, now, npy)
             done = "upserted" if upsert else "deleted"
             return {"position": self._append(ops, now, where), done: len(ops)}
 
@@ -150,7 +152,10 @@ class WriteFront:
         finally:
             self.waiting -= 1
 
-    def _parse(self, body: bytes, upsert: bool, manifest: Manifest) -> list[Op]:
+    def _parse(self, body: bytes, upsert: bool, manifest: Manifest, npy: bool = False) -> list[Op]:
+        if npy:
+            return list(parse_upsert_npy(body, manifest.dim, manifest.metric, self.max_points) if upsert
+                        else parse_delete_npy(body, self.max_points))
         if upsert:
             return list(parse_upsert(body, manifest.dim, manifest.metric, manifest.dataset.metadata_kinds,
                                      self.max_points))
