@@ -1,7 +1,7 @@
 """Acknowledged writes survive SIGKILLs, and a 200 is visible at once: the default `shardserve serve`
-under a steady load of single upserts, deletes and searches, while a shard replica, the router
-replica, every process of the server, or every process of the server while its automatic
-compaction runs is killed with SIGKILL (the whole server is then started again with the same
+under a steady load of single upserts, deletes (by id, and by filter) and searches, while a shard
+replica, the router replica, every process of the server, or every process of the server while its
+automatic compaction runs is killed with SIGKILL (the whole server is then started again with the same
 command, on the same index directory). The server compacts on its own every `compact_at`
 operations (`--compact-at`), so compactions and their swaps also run beside the other kills.
 
@@ -45,6 +45,7 @@ from shardserve.runtime.ports import free_port
 RECORDS = Path(__file__).parent / "records"
 RUN_ENV = "SHARDSERVE_CRASH_RUN"  # every process a server starts inherits it: how kills find them
 NEW_IDS = 1 << 40  # upserted ids start here, far from any base row number
+TAG_BASE = 1 << 50  # values of the int64 column that tags the points a delete by filter deletes
 KINDS = ("shard", "router", "server", "compaction")
 KILL_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # after "compacting" is printed: compaction, swap, gate, switch
 
@@ -136,6 +137,8 @@ class Ledger:
     seen_at_once: list[bool | None] = field(default_factory=list)  # upserts
     gone_at_once: list[bool | None] = field(default_factory=list)  # deletes
     refused: dict[str, int] = field(default_factory=dict)
+    # per acknowledged delete by filter: (ids it deleted, its tagged upserts acknowledged, sent)
+    filter_deletes: list[tuple[int, int, int]] = field(default_factory=list)
     acks: int = 0  # 200s so far, of either kind
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -144,13 +147,15 @@ class Ledger:
 
 
 class Load:
-    """One writer (single upserts, every 4th op a delete of an earlier upsert or of a base row) and
+    """One writer (single upserts, every 4th op a delete of an earlier upsert or of a base row, and
+    with `tag_column` every 16th a delete by filter of two upserts tagged for it) and
     one searcher, each on its own connection, until stopped. `writes_per_s`: the writer's pace
     (None: back to back); `searcher`: whether the searcher runs."""
 
     def __init__(self, url: str | list[str], dim: int, base: np.ndarray, seed: int = 0,
-                 writes_per_s: float | None = None, searcher: bool = True):
+                 writes_per_s: float | None = None, searcher: bool = True, tag_column: str | None = None):
         self.url, self.dim, self.base = url, dim, base
+        self.tag_column = tag_column  # an int64 column: every 16th op a delete by filter on it
         self.pause_s = 0.0 if writes_per_s is None else 1.0 / writes_per_s
         self.ledger, self.stopping = Ledger(), threading.Event()
         self.rng = np.random.default_rng(seed)
@@ -182,22 +187,57 @@ class Load:
         ops = 0
         while not self.stopping.is_set():
             ops += 1
-            if ops % 4 == 0:
+            if ops % 16 == 0 and self.tag_column is not None:
+                self._delete_by_filter(writer, reader)
+            elif ops % 4 == 0:
                 self._delete_one(writer, reader)
             else:
                 self._upsert_one(writer, reader)
             if self.pause_s:
                 self.stopping.wait(self.pause_s)
 
-    def _upsert_one(self, writer: Client, reader: Client) -> None:
+    def _upsert_one(self, writer: Client, reader: Client, metadata: dict | None = None) -> int | None:
         id_, self.next_id = self.next_id, self.next_id + 1
         vector = (self.base[self.rng.integers(len(self.base))]
                   + self.rng.normal(0, 8, self.dim)).astype(np.float32)
-        if not self._acked(lambda: writer.upsert([id_], vector[None]), id_):
-            return
+        rows: list[dict | None] | None = None if metadata is None else [metadata]
+        if not self._acked(lambda: writer.upsert([id_], vector[None], rows), id_):
+            return None
         with self.ledger.lock:
             self.ledger.upserted[id_] = vector
         self.ledger.seen_at_once.append(self._found(reader, vector, id_))
+        return id_
+
+    def _delete_by_filter(self, writer: Client, reader: Client) -> None:
+        """Two upserts tagged with a label no other point has, then a delete by that filter: its
+        200 covers both (when both were acknowledged), and neither may come back."""
+        assert self.tag_column is not None
+        tag = TAG_BASE + self.next_id  # one per pair, far from any value the base holds
+        tagged = [self._upsert_one(writer, reader, {self.tag_column: tag}) for _ in range(2)]
+        written = [id_ for id_ in tagged if id_ is not None]
+        if not written:
+            return
+        vectors = {id_: self.ledger.upserted[id_] for id_ in written}
+        try:
+            answer = writer.delete(filter={self.tag_column: tag})
+        except ApiError as error:  # refused before the log (503 while restarting, busy): nothing written
+            self._refused(f"filter {error.status}")
+            return
+        except httpx.HTTPError:  # no answer: the tagged ids may or may not be deleted
+            with self.ledger.lock:
+                for id_ in written:
+                    self.ledger.unknown.add(id_)
+                    self.ledger.upserted.pop(id_, None)
+            time.sleep(0.05)
+            return
+        self.ledger.acks += 1
+        self.ledger.filter_deletes.append((answer["deleted"], len(written), len(tagged)))
+        with self.ledger.lock:
+            for id_ in written:
+                self.ledger.upserted.pop(id_, None)
+                self.ledger.deleted[id_] = vectors[id_]
+        for id_ in written:
+            self.ledger.gone_at_once.append(self._found(reader, vectors[id_], id_))
 
     def _delete_one(self, writer: Client, reader: Client) -> None:
         with self.ledger.lock:
@@ -295,7 +335,8 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
     load: Load | None = None
     try:
         server.wait_healthy()
-        load = Load(server.url, manifest.dim, base).start()
+        tag_column = next((c for c, kind in manifest.dataset.metadata_kinds.items() if kind == "int64"), None)
+        load = Load(server.url, manifest.dim, base, tag_column=tag_column).start()
         load.wait_acked(writes_between)
         for round_ in range(kills):
             for kind in KINDS:
@@ -334,6 +375,11 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
         "compactions_started": server.said("compacting"), "swaps": server.said("compacted and swapped"),
         "kills": events, "upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
         "unknown": len(ledger.unknown), "refused": ledger.refused, "searches": load.searches,
+        "filter_deletes": {  # each: (ids deleted, its tagged upserts acknowledged, sent)
+            "acked": len(ledger.filter_deletes),
+            "deleted_exactly_the_tagged": sum(d == w for d, w, t in ledger.filter_deletes if w == t),
+            "all_tagged_acknowledged": sum(w == t for _, w, t in ledger.filter_deletes),
+            "outside_the_tagged": sum(not w <= d <= t for d, w, t in ledger.filter_deletes)},
         "read_your_writes": {
             "upserts_found": sum(x is True for x in ledger.seen_at_once),
             "upserts_missed": sum(x is False for x in ledger.seen_at_once),

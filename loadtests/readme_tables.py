@@ -381,6 +381,10 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
             f"acknowledged upserts found: {crash['upserts_checked'] - len(crash['upserts_lost']):,} of "
             f"{crash['upserts_checked']:,}; acknowledged deletes back: {len(crash['deletes_returned'])} of "
             f"{crash['deletes_checked']:,} |",
+            *([f"| deletes by filter through the kills (each of two upserts tagged for it) | acknowledged: "
+               f"{fd['acked']}; deleted exactly their tagged points: {fd['deleted_exactly_the_tagged']} "
+               f"of the {fd['all_tagged_acknowledged']} whose two upserts were acknowledged; others: "
+               f"{fd['outside_the_tagged']} |"] if (fd := crash.get("filter_deletes")) else []),
             f"| read-your-writes through the kills | upserts found at once: {seen['upserts_found']:,} of "
             f"{seen['upserts_found'] + seen['upserts_missed']:,}; deletes absent at once: "
             f"{seen['deletes_absent']:,} of {seen['deletes_absent'] + seen['deletes_found']:,} |",

@@ -198,12 +198,12 @@ def test_a_client_given_several_edges_moves_past_one_it_cannot_reach(writable) -
 @pytest.mark.haproxy
 def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_the_server_and_its_compaction(
         tmp_path: Path) -> None:
-    """The default `shardserve serve` under single upserts, deletes and searches, compacting by
-    itself every 40 operations; one SIGKILL of a shard replica, of the router replica, of every
-    process of the server, and of every process while an automatic compaction runs (each time started
-    again on the same index directory): every acknowledged upsert is found by its own vector, no
-    acknowledged delete comes back, and each 200 was seen by a search on another connection right
-    after it."""
+    """The default `shardserve serve` under single upserts, deletes (by id and by filter) and
+    searches, compacting by itself every 40 operations; one SIGKILL of a shard replica, of the
+    router replica, of every process of the server, and of every process while an automatic
+    compaction runs (each time started again on the same index directory): every acknowledged
+    upsert is found by its own vector, no acknowledged delete comes back, and each 200 was seen by
+    a search on another connection right after it."""
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     record = crash_run(index, kills=1, writes_between=20, work=tmp_path / "work")
@@ -215,6 +215,9 @@ def test_acknowledged_writes_survive_sigkills_of_a_shard_the_router_the_server_a
     seen = record["read_your_writes"]
     assert seen["upserts_found"] > 0 and seen["upserts_missed"] == 0, seen
     assert seen["deletes_absent"] > 0 and seen["deletes_found"] == 0, seen
+    by_filter = record["filter_deletes"]  # the deleted tagged ids are among deletes_checked above
+    assert by_filter["acked"] > 0 and by_filter["outside_the_tagged"] == 0, by_filter
+    assert by_filter["deleted_exactly_the_tagged"] == by_filter["all_tagged_acknowledged"] > 0, by_filter
 
 
 @pytest.mark.haproxy
