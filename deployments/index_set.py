@@ -132,19 +132,18 @@ class IndexSet:
         return [[by_id[int(i)] or {} for i in ids] for ids in per_query]
 
     async def ids_matching(self, where: str, limit: int,
-                           timeout_s: float) -> tuple[np.ndarray, int, int | None]:
-        """(every live id that passes a checked filter, sorted; how many; the log position every
-        shard found them at, None if they were not all at one) from every shard, through Serve (a
-        side path, like `metadata`). Over `limit` in all: no ids, the count only."""
+                           timeout_s: float) -> tuple[list[tuple[np.ndarray, int]], int]:
+        """(each shard's live ids that pass a checked filter and the log position it found them at;
+        how many in all) through Serve (a side path, like `metadata`). Over `limit` in all: no ids,
+        the count only (a shard over it sends its count alone)."""
         calls = [handle.options(method_name="ids_matching", request_serialization="cloudpickle",
                                 response_serialization="cloudpickle").remote(where, limit)
                  for handle in self.shards]
         found = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
         count = sum(n for _, n, _ in found)
-        positions = {position for _, _, position in found}
-        ids = np.zeros(0, np.int64) if count > limit else np.unique(np.concatenate(
-            [np.asarray(i, np.int64) for i, _, _ in found]))
-        return ids, count, positions.pop() if len(positions) == 1 else None
+        if count > limit:
+            return [], count
+        return [(np.asarray(ids, np.int64), int(position)) for ids, _, position in found], count
 
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""

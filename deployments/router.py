@@ -89,7 +89,8 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
                                                          max(s.num_vectors for s in active.manifest.shards))
         if where is not None:  # its matching ids, deleted by id (shardserve.writes.accept)
             return _json(await delete_matching(router.writes, lambda: _matching(router, active, where),
-                                               active.manifest, active.log, served=lambda: _served(router)))
+                                               active.manifest, active.log, where,
+                                               served=lambda: _served(router)))
         return _json(await router.writes.accept(
             request.body, upsert, active.manifest, active.log,
             served=lambda: _served(router), npy=npy))  # `served` read again once its turn comes

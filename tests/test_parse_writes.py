@@ -3,6 +3,7 @@ the field, for the whole request. No server: the parser alone."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from shardserve.index.manifest import Manifest
+from shardserve.index.manifest import DatasetInfo, Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import parse_npy_request
@@ -24,6 +25,7 @@ from shardserve.query.parse_writes import (
 from shardserve.writes.accept import WriteFront, delete_matching
 from shardserve.writes.locate import open_log
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
+from shardserve.writes.roll import metadata_schema, roll_forward
 
 DIM = 4
 KINDS = {"label": "uint8", "big": "int64", "score": "number", "lang": "string", "ok": "bool"}
@@ -248,64 +250,94 @@ def test_a_delete_by_filter_is_a_checked_search_filter_or_nothing() -> None:
 
 def _front(tmp_path: Path) -> tuple[WriteFront, Manifest]:
     (tmp_path / "idx").mkdir()
-    manifest = Manifest.model_construct(log_position=0)  # a delete by ids reads nothing else of it
+    dataset = DatasetInfo.model_construct(metadata_kinds=KINDS)  # what a write's parse reads of it
+    manifest = Manifest.model_construct(log_position=0, dim=DIM, metric="l2", dataset=dataset)
     return WriteFront(tmp_path / "idx" / "log.sqlite"), manifest
 
 
-def test_a_delete_by_filter_deletes_at_the_position_it_was_evaluated_at(tmp_path: Path) -> None:
-    """Appended only onto the log position every shard found the ids at: a write landing between
-    the evaluation and the append, or shards found at two positions, make it evaluate again."""
-    import asyncio
+def _upsert(front: WriteFront, manifest: Manifest, id_: int, label: int | None) -> int:
+    body = {"ids": [id_], "vectors": [V], "metadata": [None if label is None else {"label": label}]}
+    return asyncio.run(front.accept(orjson.dumps(body), True, manifest))["position"]
 
+
+def test_matches_are_carried_forward_through_the_writes_logged_since() -> None:
+    """Each shard's matches, from its own position: a delete drops an id, an upsert keeps or adds
+    its id by its new metadata (none: null columns), whichever shard found what."""
+    where = check_filter({"label": 3}, KINDS, 100)
+    schema = metadata_schema(KINDS)
+    logged = [(5, [Upsert(9, np.ones(DIM, np.float32), {"label": 4})]),  # stops matching
+              (6, [Upsert(20, np.ones(DIM, np.float32), {"label": 3}), Delete(12)]),  # a new match
+              (7, [Upsert(4, np.ones(DIM, np.float32), None)])]  # no metadata: no match
+    found = [(np.array([4, 9], np.int64), 4), (np.array([12, 30], np.int64), 5)]
+    assert roll_forward(found, logged, where, schema).tolist() == [20, 30]
+    assert roll_forward(found, [], where, schema).tolist() == [4, 9, 12, 30]
+    assert roll_forward([(np.array([9], np.int64), 5)], logged[:1], where, schema).tolist() == [9]  # seen
+
+
+def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: Path) -> None:
+    """The shards found their matches at two positions, and writes landed after both and while they
+    looked: the delete, appended after all of them, deletes what matches then, in one try."""
     front, manifest = _front(tmp_path)
     log = front.path
+    where = check_filter({"label": 3}, KINDS, 100)
+    assert _upsert(front, manifest, 9, 3) == 1  # the shards saw 9 match, at 1
     evaluations: list[int] = []
 
-    async def scenario() -> dict:
-        async def find() -> tuple:
-            evaluations.append(len(evaluations))
-            if len(evaluations) == 1:  # the shards disagree: a write landed while they looked
-                return np.array([4], np.int64), 1, None
-            if len(evaluations) == 2:  # agreed at 0, but an upsert lands before the append
-                await front.accept(b'{"ids": [7]}', False, manifest, log)
-                return np.array([4, 9], np.int64), 2, 0
-            return np.array([4, 9], np.int64), 2, 1
-        return await delete_matching(front, find, manifest, log)
+    async def find() -> tuple:
+        evaluations.append(len(evaluations))
+        await front.accept(orjson.dumps({"ids": [9], "vectors": [V], "metadata": [{"label": 5}]}), True,
+                           manifest, log)  # 9 stops matching: position 2, after one shard looked
+        await front.accept(orjson.dumps({"ids": [21], "vectors": [V], "metadata": [{"label": 3}]}), True,
+                           manifest, log)  # 21 starts matching: position 3, after both looked
+        return [(np.array([4, 9], np.int64), 1), (np.array([12], np.int64), 2)], 3
 
-    assert asyncio.run(scenario()) == {"position": 2, "deleted": 2} and evaluations == [0, 1, 2]
-    written = open_log(log).read(0)  # type: ignore[arg-type]
-    assert [(p, ops) for p, ops in written] == [(1, [Delete(7)]), (2, [Delete(4), Delete(9)])]
+    answer = asyncio.run(delete_matching(front, find, manifest, log, where))
+    assert answer == {"position": 4, "deleted": 3} and evaluations == [0]
+    written = open_log(log).read(3)  # type: ignore[arg-type]
+    assert written == [(4, [Delete(4), Delete(12), Delete(21)])]
     front.close()
 
 
 def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -> None:
-    import asyncio
-
     front, manifest = _front(tmp_path)
+    where = check_filter({"label": 3}, KINDS, 100)
 
     async def over() -> tuple:
-        return np.zeros(0, np.int64), 11, 0  # a shard over the limit sends the count alone
+        return [], 11  # a shard over the limit sends the count alone
 
-    async def moving() -> tuple:
-        return np.array([1], np.int64), 1, None
+    served = (manifest, tmp_path / "other.sqlite")  # a swap moved the server meanwhile, every time
 
-    for find, status, says in ((over, 422, "11 points"), (moving, 503, "kept landing")):
+    async def found() -> tuple:
+        return [(np.array([1], np.int64), 0)], 1
+
+    for find, status, says, now in ((over, 422, "11 points", None), (found, 503, "kept changing", served)):
         with pytest.raises(ApiError) as refused:
-            asyncio.run(delete_matching(front, find, manifest, front.path, limit=10))
+            asyncio.run(delete_matching(front, find, manifest, front.path, where, limit=10,
+                                        served=None if now is None else (lambda now=now: now)))
         assert refused.value.status == status and says in refused.value.message
     assert not front.deleting and not (tmp_path / "idx" / "log.sqlite").exists()  # nothing written
+    assert _upsert(front, manifest, 5, 3) == 1
+
+    async def grown() -> tuple:  # 10 found, and an upsert since makes 11: over the limit
+        await front.accept(orjson.dumps({"ids": [6], "vectors": [V], "metadata": [{"label": 3}]}), True,
+                           manifest)
+        return [(np.arange(10, 20), 1)], 10
+    with pytest.raises(ApiError) as grew:
+        asyncio.run(delete_matching(front, grown, manifest, front.path, where, limit=10))
+    assert grew.value.status == 422 and "11 points" in grew.value.message
+    assert open_log(front.path).last_position() == 2  # type: ignore[arg-type]
 
     async def nothing() -> tuple:
-        return np.zeros(0, np.int64), 0, 0
-    assert asyncio.run(delete_matching(front, nothing, manifest, front.path)) == {"position": None,
-                                                                                   "deleted": 0}
+        return [(np.zeros(0, np.int64), 2)], 0
+    assert asyncio.run(delete_matching(front, nothing, manifest, front.path, where)) == {"position": None,
+                                                                                          "deleted": 0}
     front.deleting = True  # one at a time per router
     with pytest.raises(ApiError) as busy:
-        asyncio.run(delete_matching(front, nothing, manifest, front.path))
+        asyncio.run(delete_matching(front, nothing, manifest, front.path, where))
     assert busy.value.status == 503 and busy.value.retry_after
     front.close()
     no_log = WriteFront(None)
     with pytest.raises(ApiError) as refused:
-        asyncio.run(delete_matching(no_log, nothing, manifest, None))
+        asyncio.run(delete_matching(no_log, nothing, manifest, None, where))
     assert refused.value.status == 501
     no_log.close()

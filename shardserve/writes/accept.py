@@ -21,8 +21,9 @@ import enum
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-import numpy as np
+import pyarrow as pa
 
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
@@ -32,6 +33,7 @@ from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.log import LogMoved
 from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
+from shardserve.writes.roll import Found, metadata_schema, roll_forward
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 # Ids one delete by filter may delete (GET /v1/index: max_filter_delete_points): the matching ids go
@@ -40,40 +42,51 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 MAX_FILTER_DELETE = 10_000
 
 
-FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while writes keep landing, then a 503
-Matches = tuple[np.ndarray, int, "int | None"]  # (ids, how many, the log position they were found at)
+FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while swaps move the log, then a 503
+ROLL_TRIES = 20  # carry-forwards of one evaluation while writes land between a read and the append
+Matches = tuple[list[Found], int]  # (each shard's live matching ids and its log position, how many)
+
+
+@dataclass(frozen=True)
+class FilterDelete:
+    """A delete by filter, evaluated: each shard's matches (`found`), the checked filter, and the
+    schema to evaluate it on the upserts logged since (shardserve.writes.roll)."""
+
+    found: list[Found]
+    where: str
+    schema: pa.Schema
+    limit: int
 
 
 async def delete_matching(front: WriteFront, find: Callable[[], Awaitable[Matches]], manifest: Manifest,
-                          log: LogAddress | None,
+                          log: LogAddress | None, where: str,
                           served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
                           limit: int = MAX_FILTER_DELETE, tries: int = FILTER_DELETE_TRIES) -> dict:
-    """A delete by filter: `find()` gathers the matching ids from every shard and the log position
-    they all found them at; they are deleted by id only if the log is still there (a conditional
-    append), so the delete takes effect exactly at the state it was evaluated on: a write landing
-    in between (an upsert that makes a point stop matching) makes it evaluate again. One at a
-    time per front; more than `limit` matches: a 422, no ids moved."""
+    """A delete by filter: `find()` gathers every shard's matching ids and the log position it found
+    them at; in the writes thread they are carried forward through the requests logged since
+    (shardserve.writes.roll) and deleted by id, on the condition that the log has not moved past
+    what was read (a conditional append; a miss reads the new requests). So the delete takes
+    effect exactly on the state the log is in when it is appended, whatever the ingest beside it.
+    One at a time per front; more than `limit` matches: a 422, no ids moved. A swap to another
+    index meanwhile evaluates it again there."""
     if log is None:  # the served version's log (the front's own may still be the last index's)
         raise front.no_log()
     if front.deleting:
         raise ApiError(503, None, "a delete by filter is already running here", front.retry_after_s)
     front.deleting = True
     try:
+        schema = metadata_schema(manifest.dataset.metadata_kinds)
         for _ in range(tries):
-            ids, count, position = await find()
+            found, count = await find()
             if count > limit:
-                raise ApiError(422, "filter", f"the filter matches {count} points, more than {limit} "
-                                              "in one delete (max_filter_delete_points): narrow it, or "
-                                              "delete in parts")
-            if position is None:
-                continue  # the shards found them at different positions: a write landed meanwhile
+                raise front.too_many(count, limit)
             try:
-                deletes = [Delete(int(i)) for i in ids.tolist()]
-                return await front.accept(deletes, False, manifest, log, served, unless_past=position)
+                matches = FilterDelete(found, where, schema, limit)
+                return await front.accept(matches, False, manifest, log, served)
             except LogMoved:
                 continue
-        raise ApiError(503, None, f"writes kept landing while the filter was evaluated ({tries} times): send "
-                                  "it again", front.retry_after_s)
+        raise ApiError(503, None, f"the served index kept changing while the filter was evaluated ({tries} "
+                                  "times): send it again", front.retry_after_s)
     finally:
         front.deleting = False
 
@@ -105,18 +118,17 @@ class WriteFront:
         self._thread = ThreadPoolExecutor(1, "writes")
         self.deleting = False  # a delete by filter in progress (delete_matching)
 
-    async def accept(self, body: bytes | list[Delete], upsert: bool, manifest: Manifest,
+    async def accept(self, body: bytes | FilterDelete, upsert: bool, manifest: Manifest,
                      log: LogAddress | None | Same = SAME,
                      served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
-                     unless_past: int | None = None, npy: bool = False) -> dict:
+                     npy: bool = False) -> dict:
         """A write request from an event loop (`npy`: a .npy body): parsed here, as a search is,
         then appended in the writes thread; a 503 at once when `max_waiting` are already waiting
         for it. `log`: the served version's log, when a swap may have moved the server onto another
-        index (its own log) since the last write. `body` a list: deletes already found (a delete by
-        filter) in `log` at `unless_past`, appended as they are if that log is still served and
-        holds nothing past it, else LogMoved. `served`: read again in the writes thread just before
-        the append, since a swap may land while the request waits behind others there (a body is
-        then parsed again against the version served).
+        index (its own log) since the last write. `body` a FilterDelete: a delete by filter,
+        evaluated (delete_matching); LogMoved if `log` is no longer the one served. `served`: read
+        again in the writes thread just before the append, since a swap may land while the request
+        waits behind others there (a body is then parsed again against the version served).
 
         Why the parse is not in the writes thread: the router's event loop is busy with searches,
         and every time a thread beside it runs Python code, it takes the GIL from the loop (a
@@ -131,18 +143,17 @@ class WriteFront:
         path = self.path if log is SAME else log
         if upsert and self._known_full(path, manifest.log_position):  # at once: no parse, no hand-off
             raise self._backlog_full()
-        if path is None and not isinstance(body, list):
+        if path is None and not isinstance(body, FilterDelete):
             raise self.no_log()
-        parsed = body if isinstance(body, list) else self._parse(body, upsert, manifest, npy)
+        parsed = [] if isinstance(body, FilterDelete) else self._parse(body, upsert, manifest, npy)
         self.waiting += 1
 
         def work() -> dict:
             now, where = served() if served is not None else (manifest, path)
-            if isinstance(body, list):  # a delete by filter: nothing to write when nothing matched
+            if isinstance(body, FilterDelete):
                 if where != path:
                     raise LogMoved("the server moved to another index while the filter was evaluated")
-                return {"position": self._append(body, now, where, unless_past) if body else None,
-                        "deleted": len(body)}
+                return self._delete_found(body, now, where)
             ops = parsed if now is manifest else self._parse(body, upsert, now, npy)
             done = "upserted" if upsert else "deleted"
             return {"position": self._append(ops, now, where), done: len(ops)}
@@ -151,6 +162,50 @@ class WriteFront:
             return await asyncio.get_running_loop().run_in_executor(self._thread, work)
         finally:
             self.waiting -= 1
+
+    def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None) -> dict:
+        """A delete by filter's ids, carried forward to the log's newest request and appended if the
+        log is still there (else carried forward again); nothing matching: nothing written."""
+        after = min((at for _, at in matches.found), default=0)
+        for _ in range(ROLL_TRIES):
+            with self._lock:
+                if self._log is None:
+                    self._log = open_log(self.path) if self.path is not None else None
+                if self._log is None:
+                    raise self.no_log()
+                requests = self._requests_after(after)
+            ids = roll_forward(matches.found, requests, matches.where, matches.schema)
+            if len(ids) > matches.limit:
+                raise self.too_many(len(ids), matches.limit)
+            if not len(ids):
+                return {"position": None, "deleted": 0}
+            upto = requests[-1][0] if requests else after
+            try:
+                return {"position": self._append([Delete(int(i)) for i in ids.tolist()], manifest, log,
+                                                 unless_past=upto), "deleted": len(ids)}
+            except LogMoved:
+                continue
+        raise ApiError(503, None, f"writes kept landing between reading the log and the append ({ROLL_TRIES} "
+                                  "times): send it again", self.retry_after_s)
+
+    def _requests_after(self, after: int) -> list[tuple[int, list[Op]]]:
+        """Every request past `after` (caller holds _lock); a log truncated past it (a compaction
+        folded them away): a 503, the delete may be sent again."""
+        assert self._log is not None
+        requests: list[tuple[int, list[Op]]] = []
+        while True:
+            more = self._log.read(requests[-1][0] if requests else after, 32)
+            if more and more[0][0] != (requests[-1][0] if requests else after) + 1:
+                raise ApiError(503, None, "the write log was truncated while the filter was evaluated: send "
+                                          "it again", self.retry_after_s)
+            requests += more
+            if len(more) < 32:
+                return requests
+
+    @staticmethod
+    def too_many(count: int, limit: int) -> ApiError:
+        return ApiError(422, "filter", f"the filter matches {count} points, more than {limit} in one delete "
+                                       "(max_filter_delete_points): narrow it, or delete in parts")
 
     def _parse(self, body: bytes, upsert: bool, manifest: Manifest, npy: bool = False) -> list[Op]:
         if npy:
