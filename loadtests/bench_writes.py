@@ -9,7 +9,8 @@ Fashion-MNIST base. Both are driven by the same Python harness over HTTP on loop
   right after its 200; 1,000 deletes (batches of 100), each deleted id searched after its 200;
 - deletes in batches of 100: ids/s;
 - shardserve only: searches/s at 32 clients (vegeta, closed loop) without, then with, an ingest of
-  200 single upserts/s beside them, on a fresh server (no automatic compaction within reach).
+  200 single upserts/s beside them, on a fresh server (no automatic compaction within reach); then
+  deletes by filter beside the same ingest, each of two points tagged for it.
 
     python -m loadtests.bench_writes --index indexes/fashion-mnist-ivf1024-4
       -> loadtests/records/bench-writes.json
@@ -41,6 +42,7 @@ from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.client import Client
 from shardserve.data.dataset import Dataset
 from shardserve.data.datasets import load_dataset
+from shardserve.errors import ApiError
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
 from shardserve.runtime.ports import free_port
@@ -242,6 +244,18 @@ def _in_batches(send: Callable, http: httpx.Client, ids: list[int], vectors: np.
         send(http, ids[start:start + 100], vectors[start:start + 100])
 
 
+def _upsert_targets(path: Path, url: str, points: Points, count: int) -> Path:
+    """vegeta targets: `count` single upserts of new points (each id written once)."""
+    lines = []
+    for _ in range(count):
+        ids, vectors = points.take(1)
+        body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
+        lines.append(orjson.dumps({"method": "POST", "url": f"{url}/v1/upsert",
+                                   "header": {"Content-Type": ["application/json"]},
+                                   "body": base64.b64encode(body).decode()}))
+    return write_targets(path, lines)
+
+
 def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points, work: Path,
                         seconds: float = 20.0, ingest_per_s: float = 200.0) -> dict:
     """Searches/s at 32 clients, quiet, then beside an open loop of `ingest_per_s` single upserts
@@ -249,14 +263,9 @@ def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points,
     them: the searches are measured beside a steady ingest); CPU per search by process class."""
     targets = write_targets(work / "targets.jsonl", make_targets(queries, server.url, k=10,
                                                                  params={"nprobe": 16}))
-    lines, lead_s = [], 4.0
-    for _ in range(int((seconds + 2 * lead_s) * ingest_per_s)):  # each id written once
-        ids, vectors = points.take(1)
-        body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
-        lines.append(orjson.dumps({"method": "POST", "url": f"{server.url}/v1/upsert",
-                                   "header": {"Content-Type": ["application/json"]},
-                                   "body": base64.b64encode(body).decode()}))
-    upserts = write_targets(work / "upserts.jsonl", lines)
+    lead_s = 4.0
+    upserts = _upsert_targets(work / "upserts.jsonl", server.url, points,
+                              int((seconds + 2 * lead_s) * ingest_per_s))
     quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet", meter=CpuMeter())
     ingest: dict = {}
     thread = threading.Thread(target=lambda: ingest.update(
@@ -269,6 +278,40 @@ def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points,
     return {"quiet": {k: quiet.get(k) for k in keep}, "ingesting": {k: busy.get(k) for k in keep},
             "ingest": {k: ingest.get(k) for k in keep[:5]},
             "qps_ratio": round(busy["qps"] / quiet["qps"], 3)}
+
+
+def filter_deletes_under_ingest(server: Shardserve, base: np.ndarray, column: str, points: Points, work: Path,
+                                deletes: int = 60, ingest_per_s: float = 200.0) -> dict:
+    """Deletes by filter beside an open loop of `ingest_per_s` single upserts (vegeta): each of two
+    points upserted with a `column` value of their own, then deleted by that filter. Each must get
+    its 200 (the writes landing meanwhile are carried forward, shardserve.writes.roll) and delete
+    exactly its two points."""
+    seconds = deletes * 0.4 + 10  # the deletes' loop, and room to spare
+    upserts = _upsert_targets(work / "filter-upserts.jsonl", server.url, points, int(seconds * ingest_per_s))
+    ingest: dict = {}
+    thread = threading.Thread(target=lambda: ingest.update(
+        attack(upserts, "rate", ingest_per_s, seconds, work, "filter-ingest")))
+    thread.start()
+    time.sleep(3.0)
+    outcomes: dict[str, int] = {}
+    ms: list[float] = []
+    rng = np.random.default_rng(5)
+    with Client(server.url) as client:
+        for n in range(deletes):
+            tag, first = (1 << 50) + n, 4 * NEW_IDS + 2 * n
+            client.upsert([first, first + 1], base[rng.integers(0, len(base), 2)],
+                          metadata=[{column: tag}, {column: tag}])
+            started = time.perf_counter()
+            try:
+                outcome = f"200, deleted {client.delete(filter={column: tag})['deleted']}"
+            except ApiError as error:
+                outcome = f"{error.status}: {str(error)[:80]}"
+            ms.append((time.perf_counter() - started) * 1000)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            time.sleep(0.3)
+    thread.join()
+    return {"deletes": deletes, "outcomes": outcomes, **_percentiles(ms),
+            "ingest": {k: ingest.get(k) for k in ("requests", "success_ratio", "qps", "p50_ms", "p99_ms")}}
 
 
 def churn_recall(server: Shardserve, data: Dataset, index_factory: str, nprobe: int = 16,
@@ -353,6 +396,11 @@ def run(index: Path, work: Path) -> dict:
             _in_batches(shardserve.upsert, http, *Points(data.base, seed=4, first=3 * NEW_IDS).take(2000))
         results["shardserve"]["search_32_clients"] = search_under_ingest(
             shardserve, data.queries[:1000], Points(data.base, seed=2), work / "vegeta")
+        tag_column = next((c for c, kind in manifest.dataset.metadata_kinds.items() if kind == "int64"), None)
+        if tag_column is not None:
+            tagged = Points(data.base, seed=6, first=5 * NEW_IDS)
+            results["shardserve"]["filter_deletes_under_ingest"] = filter_deletes_under_ingest(
+                shardserve, data.base, tag_column, tagged, work / "vegeta")
     finally:
         shardserve.stop()
         if chroma is not None and chroma.process.poll() is None:

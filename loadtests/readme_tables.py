@@ -368,6 +368,11 @@ def link_mac_line(record: dict) -> str:
             + "; ".join(frames) + ".")
 
 
+def _outcomes(measure: dict) -> str:
+    """"60 of 60: 200, deleted 2" for each outcome of a measure's requests."""
+    return "; ".join(f"{n} of {measure['deletes']}: {outcome}" for outcome, n in measure["outcomes"].items())
+
+
 def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict | None = None) -> str:
     """Online writes: what SIGKILLs left of acknowledged writes, read-your-writes, compaction under
     load (loadtests.crash_writes, .compact_under_load), then the write rates beside the peer's and
@@ -424,7 +429,11 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
              f"{c['deleted_absent']} of {c['deletes']} | |",
              f"| searches/s at 32 clients, quiet / with {_ingest_rate(search):,.0f} upserts/s | "
              f"{search['quiet']['qps']:,.0f} / {search['ingesting']['qps']:,.0f} | | "
-             f"{search['qps_ratio']:.2f}x |"]
+             f"{search['qps_ratio']:.2f}x |",
+             *([f"| deletes by filter beside {fd['ingest']['qps']:,.0f} single upserts/s, each of two "
+                f"points tagged for it | {_outcomes(fd)}; p50 / p99 {fd['p50_ms']:.0f} / "
+                f"{fd['p99_ms']:.0f} ms | | |"]
+               if (fd := s.get("filter_deletes_under_ingest")) else [])]
     if "churn" in s:
         churn, recall = s["churn"], s["churn"]["recall_at_10"]
         rows += [f"| recall@10 after {churn['deleted']:,} deletes and {churn['added']:,} new rows "
