@@ -298,6 +298,28 @@ def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: P
     front.close()
 
 
+def test_a_delete_by_filter_after_a_swap_reads_and_writes_the_served_log(tmp_path: Path) -> None:
+    """The front last wrote to one index's log; the server now serves another index, whose shards
+    found the matches: they are carried forward through that log and deleted there."""
+    front, manifest = _front(tmp_path)
+    where = check_filter({"label": 3}, KINDS, 100)
+    assert _upsert(front, manifest, 1, 3) == 1  # the first index's log, at 1
+    (tmp_path / "other").mkdir()
+    other = WriteFront(tmp_path / "other" / "log.sqlite")
+    for id_, label in ((5, 3), (6, 3), (5, 4)):  # 5 matched at 1, then stopped; 6 matched since
+        _upsert(other, manifest, id_, label)
+
+    async def find() -> tuple:
+        return [(np.array([5], np.int64), 1)], 1
+
+    answer = asyncio.run(delete_matching(front, find, manifest, other.path, where))
+    assert answer == {"position": 4, "deleted": 1}
+    assert open_log(other.path).read(3) == [(4, [Delete(6)])]  # type: ignore[arg-type]
+    assert open_log(tmp_path / "idx" / "log.sqlite").last_position() == 1  # the first: untouched
+    front.close()
+    other.close()
+
+
 def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -> None:
     front, manifest = _front(tmp_path)
     where = check_filter({"label": 3}, KINDS, 100)

@@ -167,13 +167,17 @@ class WriteFront:
         """A delete by filter's ids, carried forward to the log's newest request and appended if the
         log is still there (else carried forward again); nothing matching: nothing written."""
         after = min((at for _, at in matches.found), default=0)
+        self._use(log)  # the log the shards found them in, not the last one this front wrote to
         for _ in range(ROLL_TRIES):
             with self._lock:
-                if self._log is None:
-                    self._log = open_log(self.path) if self.path is not None else None
-                if self._log is None:
-                    raise self.no_log()
-                requests = self._requests_after(after)
+                try:
+                    if self._log is None and self.path is not None:
+                        self._log = open_log(self.path)
+                    if self._log is None:
+                        raise self.no_log()
+                    requests = self._requests_after(after)
+                except LogUnavailable as exc:  # nothing written: the client may send it again
+                    raise ApiError(503, None, str(exc), self.retry_after_s) from None
             ids = roll_forward(matches.found, requests, matches.where, matches.schema)
             if len(ids) > matches.limit:
                 raise self.too_many(len(ids), matches.limit)
@@ -262,11 +266,7 @@ class WriteFront:
 
     def _append(self, ops: Sequence[Op], manifest: Manifest, log: LogAddress | None | Same = SAME,
                 unless_past: int | None = None) -> int:
-        if log is not SAME and log != self.path:  # the server now serves another index: its log
-            with self._lock:
-                if self._log is not None:
-                    self._log.close()
-                self.path, self._log, self._counted, self._exact = log, None, (log, -1, 0, 0), False
+        self._use(log)
         if self.path is None:
             raise self.no_log()
         with self._lock:
@@ -281,6 +281,14 @@ class WriteFront:
                 return position
             except LogUnavailable as exc:  # nothing acknowledged: the client may send it again
                 raise ApiError(503, None, str(exc), self.retry_after_s) from None
+
+    def _use(self, log: LogAddress | None | Same) -> None:
+        """Write to `log` from now on, when the server now serves another index (its own log)."""
+        if log is not SAME and log != self.path:
+            with self._lock:
+                if self._log is not None:
+                    self._log.close()
+                self.path, self._log, self._counted, self._exact = log, None, (log, -1, 0, 0), False
 
     def _known_full(self, path: LogAddress | None, base_position: int) -> bool:
         """The backlog past `base_position` was already at its bound when last counted: it only
