@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import faiss
 import numpy as np
+import pyarrow as pa
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import INDEX_INGRESS
@@ -132,18 +133,20 @@ class IndexSet:
         return [[by_id[int(i)] or {} for i in ids] for ids in per_query]
 
     async def ids_matching(self, where: str, limit: int,
-                           timeout_s: float) -> tuple[list[tuple[np.ndarray, int]], int]:
+                           timeout_s: float) -> tuple[list[tuple[np.ndarray, int]], int, pa.Schema | None]:
         """(each shard's live ids that pass a checked filter and the log position it found them at;
-        how many in all) through Serve (a side path, like `metadata`). Over `limit` in all: no ids,
-        the count only (a shard over it sends its count alone)."""
+        how many in all; the arrow schema the shards hold metadata in) through Serve (a side path,
+        like `metadata`). Over `limit` in all: no ids, the count only (a shard over it sends its
+        count alone)."""
         calls = [handle.options(method_name="ids_matching", request_serialization="cloudpickle",
                                 response_serialization="cloudpickle").remote(where, limit)
                  for handle in self.shards]
         found = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
-        count = sum(n for _, n, _ in found)
+        count = sum(n for _, n, _, _ in found)
+        schema = next((held for _, _, _, held in found if held is not None), None)
         if count > limit:
-            return [], count
-        return [(np.asarray(ids, np.int64), int(position)) for ids, _, position in found], count
+            return [], count, schema
+        return [(np.asarray(ids, np.int64), int(position)) for ids, _, position, _ in found], count, schema
 
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""

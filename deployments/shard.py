@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import numpy as np
+import pyarrow as pa
 import ray
 from ray import serve
 
@@ -174,10 +175,14 @@ class ShardDeployment:
         """The metadata of those `ids` this shard holds (None for the others'); `include` answers."""
         return self.writes.lookup(ids, columns)
 
-    def ids_matching(self, where: str, limit: int) -> tuple[np.ndarray, int, int]:
-        """The live ids this shard holds that pass a checked filter, their count and the log
-        position they were found at (a delete by filter; ShardWrites.ids_matching)."""
-        return self.writes.ids_matching(where, limit)
+    def ids_matching(self, where: str, limit: int) -> tuple[np.ndarray, int, int, pa.Schema | None]:
+        """The live ids this shard holds that pass a checked filter, their count, the log position
+        they were found at (a delete by filter; ShardWrites.ids_matching), and the arrow schema
+        its metadata is held in: the router evaluates the filter on later upserts' metadata with
+        it (shardserve.writes.roll), as this shard's delta does (a float32 column compares as
+        float32 on both)."""
+        metadata = self.searcher.metadata
+        return (*self.writes.ids_matching(where, limit), None if metadata is None else metadata.table.schema)
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": self.writes.live_rows(),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pyarrow as pa
 import pytest
 
 from shardserve.index.manifest import DatasetInfo, Manifest
@@ -223,6 +224,32 @@ def test_mangled_npy_write_bodies_are_422_or_parse_never_anything_else() -> None
     assert outcomes == {"parsed", "422"}
 
 
+_HEADER = "{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}"
+
+
+def _raw_npy(header: str, data: bytes) -> bytes:
+    """A version 1.0 .npy body with a header written by hand (NumPy's writer refuses these)."""
+    text = header.encode("latin1")
+    text += b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+@pytest.mark.parametrize("body", [
+    _raw_npy(_HEADER.format("<i8", "(-1,)"), b"\0" * 12),
+    _raw_npy(_HEADER.format("<i8", "(-1,)"), b"\0" * 16_000_000),
+    npy(np.array([1])) + _raw_npy(_HEADER.format("<f4", "(-1, -4)"), b"\0" * 16),
+    npy(np.array([1])) + _raw_npy(_HEADER.format("<f4", "(-2, -2)"), b"\0" * 16),
+])
+def test_negative_npy_shapes_are_422_before_any_data_is_read(body: bytes) -> None:
+    """NumPy's header reader takes a negative size; read as one it would take the whole body as
+    ids (the limit skipped) or end in reshape's ValueError, a 500."""
+    for parse in (lambda b: parse_upsert_npy(b, DIM, "l2", 10), lambda b: parse_delete_npy(b, 10),
+                  lambda b: parse_npy_request(b[b.rindex(b"\x93NUMPY"):], "", DIM, 10, 10)):
+        with pytest.raises(ApiError) as refused:
+            parse(body)
+        assert refused.value.status == 422
+
+
 def test_an_npy_delete_holds_the_ids_alone() -> None:
     with pytest.raises(ApiError) as refused:
         parse_delete_npy(npy(np.array([1]), np.array([V])), 10)
@@ -274,6 +301,18 @@ def test_matches_are_carried_forward_through_the_writes_logged_since() -> None:
     assert roll_forward([(np.array([9], np.int64), 5)], logged[:1], where, schema).tolist() == [9]  # seen
 
 
+def test_upserts_are_judged_in_the_shards_own_column_types() -> None:
+    """A float32 column holds 0.1 as 0.100000001: the shards' delta does not match it to 0.1, and
+    neither may the carry-forward, which evaluates with the schema the shards send."""
+    kinds = {"score": "number"}
+    point = [(1, [Upsert(3, np.ones(DIM, np.float32), {"score": 0.1})])]
+    for op, float32, float64 in (({"score": 0.1}, [], [3]), ({"score": {"$gt": 0.1}}, [3], [])):
+        where = check_filter(op, kinds, 100)
+        none = [(np.zeros(0, np.int64), 0)]
+        assert roll_forward(none, point, where, pa.schema([("score", pa.float32())])).tolist() == float32
+        assert roll_forward(none, point, where, metadata_schema(kinds)).tolist() == float64
+
+
 def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: Path) -> None:
     """The shards found their matches at two positions, and writes landed after both and while they
     looked: the delete, appended after all of them, deletes what matches then, in one try."""
@@ -289,7 +328,7 @@ def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: P
                            manifest, log)  # 9 stops matching: position 2, after one shard looked
         await front.accept(orjson.dumps({"ids": [21], "vectors": [V], "metadata": [{"label": 3}]}), True,
                            manifest, log)  # 21 starts matching: position 3, after both looked
-        return [(np.array([4, 9], np.int64), 1), (np.array([12], np.int64), 2)], 3
+        return [(np.array([4, 9], np.int64), 1), (np.array([12], np.int64), 2)], 3, None
 
     answer = asyncio.run(delete_matching(front, find, manifest, log, where))
     assert answer == {"position": 4, "deleted": 3} and evaluations == [0]
@@ -310,7 +349,7 @@ def test_a_delete_by_filter_after_a_swap_reads_and_writes_the_served_log(tmp_pat
         _upsert(other, manifest, id_, label)
 
     async def find() -> tuple:
-        return [(np.array([5], np.int64), 1)], 1
+        return [(np.array([5], np.int64), 1)], 1, None
 
     answer = asyncio.run(delete_matching(front, find, manifest, other.path, where))
     assert answer == {"position": 4, "deleted": 1}
@@ -325,12 +364,12 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
     where = check_filter({"label": 3}, KINDS, 100)
 
     async def over() -> tuple:
-        return [], 11  # a shard over the limit sends the count alone
+        return [], 11, None  # a shard over the limit sends the count alone
 
     served = (manifest, tmp_path / "other.sqlite")  # a swap moved the server meanwhile, every time
 
     async def found() -> tuple:
-        return [(np.array([1], np.int64), 0)], 1
+        return [(np.array([1], np.int64), 0)], 1, None
 
     for find, status, says, now in ((over, 422, "11 points", None), (found, 503, "kept changing", served)):
         with pytest.raises(ApiError) as refused:
@@ -343,14 +382,14 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
     async def grown() -> tuple:  # 10 found, and an upsert since makes 11: over the limit
         await front.accept(orjson.dumps({"ids": [6], "vectors": [V], "metadata": [{"label": 3}]}), True,
                            manifest)
-        return [(np.arange(10, 20), 1)], 10
+        return [(np.arange(10, 20), 1)], 10, None
     with pytest.raises(ApiError) as grew:
         asyncio.run(delete_matching(front, grown, manifest, front.path, where, limit=10))
     assert grew.value.status == 422 and "11 points" in grew.value.message
     assert open_log(front.path).last_position() == 2  # type: ignore[arg-type]
 
     async def nothing() -> tuple:
-        return [(np.zeros(0, np.int64), 2)], 0
+        return [(np.zeros(0, np.int64), 2)], 0, None
     assert asyncio.run(delete_matching(front, nothing, manifest, front.path, where)) == {"position": None,
                                                                                           "deleted": 0}
     front.deleting = True  # one at a time per router

@@ -209,6 +209,10 @@ def _npy_header(body: bytes, at: int = 0) -> tuple[tuple[int, ...], bool, np.dty
             parsed = read(stream, max_header_size=_NPY_HEADER_MAX)
         except (ValueError, OSError, SyntaxError, TokenError) as exc:  # a cut header: TokenError
             raise ApiError(422, "body", f"body is not a .npy array: {exc}") from None
+        shape = parsed[0]
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            # NumPy's reader takes (-1,): frombuffer would then read the whole body, reshape guess
+            raise ApiError(422, "body", f"the .npy shape {shape} holds a negative or non-integer size")
         if len(_npy_headers) >= 1024:  # bounded: a client cycling shapes only costs re-parsing
             _npy_headers.clear()
         _npy_headers[header] = parsed

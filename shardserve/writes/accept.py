@@ -44,7 +44,9 @@ MAX_FILTER_DELETE = 10_000
 
 FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while swaps move the log, then a 503
 ROLL_TRIES = 20  # carry-forwards of one evaluation while writes land between a read and the append
-Matches = tuple[list[Found], int]  # (each shard's live matching ids and its log position, how many)
+# (each shard's live matching ids and its log position, how many, the schema the shards hold
+# metadata in: None, the router builds one from the manifest's kinds)
+Matches = tuple[list[Found], int, "pa.Schema | None"]
 
 
 @dataclass(frozen=True)
@@ -68,16 +70,17 @@ async def delete_matching(front: WriteFront, find: Callable[[], Awaitable[Matche
     what was read (a conditional append; a miss reads the new requests). So the delete takes
     effect exactly on the state the log is in when it is appended, whatever the ingest beside it.
     One at a time per front; more than `limit` matches: a 422, no ids moved. A swap to another
-    index meanwhile evaluates it again there."""
+    index meanwhile: a 503 once `tries` evaluations found the served log moved (the client sends
+    it again, and the next evaluation asks the new index's shards)."""
     if log is None:  # the served version's log (the front's own may still be the last index's)
         raise front.no_log()
     if front.deleting:
         raise ApiError(503, None, "a delete by filter is already running here", front.retry_after_s)
     front.deleting = True
     try:
-        schema = metadata_schema(manifest.dataset.metadata_kinds)
         for _ in range(tries):
-            found, count = await find()
+            found, count, held = await find()
+            schema = held if held is not None else metadata_schema(manifest.dataset.metadata_kinds)
             if count > limit:
                 raise front.too_many(count, limit)
             try:

@@ -27,7 +27,9 @@ Found = tuple[np.ndarray, int]  # one shard's live matching ids, and the log pos
 
 
 def metadata_schema(kinds: dict[str, str]) -> pa.Schema:
-    """An arrow schema for metadata of these column kinds (GET /v1/index's `metadata_kinds`)."""
+    """An arrow schema for metadata of these column kinds (GET /v1/index's `metadata_kinds`): what
+    the router uses when the shards did not send theirs. The shards' own is what to evaluate with:
+    a "number" column may be float32 there, and 0.1 as float32 is not 0.1."""
     types = {"bool": pa.bool_(), "string": pa.string(), "number": pa.float64()}
     return pa.schema([(name, types.get(kind) or pa.type_for_alias(kind)) for name, kind in kinds.items()])
 
