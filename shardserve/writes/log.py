@@ -64,6 +64,9 @@ class WriteLog:
     what a writer in another process committed. Safe across threads (one connection, one lock)."""
 
     def __init__(self, path: str | Path, readonly: bool = False):
+        if sqlite3.sqlite_version_info < (3, 35):  # INSERT ... RETURNING (append)
+            raise RuntimeError(f"the write log needs SQLite 3.35 or newer; Python here links "
+                               f"{sqlite3.sqlite_version}")
         self.path = Path(path)
         self.readonly = readonly
         if readonly:  # read-write at the file level (a WAL reader may have to create the -shm
