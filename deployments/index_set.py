@@ -30,6 +30,7 @@ from shardserve.runtime.ray_private import deployment_handle_unchecked
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.transport.shard_wire import ShardQuery, decode_answer
 from shardserve.writes.locate import LogAddress, log_address
+from shardserve.writes.roll import gathered
 
 logger = logging.getLogger("ray.serve")
 # Batches up to this many rows are assigned on the event loop: a hand-off to the quantizer thread
@@ -141,12 +142,7 @@ class IndexSet:
         calls = [handle.options(method_name="ids_matching", request_serialization="cloudpickle",
                                 response_serialization="cloudpickle").remote(where, limit)
                  for handle in self.shards]
-        found = await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
-        count = sum(n for _, n, _, _ in found)
-        schema = next((held for _, _, _, held in found if held is not None), None)
-        if count > limit:
-            return [], count, schema
-        return [(np.asarray(ids, np.int64), int(position)) for ids, _, position, _ in found], count, schema
+        return gathered(await asyncio.wait_for(asyncio.gather(*calls), timeout_s), limit)
 
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""

@@ -24,9 +24,10 @@ from shardserve.query.parse_writes import (
     parse_upsert_npy,
 )
 from shardserve.writes.accept import WriteFront, delete_matching
+from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import open_log
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
-from shardserve.writes.roll import metadata_schema, roll_forward
+from shardserve.writes.roll import Carried, gathered, metadata_schema
 
 DIM = 4
 KINDS = {"label": "uint8", "big": "int64", "score": "number", "lang": "string", "ok": "bool"}
@@ -296,9 +297,30 @@ def test_matches_are_carried_forward_through_the_writes_logged_since() -> None:
               (6, [Upsert(20, np.ones(DIM, np.float32), {"label": 3}), Delete(12)]),  # a new match
               (7, [Upsert(4, np.ones(DIM, np.float32), None)])]  # no metadata: no match
     found = [(np.array([4, 9], np.int64), 4), (np.array([12, 30], np.int64), 5)]
-    assert roll_forward(found, logged, where, schema).tolist() == [20, 30]
-    assert roll_forward(found, [], where, schema).tolist() == [4, 9, 12, 30]
-    assert roll_forward([(np.array([9], np.int64), 5)], logged[:1], where, schema).tolist() == [9]  # seen
+    assert Carried(found, where, schema).through(logged).ids().tolist() == [20, 30]
+    assert Carried(found, where, schema).through([]).ids().tolist() == [4, 9, 12, 30]
+    seen = Carried([(np.array([9], np.int64), 5)], where, schema)  # the shard had applied 5 already
+    assert seen.through(logged[:1]).ids().tolist() == [9]
+    # a few requests at a time, as the router reads them, carries to the same ids and position
+    carried = Carried(found, where, schema)
+    for at in range(len(logged)):
+        assert carried.position == (4 if at == 0 else logged[at - 1][0])
+        carried.through(logged[at:at + 1])
+    assert carried.ids().tolist() == [20, 30] and carried.position == 7
+
+
+def test_an_id_found_on_two_shards_counts_once_against_the_limit() -> None:
+    """An id that moved between shards while they looked is in both answers: with every shard's
+    ids sent, the count is of distinct ids, so a filter within the limit is not refused; a shard
+    alone over the limit sent its count only, and the whole is refused without ids."""
+    schema = pa.schema([("label", pa.int64())])
+    moved = [(np.array([1, 2, 3], np.int64), 3, 7, schema), (np.array([3, 4], np.int64), 2, 8, None)]
+    found, count, held = gathered(moved, 4)
+    assert count == 4 and held == schema and [ids.tolist() for ids, _ in found] == [[1, 2, 3], [3, 4]]
+    assert [at for _, at in found] == [7, 8]
+    assert gathered(moved, 3)[:2] == ([], 4)
+    over = [(np.zeros(0, np.int64), 5, 7, None), (np.array([3], np.int64), 1, 8, None)]
+    assert gathered(over, 4) == ([], 6, None)
 
 
 def test_upserts_are_judged_in_the_shards_own_column_types() -> None:
@@ -309,8 +331,9 @@ def test_upserts_are_judged_in_the_shards_own_column_types() -> None:
     for op, float32, float64 in (({"score": 0.1}, [], [3]), ({"score": {"$gt": 0.1}}, [3], [])):
         where = check_filter(op, kinds, 100)
         none = [(np.zeros(0, np.int64), 0)]
-        assert roll_forward(none, point, where, pa.schema([("score", pa.float32())])).tolist() == float32
-        assert roll_forward(none, point, where, metadata_schema(kinds)).tolist() == float64
+        held = pa.schema([("score", pa.float32())])
+        assert Carried(none, where, held).through(point).ids().tolist() == float32
+        assert Carried(none, where, metadata_schema(kinds)).through(point).ids().tolist() == float64
 
 
 def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: Path) -> None:
@@ -334,6 +357,31 @@ def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: P
     assert answer == {"position": 4, "deleted": 3} and evaluations == [0]
     written = open_log(log).read(3)  # type: ignore[arg-type]
     assert written == [(4, [Delete(4), Delete(12), Delete(21)])]
+    front.close()
+
+
+def test_a_delete_by_filter_carries_through_more_requests_than_one_read(tmp_path: Path) -> None:
+    """More requests landed while the shards looked than the router reads at once (it reads them a
+    few at a time, without vectors): every one is carried, the last one's match included, and the
+    log's vectors are left where they are."""
+    front, manifest = _front(tmp_path)
+    log = front.path
+    where = check_filter({"label": 3}, KINDS, 100)
+    landed = 2 * READ_REQUESTS + 5
+
+    async def find() -> tuple:
+        for id_ in range(100, 100 + landed):  # each matches, then the one before it stops matching
+            await front.accept(orjson.dumps({"ids": [id_, id_ - 1], "vectors": [V, V],
+                                             "metadata": [{"label": 3}, {"label": 8}]}), True, manifest, log)
+        return [(np.array([7, 99], np.int64), 0)], 2, None
+
+    answer = asyncio.run(delete_matching(front, find, manifest, log, where))
+    assert answer == {"position": landed + 1, "deleted": 2}
+    written = open_log(log)  # type: ignore[arg-type]
+    assert written.read(landed) == [(landed + 1, [Delete(7), Delete(100 + landed - 1)])]
+    ops = written.read(0, 1, vectors=False)[0][1]
+    assert [op.id for op in ops] == [100, 99] and all(len(op.vector) == 0 for op in ops)  # type: ignore[union-attr]
+    assert all(len(op.vector) == DIM for op in written.read(0, 1)[0][1])  # type: ignore[union-attr]
     front.close()
 
 

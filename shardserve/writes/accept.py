@@ -29,11 +29,12 @@ from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.parse_writes import parse_delete, parse_delete_npy, parse_upsert, parse_upsert_npy
 from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.log import LogMoved
 from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
-from shardserve.writes.roll import Found, metadata_schema, roll_forward
+from shardserve.writes.roll import Carried, Found, metadata_schema
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 # Ids one delete by filter may delete (GET /v1/index: max_filter_delete_points): the matching ids go
@@ -168,8 +169,9 @@ class WriteFront:
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None) -> dict:
         """A delete by filter's ids, carried forward to the log's newest request and appended if the
-        log is still there (else carried forward again); nothing matching: nothing written."""
-        after = min((at for _, at in matches.found), default=0)
+        log is still there (else carried on through what landed since); nothing matching: nothing
+        written."""
+        carried = Carried(matches.found, matches.where, matches.schema)
         self._use(log)  # the log the shards found them in, not the last one this front wrote to
         for _ in range(ROLL_TRIES):
             with self._lock:
@@ -178,36 +180,36 @@ class WriteFront:
                         self._log = open_log(self.path)
                     if self._log is None:
                         raise self.no_log()
-                    requests = self._requests_after(after)
+                    self._carry(carried)
                 except LogUnavailable as exc:  # nothing written: the client may send it again
                     raise ApiError(503, None, str(exc), self.retry_after_s) from None
-            ids = roll_forward(matches.found, requests, matches.where, matches.schema)
+            ids = carried.ids()
             if len(ids) > matches.limit:
                 raise self.too_many(len(ids), matches.limit)
             if not len(ids):
                 return {"position": None, "deleted": 0}
-            upto = requests[-1][0] if requests else after
             try:
                 return {"position": self._append([Delete(int(i)) for i in ids.tolist()], manifest, log,
-                                                 unless_past=upto), "deleted": len(ids)}
+                                                 unless_past=carried.position), "deleted": len(ids)}
             except LogMoved:
                 continue
         raise ApiError(503, None, f"writes kept landing between reading the log and the append ({ROLL_TRIES} "
                                   "times): send it again", self.retry_after_s)
 
-    def _requests_after(self, after: int) -> list[tuple[int, list[Op]]]:
-        """Every request past `after` (caller holds _lock); a log truncated past it (a compaction
-        folded them away): a 503, the delete may be sent again."""
+    def _carry(self, carried: Carried) -> None:
+        """Carry `carried` through every request logged past its position (caller holds _lock), read
+        as the replicas read, READ_REQUESTS at a time and here without their vectors: what is held
+        is the matching ids, never the requests. A log truncated past it (a compaction folded them
+        away): a 503, the delete may be sent again."""
         assert self._log is not None
-        requests: list[tuple[int, list[Op]]] = []
         while True:
-            more = self._log.read(requests[-1][0] if requests else after, 32)
-            if more and more[0][0] != (requests[-1][0] if requests else after) + 1:
+            more = self._log.read(carried.position, READ_REQUESTS, vectors=False)
+            if more and more[0][0] != carried.position + 1:
                 raise ApiError(503, None, "the write log was truncated while the filter was evaluated: send "
                                           "it again", self.retry_after_s)
-            requests += more
-            if len(more) < 32:
-                return requests
+            carried.through(more)
+            if len(more) < READ_REQUESTS:
+                return
 
     @staticmethod
     def too_many(count: int, limit: int) -> ApiError:

@@ -175,8 +175,10 @@ class RedisWriteLog:
             raise LogMoved(f"the log holds requests past {unless_past}")
         return position
 
-    def read(self, after: int, limit: int = 1000) -> list[tuple[int, list[Op]]]:
-        """Up to `limit` requests past position `after`, oldest first: (position, its operations)."""
+    def read(self, after: int, limit: int = 1000, vectors: bool = True) -> list[tuple[int, list[Op]]]:
+        """Up to `limit` requests past position `after`, oldest first: (position, its operations).
+        `vectors` is read either way (a request is one stream entry; XRANGE returns its fields
+        whole): a caller that does not need them bounds its reads by `limit`."""
         with _unavailable(self.address):
             entries: Any = self._db.xrange(self._stream, min=f"{after + 1}-0", max="+", count=limit)
         return [(_position(entry_id), _ops(fields)) for entry_id, fields in entries]

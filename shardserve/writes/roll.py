@@ -26,6 +26,22 @@ from shardserve.writes.ops import Op, Upsert
 Found = tuple[np.ndarray, int]  # one shard's live matching ids, and the log position it found them at
 
 
+def gathered(answers: Sequence[tuple[np.ndarray, int, int, pa.Schema | None]],
+             limit: int) -> tuple[list[Found], int, pa.Schema | None]:
+    """The shards' answers to a delete by filter (each: its matching ids, or none past `limit`; how
+    many; its log position; its metadata schema) → (each shard's Found; how many in all; the
+    schema). Over `limit` in all: no ids. Summed, an id that moved between shards while they
+    looked is in two lists: when every shard sent its ids, it counts once (the carry-forward
+    has the last word), so a filter within the limit is not refused for it."""
+    count = sum(n for _, n, _, _ in answers)
+    schema = next((held for _, _, _, held in answers if held is not None), None)
+    if count > limit and all(len(ids) == n for ids, n, _, _ in answers):
+        count = len(np.unique(np.concatenate([np.asarray(ids, np.int64) for ids, _, _, _ in answers])))
+    if count > limit:
+        return [], count, schema
+    return [(np.asarray(ids, np.int64), int(position)) for ids, _, position, _ in answers], count, schema
+
+
 def metadata_schema(kinds: dict[str, str]) -> pa.Schema:
     """An arrow schema for metadata of these column kinds (GET /v1/index's `metadata_kinds`): what
     the router uses when the shards did not send theirs. The shards' own is what to evaluate with:
@@ -45,23 +61,35 @@ def passing(where: str, upserts: Sequence[Upsert], schema: pa.Schema) -> set[int
     return set(matching(where, pa.table(columns, schema=schema), ids).tolist())
 
 
-def roll_forward(found: Sequence[Found], requests: Sequence[tuple[int, list[Op]]], where: str,
-                 schema: pa.Schema) -> np.ndarray:
-    """The ids that match `where` once each shard's `found` ids are carried through the `requests`
-    (the log's, in order) past the position it found them at: a delete drops its id, an upsert
-    keeps or adds its id as its new metadata pass the filter. Sorted, distinct."""
-    passed = {position: passing(where, [op for op in ops if isinstance(op, Upsert)], schema)
-              for position, ops in requests}
-    live: set[int] = set()
-    for ids, at in found:
-        mine = set(np.asarray(ids, np.int64).tolist())
+class Carried:
+    """Each shard's `found` ids carried through the log's requests past the position it found them
+    at, a few requests at a time (`through`, in log order): a delete drops its id, an upsert keeps
+    or adds its id as its new metadata pass the filter `where`. What is held is the sets and the
+    position reached, never the requests: a delete by filter appended behind a long queue reads the
+    requests in between as the replicas do, 32 at a time, and a conditional append that missed goes
+    on from where it stopped instead of reading again from the shards' position."""
+
+    def __init__(self, found: Sequence[Found], where: str, schema: pa.Schema):
+        self.where, self.schema = where, schema
+        self._shards = [(set(np.asarray(ids, np.int64).tolist()), at) for ids, at in found]
+        self.position = min((at for _, at in found), default=0)  # carried up to this request
+
+    def through(self, requests: Sequence[tuple[int, list[Op]]]) -> Carried:
+        """Carry the sets through `requests`, the log's next ones after `position`, in order."""
         for position, ops in requests:
-            if position <= at:
-                continue
-            for op in ops:
-                if isinstance(op, Upsert) and op.id in passed[position]:
-                    mine.add(op.id)
-                else:
-                    mine.discard(op.id)
-        live |= mine
-    return np.array(sorted(live), np.int64)
+            passed = passing(self.where, [op for op in ops if isinstance(op, Upsert)], self.schema)
+            for mine, at in self._shards:
+                if position <= at:  # this shard had applied it already
+                    continue
+                for op in ops:
+                    if isinstance(op, Upsert) and op.id in passed:
+                        mine.add(op.id)
+                    else:
+                        mine.discard(op.id)
+            self.position = max(self.position, position)
+        return self
+
+    def ids(self) -> np.ndarray:
+        """The ids that match once carried: sorted, distinct."""
+        live: set[int] = set().union(*(mine for mine, _ in self._shards))
+        return np.array(sorted(live), np.int64)
