@@ -132,20 +132,16 @@ def measure(index: str, duration_s: float, overrides: dict, queries_spec: str = 
     return result
 
 
-def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe: int,
-                 levels: tuple[str, ...] = LEVELS) -> dict:
-    """`measure` in a child process importing the revision's code from a temporary worktree."""
-    revision, _, overrides = spec.partition("+")
+def in_worktree(script: Path, revision: str, args: list[str]) -> dict:
+    """`script --measure *args` in a child process importing `revision`'s code from a temporary
+    worktree: the JSON it prints after "RESULT ". Shared by the lab's A/Bs of revisions."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision],
                        check=True, capture_output=True)
         try:
             env = {**os.environ, "PYTHONPATH": str(tree), "VEGETA": str(ROOT / ".bin" / "vegeta")}
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure",
-                                  "--index", index, "--duration", str(duration_s),
-                                  "--overrides", overrides or "{}", "--queries", queries,
-                                  "--nprobe", str(nprobe), "--levels", ",".join(levels)],
+            out = subprocess.run([sys.executable, str(script.resolve()), "--measure", *args],
                                  cwd=tree, env=env, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if out.returncode or line is None:
@@ -154,6 +150,15 @@ def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe:
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                            check=False, capture_output=True)
+
+
+def run_revision(spec: str, index: str, duration_s: float, queries: str, nprobe: int,
+                 levels: tuple[str, ...] = LEVELS) -> dict:
+    """`measure` in a child process importing the revision's code from a temporary worktree."""
+    revision, _, overrides = spec.partition("+")
+    return in_worktree(Path(__file__), revision, [
+        "--index", index, "--duration", str(duration_s), "--overrides", overrides or "{}",
+        "--queries", queries, "--nprobe", str(nprobe), "--levels", ",".join(levels)])
 
 
 def summarise(runs: dict[str, list[dict]], first: str, levels: tuple[str, ...] = LEVELS) -> dict:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -51,22 +49,10 @@ def measure(index: str, seconds: float) -> dict:
 
 
 def run_revision(revision: str, index: str, seconds: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision],
-                       check=True, capture_output=True)
-        try:
-            env = {**os.environ, "PYTHONPATH": str(tree), "VEGETA": str(ROOT / ".bin" / "vegeta")}
-            command = [sys.executable, str(Path(__file__).resolve()), "--measure", "--index", index,
-                       "--seconds", str(seconds)]
-            out = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if out.returncode or line is None:
-                raise SystemExit(f"error: run of {revision} failed:\n{out.stderr[-3000:]}")
-            return json.loads(line[len("RESULT "):])
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                           check=False, capture_output=True)
+    # imported here: the child imports this file with an older revision's `lab` on its path
+    from lab.ab_revisions import in_worktree
+
+    return in_worktree(Path(__file__), revision, ["--index", index, "--seconds", str(seconds)])
 
 
 def git(*args: str) -> str:
