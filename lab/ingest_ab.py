@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PRELOADED = 2000  # points upserted before measuring, in batches of 100
 
 
-def measure(index: str, seconds: float) -> dict:
+FLOOR = "/v1/nowhere"  # `--floor`: the same upsert bodies at the same rate, answered 404 by the router
+
+
+def measure(index: str, seconds: float, route: str = "/v1/upsert") -> dict:
     """One run of the code importable here (the child's PYTHONPATH decides which revision)."""
     import httpx
 
@@ -42,17 +45,19 @@ def measure(index: str, seconds: float) -> dict:
             with httpx.Client(timeout=30.0) as http:
                 ids, vectors = Points(data.base, seed=1).take(PRELOADED)
                 _in_batches(server.upsert, http, ids, vectors)
+            elsewhere = {} if route == "/v1/upsert" else {"route": route}  # older revisions: no `route`
             return search_under_ingest(server, data.queries[:1000], Points(data.base, seed=2),
-                                       Path(tmp) / "vegeta", seconds=seconds)
+                                       Path(tmp) / "vegeta", seconds=seconds, **elsewhere)
         finally:
             server.stop()
 
 
-def run_revision(revision: str, index: str, seconds: float) -> dict:
+def run_revision(revision: str, index: str, seconds: float, route: str = "/v1/upsert") -> dict:
     # imported here: the child imports this file with an older revision's `lab` on its path
     from lab.ab_revisions import in_worktree
 
-    return in_worktree(Path(__file__), revision, ["--index", index, "--seconds", str(seconds)])
+    return in_worktree(Path(__file__), revision, ["--index", index, "--seconds", str(seconds),
+                                                  "--route", route])
 
 
 def git(*args: str) -> str:
@@ -67,19 +72,27 @@ def main() -> None:
     cli.add_argument("--rounds", type=int, default=3)
     cli.add_argument("--seconds", type=float, default=15.0)
     cli.add_argument("--name", default="write-path-ab")
+    cli.add_argument("--floor", action="store_true",
+                     help="also run the first revision with its upserts sent to a route the router "
+                          "answers 404: what the requests cost before any write path")
+    cli.add_argument("--route", default="/v1/upsert", help=argparse.SUPPRESS)  # the child's
     cli.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     args = cli.parse_args()
     index = str(Path(args.index).resolve())
     if args.measure:
-        print("RESULT " + json.dumps(measure(index, args.seconds)), flush=True)
+        print("RESULT " + json.dumps(measure(index, args.seconds, args.route)), flush=True)
         return
-    if len(args.revisions) < 2:
-        raise SystemExit("error: give at least two revisions to compare")
+    if len(args.revisions) < 2 - args.floor:
+        raise SystemExit("error: give at least two revisions to compare, or one and --floor")
     short = {spec: git("rev-parse", "--short", spec) for spec in args.revisions}
     runs: dict[str, list[dict]] = {short[r]: [] for r in args.revisions}
+    floor = f"{short[args.revisions[0]]} writes 404" if args.floor else None
+    if floor:
+        runs[floor] = []
     for round_number in range(args.rounds):
         for revision in (list(runs) if round_number % 2 == 0 else list(runs)[::-1]):
-            result = run_revision(revision, index, args.seconds)
+            result = (run_revision(revision.split()[0], index, args.seconds, FLOOR) if revision == floor
+                      else run_revision(revision, index, args.seconds))
             result["round"] = round_number
             runs[revision].append(result)
             print(f"round {round_number} {revision}: quiet {result['quiet']['qps']} q/s, ingesting "
@@ -103,7 +116,10 @@ def main() -> None:
                     measure="searches/s at 32 clients quiet, then beside 200 single upserts/s "
                             f"(loadtests.bench_writes.search_under_ingest, {args.seconds:g} s each), "
                             f"after {PRELOADED} upserts")
-    record.update(revisions={short[r]: git("log", "-1", "--format=%s", r)[:160] for r in args.revisions},
+    subjects = {short[r]: git("log", "-1", "--format=%s", r)[:160] for r in args.revisions}
+    if floor:
+        subjects[floor] = f"the same upserts sent to {FLOOR}: HAProxy, the door and a 404, no write path"
+    record.update(revisions=subjects,
                   rounds=args.rounds, runs=runs, summary=summary,
                   not_covered=["one index, 1 replica per shard", "this 2-core machine only"])
     print(json.dumps(summary, indent=1))

@@ -244,28 +244,31 @@ def _in_batches(send: Callable, http: httpx.Client, ids: list[int], vectors: np.
         send(http, ids[start:start + 100], vectors[start:start + 100])
 
 
-def _upsert_targets(path: Path, url: str, points: Points, count: int) -> Path:
-    """vegeta targets: `count` single upserts of new points (each id written once)."""
+def _upsert_targets(path: Path, url: str, points: Points, count: int, route: str = "/v1/upsert") -> Path:
+    """vegeta targets: `count` single upserts of new points (each id written once), to `route`."""
     lines = []
     for _ in range(count):
         ids, vectors = points.take(1)
         body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
-        lines.append(orjson.dumps({"method": "POST", "url": f"{url}/v1/upsert",
+        lines.append(orjson.dumps({"method": "POST", "url": f"{url}{route}",
                                    "header": {"Content-Type": ["application/json"]},
                                    "body": base64.b64encode(body).decode()}))
     return write_targets(path, lines)
 
 
 def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points, work: Path,
-                        seconds: float = 20.0, ingest_per_s: float = 200.0) -> dict:
+                        seconds: float = 20.0, ingest_per_s: float = 200.0,
+                        route: str = "/v1/upsert") -> dict:
     """Searches/s at 32 clients, quiet, then beside an open loop of `ingest_per_s` single upserts
     (vegeta at that exact rate, new ids, started `lead_s` before the searches and ending after
-    them: the searches are measured beside a steady ingest); CPU per search by process class."""
+    them: the searches are measured beside a steady ingest); CPU per search by process class.
+    `route`: where the upserts go (lab.ingest_ab sends them to a route the router answers 404:
+    what the same requests cost before any write path)."""
     targets = write_targets(work / "targets.jsonl", make_targets(queries, server.url, k=10,
                                                                  params={"nprobe": 16}))
     lead_s = 4.0
     upserts = _upsert_targets(work / "upserts.jsonl", server.url, points,
-                              int((seconds + 2 * lead_s) * ingest_per_s))
+                              int((seconds + 2 * lead_s) * ingest_per_s), route)
     quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet", meter=CpuMeter())
     ingest: dict = {}
     thread = threading.Thread(target=lambda: ingest.update(
