@@ -26,6 +26,7 @@ from shardserve.query.parse_writes import (
 from shardserve.writes.accept import WriteFront, delete_matching
 from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import open_log
+from shardserve.writes.log import WriteLog
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 from shardserve.writes.roll import Carried, gathered, metadata_schema
 
@@ -251,6 +252,22 @@ def test_negative_npy_shapes_are_422_before_any_data_is_read(body: bytes) -> Non
         assert refused.value.status == 422
 
 
+def test_a_header_length_of_a_backslash_byte_is_read_and_a_backslash_in_its_text_is_not() -> None:
+    """A valid header of 92 bytes (0x5C, a backslash, as its length's low byte; other writers need
+    not pad as NumPy does) parses; a backslash inside the header's text is a 422 before NumPy's
+    literal_eval compiles it (an invalid escape warned there)."""
+    ids = np.array([5, 6], np.int64).tobytes()
+    text = _HEADER.format("<i8", "(2,)")
+    text += " " * (91 - len(text)) + "\n"
+    assert len(text) == 92
+    body = b"\x93NUMPY\x01\x00" + (92).to_bytes(2, "little") + text.encode("latin1") + ids
+    assert parse_delete_npy(body, 10) == [Delete(5), Delete(6)]
+    escaped = _raw_npy("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), '\\p': 1}", ids)
+    with pytest.raises(ApiError) as refused:
+        parse_delete_npy(escaped, 10)
+    assert refused.value.status == 422 and "backslash" in refused.value.message
+
+
 def test_an_npy_delete_holds_the_ids_alone() -> None:
     with pytest.raises(ApiError) as refused:
         parse_delete_npy(npy(np.array([1]), np.array([V])), 10)
@@ -382,6 +399,29 @@ def test_a_delete_by_filter_carries_through_more_requests_than_one_read(tmp_path
     ops = written.read(0, 1, vectors=False)[0][1]
     assert [op.id for op in ops] == [100, 99] and all(len(op.vector) == 0 for op in ops)  # type: ignore[union-attr]
     assert all(len(op.vector) == DIM for op in written.read(0, 1)[0][1])  # type: ignore[union-attr]
+    front.close()
+
+
+def test_a_delete_by_filter_past_a_truncated_log_is_a_503_saying_so(tmp_path: Path) -> None:
+    """Everything after the shards' position was folded away by a compaction (nothing left to
+    read): a 503 that says the log was truncated, at once, not twenty conditional appends that
+    miss; nothing written."""
+    front, manifest = _front(tmp_path)
+    log = front.path
+    where = check_filter({"label": 3}, KINDS, 100)
+    for id_ in range(5):
+        _upsert(front, manifest, id_, 3)
+    WriteLog(log).truncate_below(6)  # type: ignore[arg-type]
+    tries: list[int] = []
+
+    async def find() -> tuple:
+        tries.append(1)
+        return [(np.array([1], np.int64), 2)], 1, None
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(delete_matching(front, find, manifest, log, where))
+    assert refused.value.status == 503 and "truncated" in refused.value.message and tries == [1]
+    assert open_log(log).last_position() == 5  # type: ignore[arg-type]
     front.close()
 
 

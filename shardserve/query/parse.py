@@ -202,7 +202,8 @@ def _npy_header(body: bytes, at: int = 0) -> tuple[tuple[int, ...], bool, np.dty
     header = body[at:start]
     parsed = _npy_headers.get(header)
     if parsed is None:
-        if b"\\" in header:  # a dict of a dtype, a bool and ints never holds one; NumPy's literal_eval
+        if b"\\" in body[at + 8 + size_bytes:start]:  # the header's text (not its length bytes): a
+            # dict of a dtype, a bool and ints never holds one; NumPy's literal_eval
             # would compile it as an escape (a DeprecationWarning on an invalid one) before refusing
             raise ApiError(422, "body", "body is not a .npy array: a backslash in its header")
         stream = io.BytesIO(header)

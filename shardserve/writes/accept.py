@@ -204,12 +204,21 @@ class WriteFront:
         assert self._log is not None
         while True:
             more = self._log.read(carried.position, READ_REQUESTS, vectors=False)
-            if more and more[0][0] != carried.position + 1:
+            if more[0][0] != carried.position + 1 if more else self._truncated_past(carried.position):
                 raise ApiError(503, None, "the write log was truncated while the filter was evaluated: send "
                                           "it again", self.retry_after_s)
             carried.through(more)
             if len(more) < READ_REQUESTS:
                 return
+
+    def _truncated_past(self, position: int) -> bool:
+        """Nothing read past `position`: because nothing was appended since (False), or because all
+        of it was folded away (True; else the conditional append would miss every time)."""
+        assert self._log is not None
+        if self._log.last_position() <= position:
+            return False
+        first = self._log.first_position()  # read after: a request appended meanwhile is kept
+        return first is None or first > position + 1
 
     @staticmethod
     def too_many(count: int, limit: int) -> ApiError:
