@@ -38,7 +38,7 @@ from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
-from shardserve.writes.accept import MAX_FILTER_DELETE, Matches, WriteFront, delete_matching
+from shardserve.writes.accept import MAX_FILTER_DELETE, Evaluated, Matches, WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.redis_log import LogUnavailable
 
@@ -88,8 +88,7 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
         where = None if upsert or npy else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
                                                          max(s.num_vectors for s in active.manifest.shards))
         if where is not None:  # its matching ids, deleted by id (shardserve.writes.accept)
-            return _json(await delete_matching(router.writes, lambda: _matching(router, active, where),
-                                               active.manifest, active.log, where,
+            return _json(await delete_matching(router.writes, lambda: _evaluate(router, request.body),
                                                served=lambda: _served(router)))
         return _json(await router.writes.accept(
             request.body, upsert, active.manifest, active.log,
@@ -102,6 +101,18 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
         raise
     finally:
         router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+
+
+async def _evaluate(router: "Router", body: bytes) -> Evaluated:
+    """A delete by filter evaluated on the version served now (after a swap, the new one): its
+    filter checked against that version's columns, then every shard's matches."""
+    active = router.active
+    if active.log is None:  # before asking the shards
+        raise router.writes.no_log()
+    where = delete_filter(body, active.manifest.dataset.metadata_kinds,
+                          max(s.num_vectors for s in active.manifest.shards))
+    assert where is not None  # the same body as when it was taken for a delete by filter
+    return await _matching(router, active, where), active.manifest, active.log, where
 
 
 async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -353,6 +354,13 @@ def test_upserts_are_judged_in_the_shards_own_column_types() -> None:
         assert Carried(none, where, metadata_schema(kinds)).through(point).ids().tolist() == float64
 
 
+def _on(find: Callable[[], Awaitable[tuple]], manifest: Manifest, log: object, where: str) -> Callable:
+    """`find` as the router evaluates a delete by filter: on one served version, every time."""
+    async def evaluate() -> tuple:
+        return await find(), manifest, log, where
+    return evaluate
+
+
 def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: Path) -> None:
     """The shards found their matches at two positions, and writes landed after both and while they
     looked: the delete, appended after all of them, deletes what matches then, in one try."""
@@ -370,7 +378,7 @@ def test_a_delete_by_filter_deletes_what_matches_when_it_is_appended(tmp_path: P
                            manifest, log)  # 21 starts matching: position 3, after both looked
         return [(np.array([4, 9], np.int64), 1), (np.array([12], np.int64), 2)], 3, None
 
-    answer = asyncio.run(delete_matching(front, find, manifest, log, where))
+    answer = asyncio.run(delete_matching(front, _on(find, manifest, log, where)))
     assert answer == {"position": 4, "deleted": 3} and evaluations == [0]
     written = open_log(log).read(3)  # type: ignore[arg-type]
     assert written == [(4, [Delete(4), Delete(12), Delete(21)])]
@@ -392,7 +400,7 @@ def test_a_delete_by_filter_carries_through_more_requests_than_one_read(tmp_path
                                              "metadata": [{"label": 3}, {"label": 8}]}), True, manifest, log)
         return [(np.array([7, 99], np.int64), 0)], 2, None
 
-    answer = asyncio.run(delete_matching(front, find, manifest, log, where))
+    answer = asyncio.run(delete_matching(front, _on(find, manifest, log, where)))
     assert answer == {"position": landed + 1, "deleted": 2}
     written = open_log(log)  # type: ignore[arg-type]
     assert written.read(landed) == [(landed + 1, [Delete(7), Delete(100 + landed - 1)])]
@@ -419,7 +427,7 @@ def test_a_delete_by_filter_past_a_truncated_log_is_a_503_saying_so(tmp_path: Pa
         return [(np.array([1], np.int64), 2)], 1, None
 
     with pytest.raises(ApiError) as refused:
-        asyncio.run(delete_matching(front, find, manifest, log, where))
+        asyncio.run(delete_matching(front, _on(find, manifest, log, where)))
     assert refused.value.status == 503 and "truncated" in refused.value.message and tries == [1]
     assert open_log(log).last_position() == 5  # type: ignore[arg-type]
     front.close()
@@ -439,10 +447,36 @@ def test_a_delete_by_filter_after_a_swap_reads_and_writes_the_served_log(tmp_pat
     async def find() -> tuple:
         return [(np.array([5], np.int64), 1)], 1, None
 
-    answer = asyncio.run(delete_matching(front, find, manifest, other.path, where))
+    answer = asyncio.run(delete_matching(front, _on(find, manifest, other.path, where)))
     assert answer == {"position": 4, "deleted": 1}
     assert open_log(other.path).read(3) == [(4, [Delete(6)])]  # type: ignore[arg-type]
     assert open_log(tmp_path / "idx" / "log.sqlite").last_position() == 1  # the first: untouched
+    front.close()
+    other.close()
+
+
+def test_a_delete_by_filter_across_a_swap_is_evaluated_again_on_the_index_served(tmp_path: Path) -> None:
+    """A swap to another index landed between the evaluation and the append: the delete is not
+    appended to the old index's log, nor refused; it is evaluated again, on the index now served
+    (its shards, its log), and deleted there, in the same request."""
+    front, manifest = _front(tmp_path)
+    where = check_filter({"label": 3}, KINDS, 100)
+    assert _upsert(front, manifest, 1, 3) == 1  # the first index's log, at 1
+    (tmp_path / "other").mkdir()
+    other = WriteFront(tmp_path / "other" / "log.sqlite")
+    assert _upsert(other, manifest, 8, 3) == 1
+    old, new = front.path, other.path
+    evaluated: list[object] = []
+
+    async def evaluate() -> tuple:  # the first time on the old index; the swap lands after it
+        log = old if not evaluated else new
+        evaluated.append(log)
+        return ([(np.array([1 if log == old else 8], np.int64), 1)], 1, None), manifest, log, where
+
+    answer = asyncio.run(delete_matching(front, evaluate, served=lambda: (manifest, new)))
+    assert evaluated == [old, new] and answer == {"position": 2, "deleted": 1}
+    assert open_log(new).read(1) == [(2, [Delete(8)])]  # type: ignore[arg-type]
+    assert open_log(old).last_position() == 1  # type: ignore[arg-type]  # untouched
     front.close()
     other.close()
 
@@ -461,7 +495,7 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
 
     for find, status, says, now in ((over, 422, "11 points", None), (found, 503, "kept changing", served)):
         with pytest.raises(ApiError) as refused:
-            asyncio.run(delete_matching(front, find, manifest, front.path, where, limit=10,
+            asyncio.run(delete_matching(front, _on(find, manifest, front.path, where), limit=10,
                                         served=None if now is None else (lambda now=now: now)))
         assert refused.value.status == status and says in refused.value.message
     assert not front.deleting and not (tmp_path / "idx" / "log.sqlite").exists()  # nothing written
@@ -472,21 +506,21 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
                            manifest)
         return [(np.arange(10, 20), 1)], 10, None
     with pytest.raises(ApiError) as grew:
-        asyncio.run(delete_matching(front, grown, manifest, front.path, where, limit=10))
+        asyncio.run(delete_matching(front, _on(grown, manifest, front.path, where), limit=10))
     assert grew.value.status == 422 and "11 points" in grew.value.message
     assert open_log(front.path).last_position() == 2  # type: ignore[arg-type]
 
     async def nothing() -> tuple:
         return [(np.zeros(0, np.int64), 2)], 0, None
-    assert asyncio.run(delete_matching(front, nothing, manifest, front.path, where)) == {"position": None,
-                                                                                          "deleted": 0}
+    answer = asyncio.run(delete_matching(front, _on(nothing, manifest, front.path, where)))
+    assert answer == {"position": None, "deleted": 0}
     front.deleting = True  # one at a time per router
     with pytest.raises(ApiError) as busy:
-        asyncio.run(delete_matching(front, nothing, manifest, front.path, where))
+        asyncio.run(delete_matching(front, _on(nothing, manifest, front.path, where)))
     assert busy.value.status == 503 and busy.value.retry_after
     front.close()
     no_log = WriteFront(None)
     with pytest.raises(ApiError) as refused:
-        asyncio.run(delete_matching(no_log, nothing, manifest, None, where))
+        asyncio.run(delete_matching(no_log, _on(nothing, manifest, None, where)))
     assert refused.value.status == 501
     no_log.close()

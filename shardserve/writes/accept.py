@@ -48,6 +48,9 @@ ROLL_TRIES = 20  # carry-forwards of one evaluation while writes land between a 
 # (each shard's live matching ids and its log position, how many, the schema the shards hold
 # metadata in: None, the router builds one from the manifest's kinds)
 Matches = tuple[list[Found], int, "pa.Schema | None"]
+# a delete by filter evaluated on the version served when it was: its shards' matches, its manifest,
+# its log, and the filter as checked against its columns
+Evaluated = tuple[Matches, Manifest, "LogAddress | None", str]
 
 
 @dataclass(frozen=True)
@@ -61,26 +64,26 @@ class FilterDelete:
     limit: int
 
 
-async def delete_matching(front: WriteFront, find: Callable[[], Awaitable[Matches]], manifest: Manifest,
-                          log: LogAddress | None, where: str,
+async def delete_matching(front: WriteFront, evaluate: Callable[[], Awaitable[Evaluated]],
                           served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
                           limit: int = MAX_FILTER_DELETE, tries: int = FILTER_DELETE_TRIES) -> dict:
-    """A delete by filter: `find()` gathers every shard's matching ids and the log position it found
-    them at; in the writes thread they are carried forward through the requests logged since
+    """A delete by filter: `evaluate()` reads the version served, checks the filter against its
+    columns and gathers every shard's matching ids and the log position it found them at; in the
+    writes thread they are carried forward through the requests logged since
     (shardserve.writes.roll) and deleted by id, on the condition that the log has not moved past
     what was read (a conditional append; a miss reads the new requests). So the delete takes
     effect exactly on the state the log is in when it is appended, whatever the ingest beside it.
     One at a time per front; more than `limit` matches: a 422, no ids moved. A swap to another
-    index meanwhile: a 503 once `tries` evaluations found the served log moved (the client sends
-    it again, and the next evaluation asks the new index's shards)."""
-    if log is None:  # the served version's log (the front's own may still be the last index's)
-        raise front.no_log()
+    index meanwhile: evaluated again, on the index then served (its shards, its columns, its
+    log); a 503 once `tries` evaluations each found the server moved on before their append."""
     if front.deleting:
         raise ApiError(503, None, "a delete by filter is already running here", front.retry_after_s)
     front.deleting = True
     try:
         for _ in range(tries):
-            found, count, held = await find()
+            (found, count, held), manifest, log, where = await evaluate()
+            if log is None:  # the served version's log (the front's own may still be the last index's)
+                raise front.no_log()
             schema = held if held is not None else metadata_schema(manifest.dataset.metadata_kinds)
             if count > limit:
                 raise front.too_many(count, limit)
