@@ -85,9 +85,7 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     try:
         active = router.active  # one version: its manifest checks the body, its log takes it
         npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (parse_writes)
-        where = None if upsert or npy else delete_filter(request.body, active.manifest.dataset.metadata_kinds,
-                                                         max(s.num_vectors for s in active.manifest.shards))
-        if where is not None:  # its matching ids, deleted by id (shardserve.writes.accept)
+        if not upsert and not npy and _filter(active, request.body) is not None:  # deleted by id once found
             return _json(await delete_matching(router.writes, lambda: _evaluate(router, request.body),
                                                served=lambda: _served(router)))
         return _json(await router.writes.accept(
@@ -109,10 +107,16 @@ async def _evaluate(router: "Router", body: bytes) -> Evaluated:
     active = router.active
     if active.log is None:  # before asking the shards
         raise router.writes.no_log()
-    where = delete_filter(body, active.manifest.dataset.metadata_kinds,
-                          max(s.num_vectors for s in active.manifest.shards))
+    where = _filter(active, body)
     assert where is not None  # the same body as when it was taken for a delete by filter
     return await _matching(router, active, where), active.manifest, active.log, where
+
+
+def _filter(active: IndexSet, body: bytes) -> str | None:
+    """A /v1/delete body's filter, checked against the columns of the version `active` (a 422 if
+    it does not fit them); None for a delete by ids."""
+    return delete_filter(body, active.manifest.dataset.metadata_kinds,
+                         max(s.num_vectors for s in active.manifest.shards))
 
 
 async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
