@@ -317,14 +317,47 @@ def test_matches_are_carried_forward_through_the_writes_logged_since() -> None:
     found = [(np.array([4, 9], np.int64), 4), (np.array([12, 30], np.int64), 5)]
     assert Carried(found, where, schema).through(logged).ids().tolist() == [20, 30]
     assert Carried(found, where, schema).through([]).ids().tolist() == [4, 9, 12, 30]
-    seen = Carried([(np.array([9], np.int64), 5)], where, schema)  # the shard had applied 5 already
-    assert seen.through(logged[:1]).ids().tolist() == [9]
     # a few requests at a time, as the router reads them, carries to the same ids and position
     carried = Carried(found, where, schema)
     for at in range(len(logged)):
         assert carried.position == (4 if at == 0 else logged[at - 1][0])
         carried.through(logged[at:at + 1])
     assert carried.ids().tolist() == [20, 30] and carried.position == 7
+
+
+def test_carried_matches_equal_the_true_state_over_random_logs() -> None:
+    """A model: random requests (upserts that move ids between shards, with or without metadata;
+    deletes) on a random base, each shard looking at a random position and finding the live ids
+    it holds that match there; carried from the earliest of them, a random number of requests at a
+    time, the ids are exactly those matching in the log's newest request."""
+    rng = np.random.default_rng(43)
+    where = check_filter({"label": 3}, KINDS, 100)
+    schema, vector = metadata_schema(KINDS), np.ones(DIM, np.float32)
+    for _ in range(400):
+        shards, ids = int(rng.integers(1, 5)), rng.permutation(30).tolist()
+        state = {i: (int(rng.integers(shards)), int(rng.integers(2, 5))) for i in ids[:int(rng.integers(31))]}
+        logged: list[tuple[int, list]] = []
+        states = [dict(state)]  # after each request
+        for position in range(1, int(rng.integers(1, 15))):
+            ops: list = []
+            for id_ in rng.choice(30, int(rng.integers(1, 4)), replace=False).tolist():
+                if rng.random() < 0.3:
+                    ops.append(Delete(id_))
+                    state.pop(id_, None)
+                else:
+                    label = None if rng.random() < 0.2 else int(rng.integers(2, 5))
+                    ops.append(Upsert(id_, vector, None if label is None else {"label": label}))
+                    state[id_] = (int(rng.integers(shards)), label)
+            logged.append((position, ops))
+            states.append(dict(state))
+        at = rng.integers(len(logged) + 1, size=shards).tolist()
+        found = [(np.array([i for i, (home, label) in states[a].items() if home == s and label == 3],
+                           np.int64), a) for s, a in enumerate(at)]
+        carried = Carried(found, where, schema)
+        while carried.position < len(logged):  # read as the router reads: past the position carried to
+            carried.through(logged[carried.position:carried.position + int(rng.integers(1, 4))])
+        assert carried.ids().tolist() == sorted(i for i, (_, label) in state.items() if label == 3)
+        assert carried.position == len(logged)
 
 
 def test_an_id_found_on_two_shards_counts_once_against_the_limit() -> None:

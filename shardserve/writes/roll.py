@@ -62,34 +62,38 @@ def passing(where: str, upserts: Sequence[Upsert], schema: pa.Schema) -> set[int
 
 
 class Carried:
-    """Each shard's `found` ids carried through the log's requests past the position it found them
-    at, a few requests at a time (`through`, in log order): a delete drops its id, an upsert keeps
-    or adds its id as its new metadata pass the filter `where`. What is held is the sets and the
-    position reached, never the requests: a delete by filter appended behind a long queue reads the
-    requests in between as the replicas do, 32 at a time, and a conditional append that missed goes
-    on from where it stopped instead of reading again from the shards' position."""
+    """The shards' `found` ids carried through the log's requests past the earliest position a shard
+    found them at, a few requests at a time (`through`, in log order): a delete drops its id, an
+    upsert keeps or adds its id as its new metadata pass the filter `where`. What is held is one
+    set of ids and the position reached, never the requests: a delete by filter appended behind a
+    long queue reads the requests in between as the replicas do, 32 at a time, and a conditional
+    append that missed goes on from where it stopped instead of reading again.
+
+    Why one set, whatever position each shard looked at: an id's state in the log's newest request
+    is its last operation's. Where that operation is read here (past the earliest shard's
+    position), applying the requests in order ends with it, whatever was found. Where it is not,
+    nothing changed the id since every shard looked: it matches if and only if the shard holding it
+    found it. A request a shard had already applied (at or before its position) is applied again
+    here; a later one overrides it in the same way, so it changes nothing (the model test,
+    tests/test_parse_writes.py, checks this against the true state over random logs)."""
 
     def __init__(self, found: Sequence[Found], where: str, schema: pa.Schema):
         self.where, self.schema = where, schema
-        self._shards = [(set(np.asarray(ids, np.int64).tolist()), at) for ids, at in found]
+        self._live: set[int] = set().union(*(np.asarray(ids, np.int64).tolist() for ids, _ in found))
         self.position = min((at for _, at in found), default=0)  # carried up to this request
 
     def through(self, requests: Sequence[tuple[int, list[Op]]]) -> Carried:
-        """Carry the sets through `requests`, the log's next ones after `position`, in order."""
+        """Carry the set through `requests`, the log's next ones after `position`, in order."""
         for position, ops in requests:
             passed = passing(self.where, [op for op in ops if isinstance(op, Upsert)], self.schema)
-            for mine, at in self._shards:
-                if position <= at:  # this shard had applied it already
-                    continue
-                for op in ops:
-                    if isinstance(op, Upsert) and op.id in passed:
-                        mine.add(op.id)
-                    else:
-                        mine.discard(op.id)
-            self.position = max(self.position, position)
+            for op in ops:
+                if isinstance(op, Upsert) and op.id in passed:
+                    self._live.add(op.id)
+                else:
+                    self._live.discard(op.id)
+            self.position = position
         return self
 
     def ids(self) -> np.ndarray:
         """The ids that match once carried: sorted, distinct."""
-        live: set[int] = set().union(*(mine for mine, _ in self._shards))
-        return np.array(sorted(live), np.int64)
+        return np.array(sorted(self._live), np.int64)
