@@ -16,6 +16,7 @@ import orjson
 import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
@@ -40,6 +41,7 @@ from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import MAX_FILTER_DELETE, Evaluated, Matches, WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.log import LogMoved
 from shardserve.writes.redis_log import LogUnavailable
 
 logger = logging.getLogger("ray.serve")
@@ -109,7 +111,15 @@ async def _evaluate(router: "Router", body: bytes) -> Evaluated:
         raise router.writes.no_log()
     where = _filter(active, body)
     assert where is not None  # the same body as when it was taken for a delete by filter
-    return await _matching(router, active, where), active.manifest, active.log, where
+    router.in_flight_by_generation[active.generation] += 1  # a swap's drain waits for it, as for searches
+    try:
+        return await _matching(router, active, where), active.manifest, active.log, where
+    except ApiError:
+        if router.active is not active:  # its shards went with a swap: ask the new version's
+            raise LogMoved("the server moved to another index while its shards were asked") from None
+        raise
+    finally:
+        router.in_flight_by_generation[active.generation] -= 1
 
 
 def _filter(active: IndexSet, body: bytes) -> str | None:
@@ -124,7 +134,7 @@ async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
     log unreadable) is a 503: nothing was written, the client may send it again."""
     try:
         return await active.ids_matching(where, MAX_FILTER_DELETE, router.args.shard_timeout_s * 5)
-    except (TimeoutError, RayActorError, ActorUnavailableError, LogUnavailable) as exc:
+    except (TimeoutError, RayActorError, ActorUnavailableError, RayServeException, LogUnavailable) as exc:
         raise ApiError(503, None, f"the shards did not all answer the filter: {type(exc).__name__}",
                        router.args.retry_after_s) from None
 

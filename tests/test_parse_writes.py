@@ -27,7 +27,7 @@ from shardserve.query.parse_writes import (
 from shardserve.writes.accept import WriteFront, delete_matching
 from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import open_log
-from shardserve.writes.log import WriteLog
+from shardserve.writes.log import LogMoved, WriteLog
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 from shardserve.writes.roll import Carried, gathered, metadata_schema
 
@@ -512,6 +512,44 @@ def test_a_delete_by_filter_across_a_swap_is_evaluated_again_on_the_index_served
     assert open_log(old).last_position() == 1  # type: ignore[arg-type]  # untouched
     front.close()
     other.close()
+
+
+@pytest.mark.parametrize("swap", ["while asked", "while carried"])
+def test_a_swap_while_the_shards_are_asked_or_the_matches_carried_is_evaluated_again(tmp_path: Path,
+                                                                                     swap: str) -> None:
+    """The old index's shards went with a swap while they were asked (the router's evaluation says
+    LogMoved), or the swap landed after the writes thread read what is served, while the matches
+    were carried: either way the delete is evaluated again on the index now served and lands in
+    its log, never in the old one's."""
+    front, manifest = _front(tmp_path)
+    where = check_filter({"label": 3}, KINDS, 100)
+    assert _upsert(front, manifest, 1, 3) == 1
+    (tmp_path / "other").mkdir()
+    other = WriteFront(tmp_path / "other" / "log.sqlite")  # the index swapped to: its own log
+    assert _upsert(other, manifest, 8, 3) == 1
+    other.close()
+    old, new = front.path, other.path
+    serving, evaluated = [old], []
+
+    async def evaluate() -> tuple:
+        log = serving[0]
+        evaluated.append(log)
+        if swap == "while asked" and log == old:
+            serving[0] = new
+            raise LogMoved("the old version's shards went with the swap")
+        return ([(np.array([1 if log == old else 8], np.int64), 1)], 1, None), manifest, log, where
+
+    def served() -> tuple:  # read in the writes thread, before the carry, then before the append
+        now = serving[0]
+        if swap == "while carried":
+            serving[0] = new  # the swap lands right after this read
+        return manifest, now
+
+    answer = asyncio.run(delete_matching(front, evaluate, served=served))
+    assert evaluated == [old, new] and answer == {"position": 2, "deleted": 1}
+    assert open_log(new).read(1) == [(2, [Delete(8)])]  # type: ignore[arg-type]
+    assert open_log(old).last_position() == 1  # type: ignore[arg-type]  # untouched
+    front.close()
 
 
 def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -> None:

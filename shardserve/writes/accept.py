@@ -81,13 +81,13 @@ async def delete_matching(front: WriteFront, evaluate: Callable[[], Awaitable[Ev
     front.deleting = True
     try:
         for _ in range(tries):
-            (found, count, held), manifest, log, where = await evaluate()
-            if log is None:  # the served version's log (the front's own may still be the last index's)
-                raise front.no_log()
-            schema = held if held is not None else metadata_schema(manifest.dataset.metadata_kinds)
-            if count > limit:
-                raise front.too_many(count, limit)
-            try:
+            try:  # LogMoved: the server moved to another index since `evaluate` read it
+                (found, count, held), manifest, log, where = await evaluate()
+                if log is None:  # the served version's log (the front's own may still be the last index's)
+                    raise front.no_log()
+                schema = held if held is not None else metadata_schema(manifest.dataset.metadata_kinds)
+                if count > limit:
+                    raise front.too_many(count, limit)
                 matches = FilterDelete(found, where, schema, limit)
                 return await front.accept(matches, False, manifest, log, served)
             except LogMoved:
@@ -160,7 +160,7 @@ class WriteFront:
             if isinstance(body, FilterDelete):
                 if where != path:
                     raise LogMoved("the server moved to another index while the filter was evaluated")
-                return self._delete_found(body, now, where)
+                return self._delete_found(body, now, where, served)
             ops = parsed if now is manifest else self._parse(body, upsert, now, npy)
             done = "upserted" if upsert else "deleted"
             return {"position": self._append(ops, now, where), done: len(ops)}
@@ -170,10 +170,12 @@ class WriteFront:
         finally:
             self.waiting -= 1
 
-    def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None) -> dict:
+    def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
+                      served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
         """A delete by filter's ids, carried forward to the log's newest request and appended if the
         log is still there (else carried on through what landed since); nothing matching: nothing
-        written."""
+        written. `served` is read again before each append: a swap to another index while this
+        carries (reads can take a while behind a long ingest) is LogMoved, evaluated again there."""
         carried = Carried(matches.found, matches.where, matches.schema)
         self._use(log)  # the log the shards found them in, not the last one this front wrote to
         for _ in range(ROLL_TRIES):
@@ -191,6 +193,8 @@ class WriteFront:
                 raise self.too_many(len(ids), matches.limit)
             if not len(ids):
                 return {"position": None, "deleted": 0}
+            if served is not None and served()[1] != log:
+                raise LogMoved("the server moved to another index while the matches were carried")
             try:
                 return {"position": self._append([Delete(int(i)) for i in ids.tolist()], manifest, log,
                                                  unless_past=carried.position), "deleted": len(ids)}

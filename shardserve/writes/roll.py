@@ -85,6 +85,8 @@ class Carried:
     def through(self, requests: Sequence[tuple[int, list[Op]]]) -> Carried:
         """Carry the set through `requests`, the log's next ones after `position`, in order."""
         for position, ops in requests:
+            if position <= self.position:  # carried already: applying it again would undo later ones
+                continue
             passed = passing(self.where, [op for op in ops if isinstance(op, Upsert)], self.schema)
             for op in ops:
                 if isinstance(op, Upsert) and op.id in passed:
