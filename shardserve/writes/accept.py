@@ -188,13 +188,13 @@ class WriteFront:
                     self._carry(carried)
                 except LogUnavailable as exc:  # nothing written: the client may send it again
                     raise ApiError(503, None, str(exc), self.retry_after_s) from None
+            if served is not None and served()[1] != log:  # before any answer, "deleted 0" included
+                raise LogMoved("the server moved to another index while the matches were carried")
             ids = carried.ids()
             if len(ids) > matches.limit:
                 raise self.too_many(len(ids), matches.limit)
             if not len(ids):
                 return {"position": None, "deleted": 0}
-            if served is not None and served()[1] != log:
-                raise LogMoved("the server moved to another index while the matches were carried")
             try:
                 return {"position": self._append([Delete(int(i)) for i in ids.tolist()], manifest, log,
                                                  unless_past=carried.position), "deleted": len(ids)}
