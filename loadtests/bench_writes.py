@@ -244,43 +244,66 @@ def _in_batches(send: Callable, http: httpx.Client, ids: list[int], vectors: np.
         send(http, ids[start:start + 100], vectors[start:start + 100])
 
 
-def _upsert_targets(path: Path, url: str, points: Points, count: int, route: str = "/v1/upsert") -> Path:
-    """vegeta targets: `count` single upserts of new points (each id written once), to `route`."""
+def _upsert_targets(path: Path, url: str, points: Points, count: int, route: str = "/v1/upsert",
+                    npy: bool = False, size: int = 1) -> Path:
+    """vegeta targets: `count` upserts of `size` new points each (each id written once), to
+    `route`; `npy`: as the client sends points without metadata (the ids, then the vectors, as .npy)."""
     lines = []
     for _ in range(count):
-        ids, vectors = points.take(1)
-        body = orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY)
+        ids, vectors = points.take(size)
+        body, kind = ((_npy(np.asarray(ids, np.int64)) + _npy(vectors), "application/x-npy") if npy else
+                      (orjson.dumps({"ids": ids, "vectors": vectors}, option=orjson.OPT_SERIALIZE_NUMPY),
+                       "application/json"))
+        encoded = base64.b64encode(body).decode()
         lines.append(orjson.dumps({"method": "POST", "url": f"{url}{route}",
-                                   "header": {"Content-Type": ["application/json"]},
-                                   "body": base64.b64encode(body).decode()}))
+                                   "header": {"Content-Type": [kind]}, "body": encoded}))
     return write_targets(path, lines)
 
 
+INGEST_PAIRS = 5  # quiet/ingesting windows per measure: the ratio is their median
+
+
 def search_under_ingest(server: Shardserve, queries: np.ndarray, points: Points, work: Path,
-                        seconds: float = 20.0, ingest_per_s: float = 200.0,
-                        route: str = "/v1/upsert") -> dict:
+                        seconds: float = 10.0, ingest_per_s: float = 200.0,
+                        route: str = "/v1/upsert", pairs: int = INGEST_PAIRS, npy: bool = False,
+                        size: int = 1) -> dict:
     """Searches/s at 32 clients, quiet, then beside an open loop of `ingest_per_s` single upserts
-    (vegeta at that exact rate, new ids, started `lead_s` before the searches and ending after
+    (vegeta at that exact rate, new ids, started LEAD_S before the searches and ending after
     them: the searches are measured beside a steady ingest); CPU per search by process class.
-    `route`: where the upserts go (lab.ingest_ab sends them to a route the router answers 404:
-    what the same requests cost before any write path)."""
+    `pairs` such pairs of windows, one after the other: the ratio is the median of each pair's, and
+    `quiet`, `ingesting` and `ingest` are the levels of the median pair. Why pairs: on this shared
+    2-core machine a level's searches/s drifts by up to ±20 % from one minute to the next
+    (loadtests/records/ingest-paired.json), so one quiet window then one ingesting window measured
+    the drift as much as the ingest. `route`: where the upserts go (lab.ingest_ab sends them to a
+    route the router answers 404: what the same requests cost before any write path); `npy`: the
+    upserts as .npy bodies; `size`: points per request (the same upserts/s in fewer requests)."""
     targets = write_targets(work / "targets.jsonl", make_targets(queries, server.url, k=10,
                                                                  params={"nprobe": 16}))
-    lead_s = 4.0
-    upserts = _upsert_targets(work / "upserts.jsonl", server.url, points,
-                              int((seconds + 2 * lead_s) * ingest_per_s), route)
+    measured = [_ingest_pair(targets, _upsert_targets(work / "upserts.jsonl", server.url, points,
+                                                      int((seconds + 2 * LEAD_S) * ingest_per_s / size),
+                                                      route, npy, size),
+                             work, seconds, ingest_per_s / size) for _ in range(pairs)]
+    median = sorted(measured, key=lambda m: m["qps_ratio"])[(pairs - 1) // 2]
+    return {**median, "pairs": [m["qps_ratio"] for m in measured], "seconds_per_window": seconds,
+            "bodies": "npy" if npy else "json", "points_per_request": size}
+
+
+LEAD_S = 3.0  # the ingest starts this long before the searches it is measured beside, ends after them
+
+
+def _ingest_pair(targets: Path, upserts: Path, work: Path, seconds: float, requests_per_s: float) -> dict:
+    """One quiet window of searches, then one beside the upserts at `requests_per_s`."""
+    keep = ("requests", "success_ratio", "qps", "p50_ms", "p99_ms", "cpu_ms_per_request")
     quiet = attack(targets, "concurrency", 32, seconds, work, "search-quiet", meter=CpuMeter())
     ingest: dict = {}
     thread = threading.Thread(target=lambda: ingest.update(
-        attack(upserts, "rate", ingest_per_s, seconds + 2 * lead_s, work, "ingest")))
+        attack(upserts, "rate", requests_per_s, seconds + 2 * LEAD_S, work, "ingest")))
     thread.start()
-    time.sleep(lead_s)
+    time.sleep(LEAD_S)
     busy = attack(targets, "concurrency", 32, seconds, work, "search-ingest", meter=CpuMeter())
     thread.join()
-    keep = ("requests", "success_ratio", "qps", "p50_ms", "p99_ms", "cpu_ms_per_request")
     return {"quiet": {k: quiet.get(k) for k in keep}, "ingesting": {k: busy.get(k) for k in keep},
-            "ingest": {k: ingest.get(k) for k in keep[:5]},
-            "qps_ratio": round(busy["qps"] / quiet["qps"], 3)}
+            "ingest": {k: ingest.get(k) for k in keep[:5]}, "qps_ratio": round(busy["qps"] / quiet["qps"], 3)}
 
 
 def filter_deletes_under_ingest(server: Shardserve, base: np.ndarray, column: str, points: Points, work: Path,

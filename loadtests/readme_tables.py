@@ -427,8 +427,10 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
              f"{c['upserts_found_at_once']} of {c['upserts']} | |",
              f"| deleted ids absent right after | {s['deleted_absent']} of {s['deletes']} | "
              f"{c['deleted_absent']} of {c['deletes']} | |",
-             f"| searches/s at 32 clients, quiet / with {_ingest_rate(search):,.0f} upserts/s | "
-             f"{search['quiet']['qps']:,.0f} / {search['ingesting']['qps']:,.0f} | | "
+             f"| searches/s at 32 clients, quiet / with {_ingest_rate(search):,.0f} single upserts/s"
+             + (f" (the median of {len(search['pairs'])} pairs of windows: "
+                + ", ".join(f"{r:.2f}" for r in search["pairs"]) + ")" if "pairs" in search else "")
+             + f" | {search['quiet']['qps']:,.0f} / {search['ingesting']['qps']:,.0f} | | "
              f"{search['qps_ratio']:.2f}x |",
              *([f"| deletes by filter beside {fd['ingest']['qps']:,.0f} single upserts/s, each of two "
                 f"points tagged for it | {_outcomes(fd)}; p50 / p99 {fd['p50_ms']:.0f} / "

@@ -112,7 +112,8 @@ def decode(results: Path) -> list[dict]:
     return [json.loads(line) for line in encoded.splitlines() if line.strip()]
 
 
-NOT_SERVERS = ("load generator", SELF_CLASS)  # the attack's own processes, not the system's
+BESIDE = "load generator beside"  # another attack running through this one's window
+NOT_SERVERS = ("load generator", BESIDE, SELF_CLASS)  # the attacks' own processes, not the system's
 
 
 def machine_share(machine: dict[str, float], accounted_s: float) -> dict[str, float]:
@@ -144,7 +145,10 @@ def attack(targets: Path, mode: str, value: float, duration_s: float, out_dir: P
         subprocess.run([vegeta(), "attack", *flags], stdout=sink, check=True)
     cpu = meter.stop() if meter is not None else None
     if cpu is not None:  # vegeta has exited by now: its CPU is in our children's rusage, not /proc
+        beside = cpu.pop("load generator", 0.0)  # one still running: another attack's (an ingest beside)
         cpu["load generator"] = _children_cpu_s() - children_before
+        if beside:
+            cpu[BESIDE] = beside
     encoded = subprocess.run([vegeta(), "encode", "--to", "json", str(results)], capture_output=True,
                              text=True, check=True).stdout
     level = summarize(encoded.splitlines(), mode, value, duration_s, queries_per_request)
