@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -595,3 +596,68 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
         asyncio.run(delete_matching(no_log, _on(nothing, manifest, None, where)))
     assert refused.value.status == 501
     no_log.close()
+
+
+def _queued_behind(front: WriteFront, bodies: list[bytes], manifest: Manifest, **kwargs) -> list:
+    """`bodies` accepted at once while the writes thread is busy, so that they wait behind each
+    other: what each got (its answer, or the ApiError raised), in the order they were sent."""
+    busy = threading.Event()
+    front._thread.submit(busy.wait)  # the writes thread is taken until every request is queued
+
+    async def send() -> list:
+        sent = [asyncio.ensure_future(front.accept(body, True, manifest, **kwargs)) for body in bodies]
+        await asyncio.sleep(0.05)  # each parsed and queued (accept's first await)
+        busy.set()
+        return await asyncio.gather(*sent, return_exceptions=True)
+
+    return asyncio.run(send())
+
+
+def _body(id_: int) -> bytes:
+    return orjson.dumps({"ids": [id_], "vectors": [V], "metadata": [{"label": id_ % 7}]})
+
+
+def test_writes_waiting_behind_each_other_are_committed_together_in_the_order_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group commit: the requests queued while the writes thread was busy go to the log in one
+    transaction (one fsync), each its own request at consecutive positions, in the order sent."""
+    front, manifest = _front(tmp_path)
+    _upsert(front, manifest, 1, 1)  # the log open; its first position taken
+    groups: list[int] = []
+    original = WriteLog.append_many
+
+    def counted(log: WriteLog, requests: list, *args, **kwargs) -> list[int]:  # the real one, counted
+        groups.append(len(requests))
+        return original(log, requests, *args, **kwargs)
+
+    monkeypatch.setattr(WriteLog, "append_many", counted)
+    answers = _queued_behind(front, [_body(id_) for id_ in range(10, 18)], manifest)
+    assert [a["position"] for a in answers] == list(range(2, 10)) and groups == [8]
+    logged = open_log(front.path).read(1)
+    assert [(p, [op.id for op in ops]) for p, ops in logged] == [(p, [p + 8]) for p in range(2, 10)]
+
+
+def test_a_request_of_a_group_past_the_backlog_is_refused_alone(tmp_path: Path) -> None:
+    front, manifest = _front(tmp_path)
+    front.max_backlog = 3
+    answers = _queued_behind(front, [_body(id_) for id_ in range(10, 15)], manifest)
+    assert [a["position"] for a in answers[:3]] == [1, 2, 3]
+    assert all(isinstance(a, ApiError) and a.status == 503 and "backlog" in a.message for a in answers[3:])
+    assert [p for p, _ in open_log(front.path).read(0)] == [1, 2, 3]  # nothing of the refused
+
+
+def test_a_group_queued_across_a_swap_goes_to_the_log_then_served(tmp_path: Path) -> None:
+    """Requests parsed against one index, written once their turn comes to the index served then
+    (its log, past its position), each parsed again against it; one that no longer fits fails alone."""
+    front, manifest = _front(tmp_path)
+    (tmp_path / "new").mkdir()
+    new_log = tmp_path / "new" / "log.sqlite"
+    narrower = Manifest.model_construct(log_position=40, dim=DIM, metric="l2",
+                                        dataset=DatasetInfo.model_construct(metadata_kinds={}))
+    answers = _queued_behind(front, [_body(10), _body(11)], manifest, served=lambda: (narrower, new_log))
+    assert all(isinstance(a, ApiError) and a.status == 422 and a.field == "metadata" for a in answers)
+    plain = [orjson.dumps({"ids": [id_], "vectors": [V]}) for id_ in (12, 13)]
+    answers = _queued_behind(front, plain, manifest, served=lambda: (narrower, new_log))
+    assert [a["position"] for a in answers] == [41, 42]
+    assert [p for p, _ in open_log(new_log).read(0)] == [41, 42]
+    assert not (tmp_path / "idx" / "log.sqlite").exists()  # nothing went to the old index's log

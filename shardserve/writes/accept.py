@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -31,7 +32,7 @@ from shardserve.query.parse_writes import parse_delete, parse_delete_npy, parse_
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import Log, LogAddress, open_log
-from shardserve.writes.log import LogMoved
+from shardserve.writes.log import LogMoved, WriteLog
 from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
 from shardserve.writes.roll import Carried, Found, metadata_schema
@@ -98,6 +99,35 @@ async def delete_matching(front: WriteFront, evaluate: Callable[[], Awaitable[Ev
         front.deleting = False
 
 
+Served = Callable[[], tuple[Manifest, "LogAddress | None"]]
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A write request parsed on the event loop, waiting for the writes thread (WriteFront._drain)."""
+
+    body: bytes
+    upsert: bool
+    manifest: Manifest  # the version it was parsed against
+    path: LogAddress | None  # that version's log
+    served: Served | None
+    npy: bool
+    ops: list[Op]
+    done: Future
+
+
+def _settle(done: Future, answer: dict | None = None, error: BaseException | None = None) -> None:
+    """A queued request's answer, unless it has one: the first error of a group leaves the answers
+    already given, and a request whose client went away (its future cancelled) is answered nobody."""
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(answer)
+    except InvalidStateError:
+        pass
+
+
 class Same(enum.Enum):
     """`log` not given: the log this front already writes to."""
 
@@ -123,6 +153,7 @@ class WriteFront:
         self._counted: tuple[LogAddress | None, int, int, int] = (path, -1, 0, 0)
         self._exact = False  # `_counted` is the log's count: every request since it was ours
         self._thread = ThreadPoolExecutor(1, "writes")
+        self._queued: deque[Queued] = deque()  # parsed, in arrival order, for the next group commit
         self.deleting = False  # a delete by filter in progress (delete_matching)
 
     async def accept(self, body: bytes | FilterDelete, upsert: bool, manifest: Manifest,
@@ -152,23 +183,81 @@ class WriteFront:
             raise self._backlog_full()
         if path is None and not isinstance(body, FilterDelete):
             raise self.no_log()
-        parsed = [] if isinstance(body, FilterDelete) else self._parse(body, upsert, manifest, npy)
         self.waiting += 1
-
-        def work() -> dict:
-            now, where = served() if served is not None else (manifest, path)
-            if isinstance(body, FilterDelete):
-                if where != path:
-                    raise LogMoved("the server moved to another index while the filter was evaluated")
-                return self._delete_found(body, now, where, served)
-            ops = parsed if now is manifest else self._parse(body, upsert, now, npy)
-            done = "upserted" if upsert else "deleted"
-            return {"position": self._append(ops, now, where), done: len(ops)}
-
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+            if isinstance(body, FilterDelete):
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._thread, self._filter_delete, body, manifest, path, served)
+            ops = self._parse(body, upsert, manifest, npy)
+            queued = Queued(body, upsert, manifest, path, served, npy, ops, Future())
+            self._queued.append(queued)
+            self._thread.submit(self._drain)  # may find it taken by an earlier drain: then nothing to do
+            return await asyncio.wrap_future(queued.done)
         finally:
             self.waiting -= 1
+
+    def _filter_delete(self, body: FilterDelete, manifest: Manifest, path: LogAddress | None,
+                       served: Served | None) -> dict:
+        now, where = served() if served is not None else (manifest, path)
+        if where != path:
+            raise LogMoved("the server moved to another index while the filter was evaluated")
+        return self._delete_found(body, now, where, served)
+
+    def _drain(self) -> None:
+        """In the writes thread: every request queued so far, appended as one group per log (a group
+        commit: one transaction and one fsync for the requests that waited behind each other, so
+        the shards read them in one go too). `served` is read again for each: a request whose turn
+        finds another index served is parsed again against it; one that fails fails alone."""
+        groups: list[tuple[Manifest, LogAddress | None, list[tuple[Queued, list[Op]]]]] = []
+        while self._queued:
+            item = self._queued.popleft()
+            try:
+                now, where = item.served() if item.served is not None else (item.manifest, item.path)
+                ops = item.ops if now is item.manifest else self._parse(item.body, item.upsert, now, item.npy)
+            except BaseException as exc:  # its own answer, whatever it is
+                _settle(item.done, error=exc)
+                continue
+            if groups and groups[-1][0] is now and groups[-1][1] == where:
+                groups[-1][2].append((item, ops))
+            else:
+                groups.append((now, where, [(item, ops)]))
+        for manifest, log, items in groups:
+            try:
+                self._append_group(items, manifest, log)
+            except BaseException as exc:  # for those not answered yet: nothing of theirs written
+                unavailable = isinstance(exc, LogUnavailable)
+                error = ApiError(503, None, str(exc), self.retry_after_s) if unavailable else exc
+                for item, _ in items:
+                    _settle(item.done, error=error)
+
+    def _append_group(self, items: list[tuple[Queued, list[Op]]], manifest: Manifest,
+                      log: LogAddress | None) -> None:
+        """Append `items` to `log` past `manifest`'s position, each answered once it is on disk; one
+        that would take the backlog past its bound is refused alone (503). SQLite takes them in one
+        transaction; Redis one script call each (answered as each lands)."""
+        self._use(log)
+        if self.path is None:
+            raise self.no_log()
+        with self._lock:
+            if self._log is None:
+                self._log = open_log(self.path)
+            taken, backlog = [], None
+            for item, ops in items:
+                adding = sum(isinstance(op, Upsert) for op in ops)
+                if adding:
+                    backlog = self.backlog(manifest.log_position) if backlog is None else backlog
+                    if backlog + adding > self.max_backlog:
+                        _settle(item.done, error=self._backlog_full())
+                        continue
+                    backlog += adding
+                taken.append((item, ops, adding))
+            together = (self._log.append_many([ops for _, ops, _ in taken], after=manifest.log_position)
+                        if taken and isinstance(self._log, WriteLog) else None)
+            for n, (item, ops, adding) in enumerate(taken):
+                position = self._log.append(ops, manifest.log_position) if together is None else together[n]
+                self._appended(position, adding)
+                done = "upserted" if item.upsert else "deleted"
+                _settle(item.done, {"position": position, done: len(ops)})
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
                       served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:

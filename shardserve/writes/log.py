@@ -102,27 +102,37 @@ class WriteLog:
         never hands out a position a replica would skip as already applied. `unless_past`: raise
         LogMoved instead, writing nothing, when the log holds a request past that position (checked
         in the same transaction as the write: a delete by filter evaluated at that position)."""
-        if not ops:
+        return self.append_many([ops], after, unless_past)[0]
+
+    def append_many(self, requests: list[list[Op]], after: int = 0,
+                    unless_past: int | None = None) -> list[int]:
+        """Write several requests in one transaction (all of them, or none), at consecutive
+        positions, and return them once the commit is on disk: a group commit, one fsync for the
+        requests that waited behind each other (WriteFront). `after`, `unless_past`: as `append`."""
+        if not requests or not all(requests):
             raise ValueError("a write request needs at least one operation")
-        rows = [_row(seq, op) for seq, op in enumerate(ops)]
+        rows = [[_row(seq, op) for seq, op in enumerate(ops)] for ops in requests]
+        positions = []
         with self._lock:
             cursor = self._db.cursor()
             cursor.execute("BEGIN IMMEDIATE")  # the write lock now: no other writer interleaves
             try:
-                # the newest position read and the request's row written in one statement: a
-                # router appends beside its searches, and each statement is a GIL hand-off there
-                row = cursor.execute(_INSERT_REQUEST, (after, len(ops), unless_past)).fetchall()
-                if not row:
-                    raise LogMoved(f"the log is at {_newest(cursor)}, past {unless_past}")
-                position = int(row[0][0])
-                cursor.executemany("INSERT INTO ops (position, seq, id, vector, metadata) VALUES "
-                                   "(?, ?, ?, ?, ?)", [(position, *row) for row in rows])
+                for ops, request_rows in zip(requests, rows, strict=True):
+                    # the newest position read and the request's row written in one statement: a
+                    # router appends beside its searches, and each statement is a GIL hand-off there
+                    row = cursor.execute(_INSERT_REQUEST, (after, len(ops), unless_past)).fetchall()
+                    if not row:
+                        raise LogMoved(f"the log is at {_newest(cursor)}, past {unless_past}")
+                    positions.append(int(row[0][0]))
+                    unless_past = None if unless_past is None else positions[-1]  # ours, then
+                    cursor.executemany("INSERT INTO ops (position, seq, id, vector, metadata) VALUES "
+                                       "(?, ?, ?, ?, ?)", [(positions[-1], *r) for r in request_rows])
                 cursor.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:
                     cursor.execute("ROLLBACK")
                 raise
-        return position
+        return positions
 
     def read(self, after: int, limit: int = 1000, vectors: bool = True) -> list[tuple[int, list[Op]]]:
         """Up to `limit` requests past position `after`, oldest first: (position, its operations).
