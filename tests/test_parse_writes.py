@@ -598,19 +598,39 @@ def test_a_delete_by_filter_is_bounded_and_gives_up_with_a_503(tmp_path: Path) -
     no_log.close()
 
 
-def _queued_behind(front: WriteFront, bodies: list[bytes], manifest: Manifest, **kwargs) -> list:
+def _queued_behind(front: WriteFront, bodies: list[bytes], manifest: Manifest, cancel: tuple[int, ...] = (),
+                   **kwargs) -> list:
     """`bodies` accepted at once while the writes thread is busy, so that they wait behind each
-    other: what each got (its answer, or the ApiError raised), in the order they were sent."""
+    other: what each got (its answer, or the exception raised), in the order they were sent; those
+    at `cancel` cancelled while they wait."""
     busy = threading.Event()
     front._thread.submit(busy.wait)  # the writes thread is taken until every request is queued
 
     async def send() -> list:
-        sent = [asyncio.ensure_future(front.accept(body, True, manifest, **kwargs)) for body in bodies]
-        await asyncio.sleep(0.05)  # each parsed and queued (accept's first await)
-        busy.set()
+        try:
+            sent = [asyncio.ensure_future(front.accept(body, True, manifest, **kwargs)) for body in bodies]
+            await asyncio.sleep(0.05)  # each parsed and queued (accept's first await)
+            for at in cancel:  # their clients gone before their turn
+                sent[at].cancel()
+            await asyncio.sleep(0)
+        finally:
+            busy.set()
         return await asyncio.gather(*sent, return_exceptions=True)
 
     return asyncio.run(send())
+
+
+def _group_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The requests in each group commit from now on (the real WriteLog.append_many, counted)."""
+    groups: list[int] = []
+    original = WriteLog.append_many
+
+    def counted(log: WriteLog, requests: list, *args, **kwargs) -> list[int]:
+        groups.append(len(requests))
+        return original(log, requests, *args, **kwargs)
+
+    monkeypatch.setattr(WriteLog, "append_many", counted)
+    return groups
 
 
 def _body(id_: int) -> bytes:
@@ -623,14 +643,7 @@ def test_writes_waiting_behind_each_other_are_committed_together_in_the_order_se
     transaction (one fsync), each its own request at consecutive positions, in the order sent."""
     front, manifest = _front(tmp_path)
     _upsert(front, manifest, 1, 1)  # the log open; its first position taken
-    groups: list[int] = []
-    original = WriteLog.append_many
-
-    def counted(log: WriteLog, requests: list, *args, **kwargs) -> list[int]:  # the real one, counted
-        groups.append(len(requests))
-        return original(log, requests, *args, **kwargs)
-
-    monkeypatch.setattr(WriteLog, "append_many", counted)
+    groups = _group_sizes(monkeypatch)
     answers = _queued_behind(front, [_body(id_) for id_ in range(10, 18)], manifest)
     assert [a["position"] for a in answers] == list(range(2, 10)) and groups == [8]
     logged = open_log(front.path).read(1)
@@ -661,3 +674,42 @@ def test_a_group_queued_across_a_swap_goes_to_the_log_then_served(tmp_path: Path
     assert [a["position"] for a in answers] == [41, 42]
     assert [p for p, _ in open_log(new_log).read(0)] == [41, 42]
     assert not (tmp_path / "idx" / "log.sqlite").exists()  # nothing went to the old index's log
+
+
+def test_a_swap_between_a_group_s_reading_and_its_append_sends_it_to_the_new_log(tmp_path: Path) -> None:
+    """`served` read for each request says the old index; read again just before the append, the
+    new one: the group goes there, parsed again against it, and nothing to the old log."""
+    front, manifest = _front(tmp_path)
+    (tmp_path / "new").mkdir()
+    new_log = tmp_path / "new" / "log.sqlite"
+    newer = Manifest.model_construct(log_position=40, dim=DIM, metric="l2",
+                                     dataset=DatasetInfo.model_construct(metadata_kinds=KINDS))
+    reads = iter(range(100))
+
+    def served() -> tuple:
+        return (manifest, front.path) if next(reads) < 2 else (newer, new_log)  # the swap, after two
+
+    answers = _queued_behind(front, [_body(10), _body(11)], manifest, served=served)
+    assert [a["position"] for a in answers] == [41, 42]
+    assert [[op.id for op in ops] for _, ops in open_log(new_log).read(0)] == [[10], [11]]
+    assert not (tmp_path / "idx" / "log.sqlite").exists()
+
+
+def test_a_write_whose_client_went_away_before_its_turn_is_not_written(tmp_path: Path) -> None:
+    front, manifest = _front(tmp_path)
+    answers = _queued_behind(front, [_body(id_) for id_ in (10, 11, 12)], manifest, cancel=(1,))
+    assert [a["position"] for a in (answers[0], answers[2])] == [1, 2]
+    assert isinstance(answers[1], asyncio.CancelledError)
+    assert [[op.id for op in ops] for _, ops in open_log(front.path).read(0)] == [[10], [12]]
+    assert front.waiting == 0
+
+
+def test_a_group_commit_holds_at_most_group_points_operations(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardserve.writes import accept
+
+    front, manifest = _front(tmp_path)
+    groups = _group_sizes(monkeypatch)
+    monkeypatch.setattr(accept, "GROUP_POINTS", 2)
+    answers = _queued_behind(front, [_body(id_) for id_ in range(10, 15)], manifest)
+    assert [a["position"] for a in answers] == [1, 2, 3, 4, 5] and groups == [2, 2, 1]

@@ -44,6 +44,9 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 MAX_FILTER_DELETE = 10_000
 
 
+# Operations one group commit writes at most (WriteFront._drain): its rows are copied for SQLite at
+# once, so this bounds that copy (~12 MB at 784 dims) whatever queued behind the writes thread.
+GROUP_POINTS = 4 * MAX_WRITE_POINTS
 FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while swaps move the log, then a 503
 ROLL_TRIES = 20  # carry-forwards of one evaluation while writes land between a read and the append
 # (each shard's live matching ids and its log position, how many, the schema the shards hold
@@ -191,7 +194,12 @@ class WriteFront:
             ops = self._parse(body, upsert, manifest, npy)
             queued = Queued(body, upsert, manifest, path, served, npy, ops, Future())
             self._queued.append(queued)
-            self._thread.submit(self._drain)  # may find it taken by an earlier drain: then nothing to do
+            try:
+                self._thread.submit(self._drain)  # may find it taken by an earlier drain: nothing to do
+            except RuntimeError:  # closed: refused, unless a drain took it already (then answered)
+                if queued in self._queued:
+                    self._queued.remove(queued)
+                    raise
             return await asyncio.wrap_future(queued.done)
         finally:
             self.waiting -= 1
@@ -206,35 +214,61 @@ class WriteFront:
     def _drain(self) -> None:
         """In the writes thread: every request queued so far, appended as one group per log (a group
         commit: one transaction and one fsync for the requests that waited behind each other, so
-        the shards read them in one go too). `served` is read again for each: a request whose turn
-        finds another index served is parsed again against it; one that fails fails alone."""
-        groups: list[tuple[Manifest, LogAddress | None, list[tuple[Queued, list[Op]]]]] = []
+        the shards read them in one go too). A request whose client went away first is dropped
+        unwritten. Each goes to the index served when its group is appended: `served` is read for
+        each, and again just before each group's append; a request whose turn finds another index
+        served is parsed again against it (one that no longer fits gets its own 422)."""
+        pending = []
         while self._queued:
             item = self._queued.popleft()
+            if item.done.set_running_or_notify_cancel():  # False: cancelled, its client gone
+                pending.append(item)
+        for _ in range(FILTER_DELETE_TRIES):
+            if not pending:
+                return
+            pending = self._append_groups(pending)
+        for item in pending:  # swapped away under it each time
+            _settle(item.done, error=ApiError(503, None, "the served index kept changing while the write "
+                                                         "waited: send it again", self.retry_after_s))
+
+    def _append_groups(self, pending: list[Queued]) -> list[Queued]:
+        """`pending` in groups of consecutive requests for one log, each group appended; what is left
+        when a swap landed before a group's append (that group and those after it)."""
+        groups: list[tuple[Manifest, LogAddress | None, list[tuple[Queued, list[Op]]]]] = []
+        for item in pending:
             try:
                 now, where = item.served() if item.served is not None else (item.manifest, item.path)
                 ops = item.ops if now is item.manifest else self._parse(item.body, item.upsert, now, item.npy)
             except BaseException as exc:  # its own answer, whatever it is
                 _settle(item.done, error=exc)
                 continue
-            if groups and groups[-1][0] is now and groups[-1][1] == where:
+            if (groups and groups[-1][0] is now and groups[-1][1] == where
+                    and sum(len(o) for _, o in groups[-1][2]) + len(ops) <= GROUP_POINTS):
                 groups[-1][2].append((item, ops))
             else:
                 groups.append((now, where, [(item, ops)]))
-        for manifest, log, items in groups:
+        for at, (manifest, log, items) in enumerate(groups):
             try:
-                self._append_group(items, manifest, log)
+                if not self._append_group(items, manifest, log):
+                    return [item for _, _, rest in groups[at:] for item, _ in rest]
             except BaseException as exc:  # for those not answered yet: nothing of theirs written
                 unavailable = isinstance(exc, LogUnavailable)
                 error = ApiError(503, None, str(exc), self.retry_after_s) if unavailable else exc
                 for item, _ in items:
                     _settle(item.done, error=error)
+        return []
 
     def _append_group(self, items: list[tuple[Queued, list[Op]]], manifest: Manifest,
-                      log: LogAddress | None) -> None:
+                      log: LogAddress | None) -> bool:
         """Append `items` to `log` past `manifest`'s position, each answered once it is on disk; one
         that would take the backlog past its bound is refused alone (503). SQLite takes them in one
-        transaction; Redis one script call each (answered as each lands)."""
+        transaction; Redis one script call each (answered as each lands). False, nothing written:
+        another index is served by now (`served`, read again here)."""
+        served = items[0][0].served
+        if served is not None:
+            now, where = served()
+            if now is not manifest or where != log:
+                return False
         self._use(log)
         if self.path is None:
             raise self.no_log()
@@ -258,6 +292,7 @@ class WriteFront:
                 self._appended(position, adding)
                 done = "upserted" if item.upsert else "deleted"
                 _settle(item.done, {"position": position, done: len(ops)})
+        return True
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
                       served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:

@@ -10,9 +10,10 @@ kill (the tests kill processes; no power cut is tested). It ships with
 Python (stdlib sqlite3): nothing to deploy for the single-node default. The SQLite file must sit on
 a local disk (WAL needs shared memory between its processes: no network filesystems).
 
-A request is one transaction: its row in `requests` (whose position is the log position, an
-AUTOINCREMENT key: never reused, even after truncation) and one row per operation. All or nothing:
-a reader or a restart sees the whole request or none of it. A delete is an operation without a
+A request is its row in `requests` (whose position is the log position, an AUTOINCREMENT key:
+never reused, even after truncation) and one row per operation, written in one transaction with
+any requests that queued behind it (`append_many`, the router's group commit). All or nothing: a
+reader or a restart sees the whole request or none of it. A delete is an operation without a
 vector. Vectors are float32 bytes, metadata JSON (orjson: integers exact to 64 bits).
 """
 
