@@ -713,3 +713,13 @@ def test_a_group_commit_holds_at_most_group_points_operations(tmp_path: Path,
     monkeypatch.setattr(accept, "GROUP_POINTS", 2)
     answers = _queued_behind(front, [_body(id_) for id_ in range(10, 15)], manifest)
     assert [a["position"] for a in answers] == [1, 2, 3, 4, 5] and groups == [2, 2, 1]
+
+
+def test_a_write_to_a_closed_front_is_refused_and_not_written(tmp_path: Path) -> None:
+    front, manifest = _front(tmp_path)
+    _upsert(front, manifest, 1, 1)
+    front.close()
+    with pytest.raises(RuntimeError):
+        asyncio.run(front.accept(_body(2), True, manifest))
+    assert not front._queued and front.waiting == 0
+    assert open_log(front.path).last_position() == 1

@@ -47,6 +47,7 @@ MAX_FILTER_DELETE = 10_000
 # Operations one group commit writes at most (WriteFront._drain): its rows are copied for SQLite at
 # once, so this bounds that copy (~12 MB at 784 dims) whatever queued behind the writes thread.
 GROUP_POINTS = 4 * MAX_WRITE_POINTS
+SWAP_TRIES = 3  # a queued write's group found another index served before its append: then a 503
 FILTER_DELETE_TRIES = 3  # evaluations of one delete by filter while swaps move the log, then a 503
 ROLL_TRIES = 20  # carry-forwards of one evaluation while writes land between a read and the append
 # (each shard's live matching ids and its log position, how many, the schema the shards hold
@@ -105,7 +106,7 @@ async def delete_matching(front: WriteFront, evaluate: Callable[[], Awaitable[Ev
 Served = Callable[[], tuple[Manifest, "LogAddress | None"]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one request is itself only: found in the queue by identity
 class Queued:
     """A write request parsed on the event loop, waiting for the writes thread (WriteFront._drain)."""
 
@@ -223,7 +224,7 @@ class WriteFront:
             item = self._queued.popleft()
             if item.done.set_running_or_notify_cancel():  # False: cancelled, its client gone
                 pending.append(item)
-        for _ in range(FILTER_DELETE_TRIES):
+        for _ in range(SWAP_TRIES):
             if not pending:
                 return
             pending = self._append_groups(pending)
