@@ -650,6 +650,25 @@ def test_writes_waiting_behind_each_other_are_committed_together_in_the_order_se
     assert [(p, [op.id for op in ops]) for p, ops in logged] == [(p, [p + 8]) for p in range(2, 10)]
 
 
+def test_requests_that_wait_behind_each_other_hand_off_to_the_writes_thread_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One drain per group, not one per request: a request queued while a drain is due is taken by
+    it (each hand-off wakes the writes thread and takes the GIL from the router's loop)."""
+    front, manifest = _front(tmp_path)
+    drains: list[int] = []
+    original = WriteFront._drain
+
+    def counted(self: WriteFront) -> None:
+        drains.append(len(self._queued))
+        original(self)
+
+    monkeypatch.setattr(WriteFront, "_drain", counted)
+    answers = _queued_behind(front, [_body(id_) for id_ in range(10, 18)], manifest)
+    assert [a["position"] for a in answers] == list(range(1, 9)) and drains == [8]
+    answers = _queued_behind(front, [_body(20)], manifest)  # queued after that drain read the queue
+    assert answers[0]["position"] == 9 and drains == [8, 1] and not front._drain_due
+
+
 def test_a_request_of_a_group_past_the_backlog_is_refused_alone(tmp_path: Path) -> None:
     front, manifest = _front(tmp_path)
     front.max_backlog = 3
@@ -721,5 +740,5 @@ def test_a_write_to_a_closed_front_is_refused_and_not_written(tmp_path: Path) ->
     front.close()
     with pytest.raises(RuntimeError):
         asyncio.run(front.accept(_body(2), True, manifest))
-    assert not front._queued and front.waiting == 0
+    assert not front._queued and front.waiting == 0 and not front._drain_due
     assert open_log(front.path).last_position() == 1

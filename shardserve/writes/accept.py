@@ -158,6 +158,9 @@ class WriteFront:
         self._exact = False  # `_counted` is the log's count: every request since it was ours
         self._thread = ThreadPoolExecutor(1, "writes")
         self._queued: deque[Queued] = deque()  # parsed, in arrival order, for the next group commit
+        # a drain is submitted and has not read the queue yet: a request queued now is its, so one
+        # hand-off to the writes thread per group, not per request (set on the loop, cleared there)
+        self._drain_due = False
         self.deleting = False  # a delete by filter in progress (delete_matching)
 
     async def accept(self, body: bytes | FilterDelete, upsert: bool, manifest: Manifest,
@@ -195,12 +198,15 @@ class WriteFront:
             ops = self._parse(body, upsert, manifest, npy)
             queued = Queued(body, upsert, manifest, path, served, npy, ops, Future())
             self._queued.append(queued)
-            try:
-                self._thread.submit(self._drain)  # may find it taken by an earlier drain: nothing to do
-            except RuntimeError:  # closed: refused, unless a drain took it already (then answered)
-                if queued in self._queued:
-                    self._queued.remove(queued)
-                    raise
+            if not self._drain_due:  # else a drain not started yet takes this one too
+                self._drain_due = True
+                try:
+                    self._thread.submit(self._drain)
+                except RuntimeError:  # closed: refused, unless a drain took it already (then answered)
+                    self._drain_due = False
+                    if queued in self._queued:
+                        self._queued.remove(queued)
+                        raise
             return await asyncio.wrap_future(queued.done)
         finally:
             self.waiting -= 1
@@ -219,6 +225,7 @@ class WriteFront:
         unwritten. Each goes to the index served when its group is appended: `served` is read for
         each, and again just before each group's append; a request whose turn finds another index
         served is parsed again against it (one that no longer fits gets its own 422)."""
+        self._drain_due = False  # before the queue is read: what is queued after this submits again
         pending = []
         while self._queued:
             item = self._queued.popleft()
@@ -261,10 +268,8 @@ class WriteFront:
 
     def _append_group(self, items: list[tuple[Queued, list[Op]]], manifest: Manifest,
                       log: LogAddress | None) -> bool:
-        """Append `items` to `log` past `manifest`'s position, each answered once it is on disk; one
-        that would take the backlog past its bound is refused alone (503). SQLite takes them in one
-        transaction; Redis one script call each (answered as each lands). False, nothing written:
-        another index is served by now (`served`, read again here)."""
+        """Append `items` to `log` past `manifest`'s position (`_log_requests`), each answered once it
+        is on disk. False, nothing written: another index is served by now (`served`, read again)."""
         served = items[0][0].served
         if served is not None:
             now, where = served()
@@ -273,27 +278,50 @@ class WriteFront:
         self._use(log)
         if self.path is None:
             raise self.no_log()
+
+        def answer(n: int, position: int | ApiError) -> None:
+            item, ops = items[n]
+            if isinstance(position, ApiError):
+                _settle(item.done, error=position)
+            else:
+                _settle(item.done, {"position": position, "upserted" if item.upsert else "deleted": len(ops)})
+
         with self._lock:
-            if self._log is None:
-                self._log = open_log(self.path)
-            taken, backlog = [], None
-            for item, ops in items:
-                adding = sum(isinstance(op, Upsert) for op in ops)
-                if adding:
-                    backlog = self.backlog(manifest.log_position) if backlog is None else backlog
-                    if backlog + adding > self.max_backlog:
-                        _settle(item.done, error=self._backlog_full())
-                        continue
-                    backlog += adding
-                taken.append((item, ops, adding))
-            together = (self._log.append_many([ops for _, ops, _ in taken], after=manifest.log_position)
-                        if taken and isinstance(self._log, WriteLog) else None)
-            for n, (item, ops, adding) in enumerate(taken):
-                position = self._log.append(ops, manifest.log_position) if together is None else together[n]
-                self._appended(position, adding)
-                done = "upserted" if item.upsert else "deleted"
-                _settle(item.done, {"position": position, done: len(ops)})
+            self._log_requests([ops for _, ops in items], manifest, answer)
         return True
+
+    def _log_requests(self, requests: list[list[Op]], manifest: Manifest,
+                      answer: Callable[[int, int | ApiError], None], unless_past: int | None = None) -> None:
+        """The one append: `requests` to this front's log past `manifest`'s position, in order, each
+        `answer`ed by its index with its position once it is on disk, or with the 503 that refused it
+        alone (it would take the backlog past its bound). SQLite takes them in one transaction (a
+        group commit), Redis one script call each (answered as each lands). `unless_past`: the
+        conditional append of a delete by filter (LogMoved, nothing written). Errors (the log
+        unavailable, LogMoved) are raised for the requests not answered yet. Caller holds _lock."""
+        assert self.path is not None, "callers answer a front without a log with no_log()"
+        if self._log is None:
+            self._log = open_log(self.path)
+        taken: list[tuple[int, list[Op], int]] = []
+        backlog = None
+        for n, ops in enumerate(requests):
+            adding = sum(isinstance(op, Upsert) for op in ops)
+            if adding:
+                backlog = self.backlog(manifest.log_position) if backlog is None else backlog
+                if backlog + adding > self.max_backlog:
+                    answer(n, self._backlog_full())
+                    continue
+                backlog += adding
+            taken.append((n, ops, adding))
+        if not taken:
+            return
+        assert unless_past is None or len(requests) == 1, "a conditional append is one request"
+        together = (self._log.append_many([ops for _, ops, _ in taken], manifest.log_position, unless_past)
+                    if isinstance(self._log, WriteLog) else None)
+        for at, (n, ops, adding) in enumerate(taken):
+            position = (self._log.append(ops, manifest.log_position, unless_past) if together is None
+                        else together[at])
+            self._appended(position, adding)
+            answer(n, position)
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
                       served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
@@ -412,21 +440,21 @@ class WriteFront:
 
     def _append(self, ops: Sequence[Op], manifest: Manifest, log: LogAddress | None | Same = SAME,
                 unless_past: int | None = None) -> int:
+        """One request appended now, in the calling thread (a group of one): its position, or the
+        ApiError that refused it."""
         self._use(log)
         if self.path is None:
             raise self.no_log()
+        answers: list[int | ApiError] = []
         with self._lock:
-            adding = sum(isinstance(op, Upsert) for op in ops)
             try:
-                if self._log is None:
-                    self._log = open_log(self.path)
-                if adding and self.backlog(manifest.log_position) + adding > self.max_backlog:
-                    raise self._backlog_full()
-                position = self._log.append(list(ops), after=manifest.log_position, unless_past=unless_past)
-                self._appended(position, adding)
-                return position
+                self._log_requests([list(ops)], manifest, lambda _, position: answers.append(position),
+                                   unless_past)
             except LogUnavailable as exc:  # nothing acknowledged: the client may send it again
                 raise ApiError(503, None, str(exc), self.retry_after_s) from None
+        if isinstance(answers[0], ApiError):
+            raise answers[0]
+        return answers[0]
 
     def _use(self, log: LogAddress | None | Same) -> None:
         """Write to `log` from now on, when the server now serves another index (its own log)."""
