@@ -79,7 +79,11 @@ class RouterMetrics:
         self.batch_size = ExportedHistogram(
             "shardserve_batch_queries", "Query vectors per shard call (router batch)", BATCH_BOUNDARIES,
             default_tags=app)
-        self.histograms = (self.request_ms, self.shard_search_ms, self.fanout_ms, self.batch_size)
+        self.write_group = ExportedHistogram(
+            "shardserve_write_group_requests", "Write requests per commit to the write log (requests that "
+            "wait behind each other's fsync share one)", BATCH_BOUNDARIES, default_tags=app)
+        self.histograms = (self.request_ms, self.shard_search_ms, self.fanout_ms, self.batch_size,
+                           self.write_group)
         self.in_flight = metrics.Gauge(
             "shardserve_in_flight_requests", "Requests inside the router replica", tag_keys=by_app)
         self.deadline_misses = metrics.Counter(

@@ -178,7 +178,8 @@ class Router(ReportsCoresWanted):
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
-        self.writes = WriteFront(self.active.log, a.max_write_points, retry_after_s=a.retry_after_s)
+        self.writes = WriteFront(self.active.log, a.max_write_points, retry_after_s=a.retry_after_s,
+                                 on_commit=self.metrics.write_group.observe)
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,

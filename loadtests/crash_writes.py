@@ -1,8 +1,9 @@
 """Acknowledged writes survive SIGKILLs, and a 200 is visible at once: the default `shardserve serve`
-under a steady load of single upserts, deletes (by id, and by filter) and searches, while a shard
-replica, the router replica, every process of the server, or every process of the server while its
-automatic compaction runs is killed with SIGKILL (the whole server is then started again with the same
-command, on the same index directory). The server compacts on its own every `compact_at`
+under a steady load of single upserts, deletes (by id, and by filter) from 3 writers at once (so
+the router commits requests in groups) and searches, while a shard replica, the router replica,
+every process of the server, or every process of the server while its automatic compaction runs is
+killed with SIGKILL (the whole server is then started again with the same command, on the same
+index directory). The server compacts on its own every `compact_at`
 operations (`--compact-at`), so compactions and their swaps also run beside the other kills.
 
 Throughout, each write's 200 is followed by a search on another connection: an upsert must be found
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -47,6 +49,7 @@ RUN_ENV = "SHARDSERVE_CRASH_RUN"  # every process a server starts inherits it: h
 NEW_IDS = 1 << 40  # upserted ids start here, far from any base row number
 TAG_BASE = 1 << 50  # values of the int64 column that tags the points a delete by filter deletes
 KINDS = ("shard", "router", "server", "compaction")
+WRITERS = 3  # at once, back to back: requests wait behind each other's fsync and commit in groups
 KILL_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # after "compacting" is printed: compaction, swap, gate, switch
 
 
@@ -127,7 +130,7 @@ class Server:
 
 @dataclass
 class Ledger:
-    """What the writer was told: acknowledged upserts (id -> vector), acknowledged deletes, and the
+    """What the writers were told: acknowledged upserts (id -> vector), acknowledged deletes, and the
     ids an unanswered write touched (unknown: left out of every check)."""
 
     upserted: dict[int, np.ndarray] = field(default_factory=dict)
@@ -140,27 +143,36 @@ class Ledger:
     # per acknowledged delete by filter: (ids it deleted, its tagged upserts acknowledged, sent)
     filter_deletes: list[tuple[int, int, int]] = field(default_factory=list)
     acks: int = 0  # 200s so far, of either kind
+    reserved: set[int] = field(default_factory=set)  # tagged for a delete by filter: no other deletes them
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ack(self) -> None:
+        with self.lock:
+            self.acks += 1
 
     def acked(self) -> int:
         return self.acks
 
 
 class Load:
-    """One writer (single upserts, every 4th op a delete of an earlier upsert or of a base row, and
-    with `tag_column` every 16th a delete by filter of two upserts tagged for it) and
-    one searcher, each on its own connection, until stopped. `writes_per_s`: the writer's pace
-    (None: back to back); `searcher`: whether the searcher runs."""
+    """`writers` writers (single upserts, every 4th op a delete of an earlier upsert or of a base
+    row, and with `tag_column` every 16th a delete by filter of two upserts tagged for it) and one
+    searcher, each on connections of its own, until stopped. `writes_per_s`: each writer's pace
+    (None: back to back); `searcher`: whether the searcher runs. Several writers back to back keep
+    requests waiting behind each other's fsync in the router, so they are committed in groups
+    (shardserve.writes.accept), and a kill lands among groups of several requests."""
 
     def __init__(self, url: str | list[str], dim: int, base: np.ndarray, seed: int = 0,
-                 writes_per_s: float | None = None, searcher: bool = True, tag_column: str | None = None):
+                 writes_per_s: float | None = None, searcher: bool = True, tag_column: str | None = None,
+                 writers: int = 1):
         self.url, self.dim, self.base = url, dim, base
         self.tag_column = tag_column  # an int64 column: every 16th op a delete by filter on it
         self.pause_s = 0.0 if writes_per_s is None else 1.0 / writes_per_s
         self.ledger, self.stopping = Ledger(), threading.Event()
-        self.rng = np.random.default_rng(seed)
-        self.next_id, self.searches = NEW_IDS, 0
-        self.threads = [threading.Thread(target=self._write, daemon=True)]
+        self.seed, self.searches = seed, 0
+        self._ids = itertools.count(NEW_IDS)  # next() is atomic: each id upserted once, by one writer
+        self.threads = [threading.Thread(target=self._write, args=(np.random.default_rng(seed + w),),
+                                         daemon=True) for w in range(writers)]
         if searcher:
             self.threads.append(threading.Thread(target=self._search, daemon=True))
 
@@ -182,39 +194,51 @@ class Load:
                 raise RuntimeError(f"writes did not resume: {self.ledger.acked()} of {target} acknowledged")
             time.sleep(0.05)
 
-    def _write(self) -> None:
+    def _write(self, rng: np.random.Generator) -> None:
         writer, reader = Client(self.url, timeout_s=30), Client(self.url, timeout_s=30)
         ops = 0
         while not self.stopping.is_set():
             ops += 1
             if ops % 16 == 0 and self.tag_column is not None:
-                self._delete_by_filter(writer, reader)
+                self._delete_by_filter(writer, reader, rng)
             elif ops % 4 == 0:
-                self._delete_one(writer, reader)
+                self._delete_one(writer, reader, rng)
             else:
-                self._upsert_one(writer, reader)
+                self._upsert_one(writer, reader, rng)
             if self.pause_s:
                 self.stopping.wait(self.pause_s)
 
-    def _upsert_one(self, writer: Client, reader: Client, metadata: dict | None = None) -> int | None:
-        id_, self.next_id = self.next_id, self.next_id + 1
-        vector = (self.base[self.rng.integers(len(self.base))]
-                  + self.rng.normal(0, 8, self.dim)).astype(np.float32)
+    def _upsert_one(self, writer: Client, reader: Client, rng: np.random.Generator,
+                    metadata: dict | None = None) -> int | None:
+        id_ = next(self._ids)
+        vector = (self.base[rng.integers(len(self.base))] + rng.normal(0, 8, self.dim)).astype(np.float32)
         rows: list[dict | None] | None = None if metadata is None else [metadata]
         if not self._acked(lambda: writer.upsert([id_], vector[None], rows), id_):
             return None
+        if metadata is not None:  # its delete by filter's: no other writer deletes it before that
+            with self.ledger.lock:
+                self.ledger.reserved.add(id_)
+        # searched before the ledger has it: another writer may delete it only after this search
+        self.ledger.seen_at_once.append(self._found(reader, vector, id_))
         with self.ledger.lock:
             self.ledger.upserted[id_] = vector
-        self.ledger.seen_at_once.append(self._found(reader, vector, id_))
         return id_
 
-    def _delete_by_filter(self, writer: Client, reader: Client) -> None:
+    def _delete_by_filter(self, writer: Client, reader: Client, rng: np.random.Generator) -> None:
         """Two upserts tagged with a label no other point has, then a delete by that filter: its
         200 covers both (when both were acknowledged), and neither may come back."""
         assert self.tag_column is not None
-        tag = TAG_BASE + self.next_id  # one per pair, far from any value the base holds
-        tagged = [self._upsert_one(writer, reader, {self.tag_column: tag}) for _ in range(2)]
+        tag = TAG_BASE + next(self._ids)  # one per pair, far from any value the base holds
+        tagged = [self._upsert_one(writer, reader, rng, {self.tag_column: tag}) for _ in range(2)]
         written = [id_ for id_ in tagged if id_ is not None]
+        try:
+            self._delete_tagged(writer, reader, tag, written, len(tagged))
+        finally:
+            with self.ledger.lock:
+                self.ledger.reserved.difference_update(written)
+
+    def _delete_tagged(self, writer: Client, reader: Client, tag: int, written: list[int], sent: int) -> None:
+        assert self.tag_column is not None
         if not written:
             return
         vectors = {id_: self.ledger.upserted[id_] for id_ in written}
@@ -230,8 +254,8 @@ class Load:
                     self.ledger.upserted.pop(id_, None)
             time.sleep(0.05)
             return
-        self.ledger.acks += 1
-        self.ledger.filter_deletes.append((answer["deleted"], len(written), len(tagged)))
+        self.ledger.ack()
+        self.ledger.filter_deletes.append((answer["deleted"], len(written), sent))
         with self.ledger.lock:
             for id_ in written:
                 self.ledger.upserted.pop(id_, None)
@@ -239,15 +263,16 @@ class Load:
         for id_ in written:
             self.ledger.gone_at_once.append(self._found(reader, vectors[id_], id_))
 
-    def _delete_one(self, writer: Client, reader: Client) -> None:
+    def _delete_one(self, writer: Client, reader: Client, rng: np.random.Generator) -> None:
         with self.ledger.lock:
-            earlier = [i for i in self.ledger.upserted if i not in self.ledger.unknown]
-        if earlier and self.rng.random() < 0.5:
-            id_ = int(earlier[self.rng.integers(len(earlier))])
-            vector = self.ledger.upserted[id_]
-        else:  # a base row
-            id_ = int(self.rng.integers(len(self.base)))
-            vector = self.base[id_]
+            earlier = [i for i in self.ledger.upserted
+                       if i not in self.ledger.unknown and i not in self.ledger.reserved]
+            if earlier and rng.random() < 0.5:
+                id_ = int(earlier[rng.integers(len(earlier))])
+                vector = self.ledger.upserted[id_]
+            else:  # a base row
+                id_ = int(rng.integers(len(self.base)))
+                vector = self.base[id_]
         if id_ in self.ledger.deleted or not self._acked(lambda: writer.delete([id_]), id_):
             return
         with self.ledger.lock:
@@ -258,7 +283,7 @@ class Load:
     def _acked(self, send, id_: int) -> bool:
         try:
             send()
-            self.ledger.acks += 1
+            self.ledger.ack()
             return True
         except ApiError as error:  # refused before the log: nothing written (503 while restarting)
             self._refused(str(error.status))
@@ -285,10 +310,10 @@ class Load:
             return None
 
     def _search(self) -> None:
-        reader = Client(self.url, timeout_s=30)
+        reader, rng = Client(self.url, timeout_s=30), np.random.default_rng(self.seed + 1000)
         while not self.stopping.is_set():
             try:
-                reader.search(self.base[self.rng.integers(len(self.base))], k=10)
+                reader.search(self.base[rng.integers(len(self.base))], k=10)
                 self.searches += 1
             except (ApiError, httpx.HTTPError):
                 time.sleep(0.05)
@@ -318,10 +343,10 @@ def check(url: str | list[str], ledger: Ledger) -> dict:
 
 
 def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None = None,
-        port: int | None = None, compact_at: int | None = None) -> dict:
+        port: int | None = None, compact_at: int | None = None, writers: int = WRITERS) -> dict:
     """`kills` of each kind in turn, `writes_between` acknowledged writes before each kill and after
-    each recovery, the server compacting every `compact_at` operations (default: 2 ×
-    `writes_between`); returns the record."""
+    each recovery, from `writers` writers at once, the server compacting every `compact_at`
+    operations (default: 2 × `writes_between`); returns the record."""
     from shardserve.data.datasets import load_dataset
 
     manifest = read_manifest(Location.parse(str(index)))
@@ -336,7 +361,7 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
     try:
         server.wait_healthy()
         tag_column = next((c for c, kind in manifest.dataset.metadata_kinds.items() if kind == "int64"), None)
-        load = Load(server.url, manifest.dim, base, tag_column=tag_column).start()
+        load = Load(server.url, manifest.dim, base, tag_column=tag_column, writers=writers).start()
         load.wait_acked(writes_between)
         for round_ in range(kills):
             for kind in KINDS:
@@ -371,7 +396,8 @@ def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None
     ledger = load.ledger
     return {
         "name": "crash-writes", "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "index": manifest.index_version, "command": f"shardserve serve {index} --port PORT {' '.join(flags)}",
+        "index": manifest.index_version, "writers": writers,
+        "command": f"shardserve serve {index} --port PORT {' '.join(flags)}",
         "compactions_started": server.said("compacting"), "swaps": server.said("compacted and swapped"),
         "kills": events, "upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
         "unknown": len(ledger.unknown), "refused": ledger.refused, "searches": load.searches,
@@ -397,9 +423,11 @@ def main() -> None:
     cli.add_argument("--writes-between", type=int, default=30)
     cli.add_argument("--compact-at", type=int, default=None, help="the server's --compact-at "
                      "(default: 2 x --writes-between)")
+    cli.add_argument("--writers", type=int, default=WRITERS, help="writers at once, back to back")
     cli.add_argument("--out", default=str(RECORDS / "crash-writes.json"))
     args = cli.parse_args()
-    record = run(Path(args.index), args.kills, args.writes_between, compact_at=args.compact_at)
+    record = run(Path(args.index), args.kills, args.writes_between, compact_at=args.compact_at,
+                 writers=args.writers)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "kills"}, indent=1))
 

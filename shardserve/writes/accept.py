@@ -148,8 +148,10 @@ class WriteFront:
     writes are refused with a 501 saying so."""
 
     def __init__(self, path: LogAddress | None, max_points: int = MAX_WRITE_POINTS,
-                 max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256):
+                 max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256,
+                 on_commit: Callable[[int], None] | None = None):
         self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
+        self.on_commit = on_commit  # told the requests of each commit (the router's metric)
         self.retry_after_s, self.max_waiting, self.waiting = retry_after_s, max_waiting, 0
         self._log: Log | None = None
         self._lock = threading.Lock()
@@ -322,6 +324,10 @@ class WriteFront:
                         else together[at])
             self._appended(position, adding)
             answer(n, position)
+            if self.on_commit is not None and together is None:
+                self.on_commit(1)
+        if self.on_commit is not None and together is not None:
+            self.on_commit(len(together))
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
                       served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
