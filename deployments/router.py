@@ -41,6 +41,7 @@ from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import MAX_FILTER_DELETE, Evaluated, Matches, WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.locate import LogAddress
 from shardserve.writes.log import LogMoved
 from shardserve.writes.redis_log import LogUnavailable
 
@@ -79,6 +80,12 @@ async def _first_index(control: DeploymentHandle, replica_id: str, args: AppArgs
     except Exception as exc:
         logger.warning("index pointer not reachable (%s): serving the configured index", exc)
         return await IndexSet.load(0, args.index, index_app_name(app_name), use_links)
+
+
+def _write_front(log: LogAddress | None, a: AppArgs, metrics: RouterMetrics) -> WriteFront:
+    """The router's writes: each commit's requests counted in shardserve_write_group_requests."""
+    return WriteFront(log, a.max_write_points, retry_after_s=a.retry_after_s,
+                      on_commit=metrics.write_group.observe)
 
 
 async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
@@ -178,8 +185,7 @@ class Router(ReportsCoresWanted):
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
-        self.writes = WriteFront(self.active.log, a.max_write_points, retry_after_s=a.retry_after_s,
-                                 on_commit=self.metrics.write_group.observe)
+        self.writes = _write_front(self.active.log, a, self.metrics)
         most, at_once, overlap_rows = a.batching()
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
                                        size_of=lambda item: len(item[1].matrix), at_once=at_once,

@@ -342,7 +342,7 @@ def check(url: str | list[str], ledger: Ledger) -> dict:
             "deletes_checked": len(gone), "deletes_returned": returned}
 
 
-def run(index: Path, kills: int = 5, writes_between: int = 30, work: Path | None = None,
+def run(index: Path, kills: int = 5, writes_between: int = 90, work: Path | None = None,
         port: int | None = None, compact_at: int | None = None, writers: int = WRITERS) -> dict:
     """`kills` of each kind in turn, `writes_between` acknowledged writes before each kill and after
     each recovery, from `writers` writers at once, the server compacting every `compact_at`
@@ -420,7 +420,8 @@ def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--index", required=True)
     cli.add_argument("--kills", type=int, default=5, help="kills of each kind")
-    cli.add_argument("--writes-between", type=int, default=30)
+    cli.add_argument("--writes-between", type=int, default=90, help="acknowledged writes before each "
+                     "kill and after each recovery (from 3 writers, about the time 30 took one)")
     cli.add_argument("--compact-at", type=int, default=None, help="the server's --compact-at "
                      "(default: 2 x --writes-between)")
     cli.add_argument("--writers", type=int, default=WRITERS, help="writers at once, back to back")

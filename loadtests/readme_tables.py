@@ -380,7 +380,8 @@ def writes_table(crash: dict, bench: dict, compaction: dict, backpressure: dict 
     kinds = ", ".join(sorted({event["kind"] for event in crash["kills"]}))
     seen, searches, upserts = crash["read_your_writes"], compaction["searches"], compaction["upserts"]
     rows = ["| check | result |", "|---|---|",
-            f"| SIGKILLs under single writes ({kinds}; {len(crash['kills'])} in all"
+            f"| SIGKILLs under single writes from {crash.get('writers', 1)} writer"
+            f"{'s at once' if crash.get('writers', 1) > 1 else ''} ({kinds}; {len(crash['kills'])} in all"
             + (f"; the server compacting by itself: {crash['compactions_started']} compactions started, "
                f"{crash['swaps']} swapped in" if "swaps" in crash else "") + ") | "
             f"acknowledged upserts found: {crash['upserts_checked'] - len(crash['upserts_lost']):,} of "
