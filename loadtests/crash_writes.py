@@ -171,7 +171,7 @@ class Load:
         self.ledger, self.stopping = Ledger(), threading.Event()
         self.seed, self.searches = seed, 0
         self._ids = itertools.count(NEW_IDS)  # next() is atomic: each id upserted once, by one writer
-        self.threads = [threading.Thread(target=self._write, args=(np.random.default_rng(seed + w),),
+        self.threads = [threading.Thread(target=self._write, args=(np.random.default_rng(seed + w), 5 * w),
                                          daemon=True) for w in range(writers)]
         if searcher:
             self.threads.append(threading.Thread(target=self._search, daemon=True))
@@ -194,9 +194,10 @@ class Load:
                 raise RuntimeError(f"writes did not resume: {self.ledger.acked()} of {target} acknowledged")
             time.sleep(0.05)
 
-    def _write(self, rng: np.random.Generator) -> None:
+    def _write(self, rng: np.random.Generator, ops: int) -> None:
+        """Back to back from op number `ops` on (writers start apart: their deletes by filter, one at
+        a time per router, do not come due together)."""
         writer, reader = Client(self.url, timeout_s=30), Client(self.url, timeout_s=30)
-        ops = 0
         while not self.stopping.is_set():
             ops += 1
             if ops % 16 == 0 and self.tag_column is not None:
@@ -299,7 +300,8 @@ class Load:
         return False
 
     def _refused(self, why: str) -> None:
-        self.ledger.refused[why] = self.ledger.refused.get(why, 0) + 1
+        with self.ledger.lock:
+            self.ledger.refused[why] = self.ledger.refused.get(why, 0) + 1
 
     @staticmethod
     def _found(reader: Client, vector: np.ndarray, id_: int) -> bool | None:

@@ -671,6 +671,64 @@ def test_requests_that_wait_behind_each_other_hand_off_to_the_writes_thread_once
     assert answers[0]["position"] == 9 and drains == [8, 1] and commits == [8, 1] and not front._drain_due
 
 
+def test_requests_arriving_during_a_group_s_commit_are_the_next_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a drain waits for its commit (the fsync), the requests that arrive queue for the next
+    drain, which they submit: none is left waiting with no drain coming."""
+    front, manifest = _front(tmp_path)
+    committing, release = threading.Event(), threading.Event()
+    groups: list[int] = []
+    original = WriteLog.append_many
+
+    def slow(log: WriteLog, requests: list, *args, **kwargs) -> list[int]:
+        groups.append(len(requests))
+        committing.set()
+        release.wait(10)
+        return original(log, requests, *args, **kwargs)
+
+    monkeypatch.setattr(WriteLog, "append_many", slow)
+
+    async def send() -> list:
+        first = asyncio.ensure_future(front.accept(_body(10), True, manifest))
+        await asyncio.get_running_loop().run_in_executor(None, committing.wait, 10)  # its commit runs
+        later = [asyncio.ensure_future(front.accept(_body(id_), True, manifest)) for id_ in (11, 12, 13)]
+        await asyncio.sleep(0.05)  # each parsed and queued
+        release.set()
+        return await asyncio.gather(first, *later)
+
+    answers = asyncio.run(send())
+    assert [a["position"] for a in answers] == [1, 2, 3, 4] and groups == [1, 3] and not front._drain_due
+
+
+def test_a_request_whose_hand_off_failed_is_refused_and_the_next_goes_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    front, manifest = _front(tmp_path)
+    submit = front._thread.submit
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(front._thread, "submit", submit)
+        raise MemoryError
+
+    monkeypatch.setattr(front._thread, "submit", fails_once)
+    with pytest.raises(MemoryError):
+        asyncio.run(front.accept(_body(10), True, manifest))
+    assert not front._queued and not front._drain_due
+    assert _upsert(front, manifest, 11, 1) == 1  # not stranded behind a drain that never came
+    assert [[op.id for op in ops] for _, ops in open_log(front.path).read(0)] == [[11]]
+
+
+def test_a_failing_commit_metric_does_not_fail_a_durable_write(tmp_path: Path) -> None:
+    front, manifest = _front(tmp_path)
+
+    def broken(requests: int) -> None:
+        raise ValueError("metrics down")
+
+    front.on_commit = broken
+    assert front.upsert(_body(10), manifest) == {"position": 1, "upserted": 1}  # alone
+    assert _upsert(front, manifest, 11, 1) == 2  # in a group
+    assert open_log(front.path).last_position() == 2
+
+
 def test_a_request_of_a_group_past_the_backlog_is_refused_alone(tmp_path: Path) -> None:
     front, manifest = _front(tmp_path)
     front.max_backlog = 3

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,6 +37,8 @@ from shardserve.writes.log import LogMoved, WriteLog
 from shardserve.writes.ops import Delete, Op, Upsert
 from shardserve.writes.redis_log import LogUnavailable
 from shardserve.writes.roll import Carried, Found, metadata_schema
+
+logger = logging.getLogger(__name__)
 
 MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_points)
 # Ids one delete by filter may delete (GET /v1/index: max_filter_delete_points): the matching ids go
@@ -204,9 +207,9 @@ class WriteFront:
                 self._drain_due = True
                 try:
                     self._thread.submit(self._drain)
-                except RuntimeError:  # closed: refused, unless a drain took it already (then answered)
-                    self._drain_due = False
-                    if queued in self._queued:
+                except BaseException:  # closed (RuntimeError), or anything: no drain is coming for it,
+                    self._drain_due = False  # so the next request submits one; this one is refused,
+                    if queued in self._queued:  # unless a drain took it already (then answered)
                         self._queued.remove(queued)
                         raise
             return await asyncio.wrap_future(queued.done)
@@ -324,10 +327,18 @@ class WriteFront:
                         else together[at])
             self._appended(position, adding)
             answer(n, position)
-            if self.on_commit is not None and together is None:
-                self.on_commit(1)
-        if self.on_commit is not None and together is not None:
-            self.on_commit(len(together))
+            if together is None:
+                self._committed(1)
+        if together is not None:
+            self._committed(len(together))
+
+    def _committed(self, requests: int) -> None:
+        """Tell `on_commit`; whatever it raises, the requests are on disk and answered as such."""
+        if self.on_commit is not None:
+            try:
+                self.on_commit(requests)
+            except Exception:
+                logger.exception("write front: on_commit failed")
 
     def _delete_found(self, matches: FilterDelete, manifest: Manifest, log: LogAddress | None,
                       served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None) -> dict:
