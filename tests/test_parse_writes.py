@@ -666,8 +666,10 @@ def test_requests_that_wait_behind_each_other_hand_off_to_the_writes_thread_once
     commits: list[int] = []
     front.on_commit = commits.append  # the router's shardserve_write_group_requests
     answers = _queued_behind(front, [_body(id_) for id_ in range(10, 18)], manifest)
+    front._thread.submit(lambda: None).result()  # the drain told on_commit after answering: it is done
     assert [a["position"] for a in answers] == list(range(1, 9)) and drains == [8] and commits == [8]
     answers = _queued_behind(front, [_body(20)], manifest)  # queued after that drain read the queue
+    front._thread.submit(lambda: None).result()
     assert answers[0]["position"] == 9 and drains == [8, 1] and commits == [8, 1] and not front._drain_due
 
 
