@@ -9,7 +9,6 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.query.scan_choice import batches_share_lists
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
@@ -61,7 +60,9 @@ class AppArgs(BaseModel):
         None, ge=1, description="batches in flight per router replica (`batching()`). Unset, with fixed "
                                 "replicas: one per shard replica (replicas_per_shard), since a replica "
                                 "scans one batch at a time, plus one more for large work only (>= "
-                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json); "
+                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json), "
+                                "but none where batches share the shards' scan (query.scan_choice."
+                                "shares_scan: a second batch would split the one that shares it); "
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "
                                 "past its knee depth")
     batch_fill: float | None = Field(
@@ -127,19 +128,22 @@ class AppArgs(BaseModel):
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
 
-    def fill_for(self, index_factory: str, num_vectors: int, dim: int) -> float:
-        """`batch_fill`, or its default for this index (see its description)."""
+    def fill_for(self, shared_scan: bool) -> float:
+        """`batch_fill`, or its default for an index whose batches do or do not share each shard's
+        scan (query.scan_choice.shares_scan; see its description)."""
         if self.batch_fill is not None:
             return self.batch_fill
-        return AUTO_BATCH_FILL if batches_share_lists(index_factory, num_vectors, dim) else 0.0
+        return AUTO_BATCH_FILL if shared_scan else 0.0
 
-    def batching(self) -> tuple[int, int, int]:
+    def batching(self, shared_scan: bool = False) -> tuple[int, int, int]:
         """(batches in flight at most, how many start whatever their size, queued vectors that let
         one more start): `max_concurrent_batches` or its default (see its description)."""
         if self.max_concurrent_batches is not None:
             return self.max_concurrent_batches, self.max_concurrent_batches, 1
         if self.shard_autoscaling:
             return AUTOSCALED_BATCHES, AUTOSCALED_BATCHES, 1
+        if shared_scan:
+            return self.replicas_per_shard, self.replicas_per_shard, 1
         return self.replicas_per_shard + 1, self.replicas_per_shard, OVERLAP_MIN_ROWS
 
 

@@ -34,6 +34,7 @@ from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import is_npy, parse_query, receive_body
 from shardserve.query.parse_writes import delete_filter
 from shardserve.query.render import coverage_error, index_summary, render_search
+from shardserve.query.scan_choice import shares_scan
 from shardserve.runtime.heap import give_back, settled
 from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
@@ -146,15 +147,18 @@ async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
                        router.args.retry_after_s) from None
 
 
-def _fill(args: AppArgs, manifest: Manifest) -> float:
-    """The batch fill for the index served (AppArgs.fill_for)."""
-    return args.fill_for(manifest.index_factory, manifest.num_vectors, manifest.dim)
+def _shape_batches(batcher: AdaptiveBatcher, args: AppArgs, manifest: Manifest) -> None:
+    """The batch fill and the batches in flight for the index served (AppArgs.fill_for, batching):
+    where a batch shares each shard's scan, batches fill and run one per shard replica."""
+    shared = shares_scan(manifest)
+    batcher.fill = args.fill_for(shared)
+    batcher.max_concurrent, batcher.at_once, batcher.overlap_min_size = args.batching(shared)
 
 
 def _now_serving(router: "Router", loaded: IndexSet) -> None:
-    """A swap done: the metrics and the batch fill follow the index now served."""
+    """A swap done: the metrics and the batches follow the index now served."""
     router.metrics.follow(loaded.manifest, loaded.generation)
-    router.batcher.fill = _fill(router.args, loaded.manifest)
+    _shape_batches(router.batcher, router.args, loaded.manifest)
 
 
 def _served(router: "Router") -> tuple:
@@ -186,10 +190,9 @@ class Router(ReportsCoresWanted):
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         self.writes = _write_front(self.active.log, a, self.metrics)
-        most, at_once, overlap_rows = a.batching()
-        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, most,
-                                       size_of=lambda item: len(item[1].matrix), at_once=at_once,
-                                       overlap_min_size=overlap_rows, fill=_fill(a, self.active.manifest))
+        self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
+                                       size_of=lambda item: len(item[1].matrix))
+        _shape_batches(self.batcher, a, self.active.manifest)
         jobs = [self._follow_pointer(), self.metrics.export_histograms(),
                 *([follow_links(lambda: self.active, self.metrics.shard_links)] if self.use_links else [])]
         self._tasks = [asyncio.get_running_loop().create_task(job) for job in jobs]

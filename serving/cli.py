@@ -58,15 +58,22 @@ def _serve(args: argparse.Namespace) -> None:
     from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
+    from serving.edge import default_admission
     from serving.local_server import serve_blocking
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
+    from shardserve.query.scan_choice import shares_scan
+
+    manifest = read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before Ray starts
 
     api_key = _api_key()
     # Read once, then out of the environment before Ray starts: Ray's processes (every Serve
     # replica) and the edge inherit this process's environment, and the key is the edge's alone.
     os.environ.pop("SHARDSERVE_API_KEY", None)
+    admission = _admission(args, default_admission(shares_scan(manifest)))
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
-                   edge=not args.no_edge, admission=_admission(args), api_key=api_key,
+                   edge=not args.no_edge, admission=admission, api_key=api_key,
                    access_log=args.access_log, address=args.address, compact_at=args.compact_at)
 
 
@@ -216,11 +223,22 @@ def _edge_config(args: argparse.Namespace) -> None:
 
     from serving.edge import write_edge
 
-    config = write_edge(Path(args.dir), args.backend, args.listen, _admission(args), _api_key())
+    base = None
+    if args.index is not None:  # the defaults `shardserve serve` would take for this index
+        from serving.edge import default_admission
+        from shardserve.index.manifest import read_manifest
+        from shardserve.index.storage import Location
+        from shardserve.query.scan_choice import shares_scan
+
+        base = default_admission(shares_scan(read_manifest(Location.parse(args.index))))
+    config = write_edge(Path(args.dir), args.backend, args.listen, _admission(args, base), _api_key())
     print(f"wrote {config} (run: haproxy -f {config})")
 
 
-def _admission(args: argparse.Namespace):
+def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-def]
+    """The edge's admission: `base` (default: serving.edge's defaults) with the flags given."""
+    from dataclasses import replace
+
     from serving.edge import DEFAULT_BURST, Admission
 
     burst = args.edge_burst
@@ -230,7 +248,8 @@ def _admission(args: argparse.Namespace):
              "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms,
              "burst_ms": args.edge_burst_ms}
     try:
-        return Admission(**{key: value for key, value in given.items() if value is not None})
+        return replace(base or Admission(), **{key: value for key, value in given.items()
+                                               if value is not None})
     except ValueError as exc:
         raise ShardserveError(f"edge admission: {exc}") from None
 
@@ -251,10 +270,13 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
         DEFAULT_IN_FLIGHT,
         DEFAULT_QUEUE,
         DEFAULT_QUEUE_TIMEOUT_MS,
+        SHARED_SCAN_DELAY_MS,
+        SHARED_SCAN_IN_FLIGHT,
     )
 
     cmd.add_argument("--edge-in-flight", type=_POSITIVE, help="requests inside the router at once "
-                     f"(default {DEFAULT_IN_FLIGHT}; `shardserve tune` writes a measured one)")
+                     f"(default {DEFAULT_IN_FLIGHT}, {SHARED_SCAN_IN_FLIGHT} where a batch shares the "
+                     "shards' scan; `shardserve tune` writes a measured one)")
     cmd.add_argument("--edge-burst", type=_at_least(0), help="requests that may wait at the edge while it "
                      "sheds nothing: waiting clients, bursts; one more starts the shedding "
                      f"(default {DEFAULT_BURST}, or --edge-queue if larger)")
@@ -268,7 +290,8 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
                      f"after this gets 503 (default {DEFAULT_QUEUE_TIMEOUT_MS})")
     cmd.add_argument("--edge-delay-ms", type=_at_least(0), help="while shedding, a new request that finds "
                      "more inside (router + queue) than the router answers in this long, and more than "
-                     f"--edge-queue, gets 503 at once (default {DEFAULT_DELAY_MS}; 0: the counts alone)")
+                     f"--edge-queue, gets 503 at once (default {DEFAULT_DELAY_MS}, {SHARED_SCAN_DELAY_MS} "
+                     "where a batch shares the shards' scan; 0: the counts alone)")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -415,6 +438,8 @@ def parser() -> argparse.ArgumentParser:
                                                "before Serve (max in flight = the knee concurrency)")
     edge.add_argument("--backend", default="127.0.0.1:8000", help="Serve's HTTP host:port")
     edge.add_argument("--listen", default="127.0.0.1:8080")
+    edge.add_argument("--index", help="the index served: its defaults, as `shardserve serve` takes them "
+                                      "(K and D where a batch shares the shards' scan)")
     _edge_options(edge)
     edge.add_argument("--dir", default="configs/edge", help="where to write the config + 503 body")
     edge.set_defaults(func=_edge_config)

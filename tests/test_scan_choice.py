@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import faiss
 import numpy as np
 
@@ -11,6 +13,7 @@ from shardserve.query.scan_choice import (
     ScanChoice,
     batches_share_lists,
     cache_bytes,
+    shares_scan,
 )
 
 
@@ -83,12 +86,30 @@ def test_batches_share_lists_where_ivf_flat_lists_outgrow_the_cache() -> None:
         assert not batches_share_lists(factory, 4_000_000, 128, cache=mib), factory
 
 
-def test_the_batch_fill_is_on_where_batches_share_lists_unless_set() -> None:
-    from deployments.config import AUTO_BATCH_FILL, AppArgs
+def test_batches_fill_and_run_one_per_replica_where_they_share_the_scan_unless_set() -> None:
+    from deployments.config import AUTO_BATCH_FILL, OVERLAP_MIN_ROWS, AppArgs
 
-    huge = ("IVF16,Flat", 10**9, 128)  # lists of ~30 GB: past any core's cache
-    assert AppArgs(index="x").fill_for(*huge) == AUTO_BATCH_FILL
-    assert AppArgs(index="x").fill_for("IVF1024,Flat", 60_000, 784) == 0.0  # lists ~180 KB
-    assert AppArgs(index="x").fill_for("HNSW32", 10**9, 128) == 0.0
-    assert AppArgs(index="x", batch_fill=0.0).fill_for(*huge) == 0.0  # what the user sets wins
-    assert AppArgs(index="x", batch_fill=0.3).fill_for("HNSW32", 10, 4) == 0.3
+    huge = SimpleNamespace(index_factory="IVF16,Flat", num_vectors=10**9, dim=128)  # lists of ~30 GB
+    small = SimpleNamespace(index_factory="IVF1024,Flat", num_vectors=60_000, dim=784)  # ~180 KB
+    assert shares_scan(huge) and not shares_scan(small)
+    assert not shares_scan(SimpleNamespace(index_factory="HNSW32", num_vectors=10**9, dim=128))
+    args = AppArgs(index="x", replicas_per_shard=2)
+    assert args.fill_for(True) == AUTO_BATCH_FILL and args.fill_for(False) == 0.0
+    # one batch per shard replica: a second would split the batch that shares the scan
+    assert args.batching(True) == (2, 2, 1)
+    assert args.batching(False) == (3, 2, OVERLAP_MIN_ROWS)
+    assert AppArgs(index="x", batch_fill=0.0).fill_for(True) == 0.0  # what the user sets wins
+    assert AppArgs(index="x", batch_fill=0.3).fill_for(False) == 0.3
+    assert AppArgs(index="x", max_concurrent_batches=3).batching(True) == (3, 3, 1)
+
+
+def test_the_edge_admits_a_shared_batch_where_batches_share_the_scan() -> None:
+    from serving.edge import SHARED_SCAN_IN_FLIGHT, Admission, default_admission
+
+    assert default_admission(False) == Admission()
+    shared = default_admission(True)
+    assert shared.max_in_flight == SHARED_SCAN_IN_FLIGHT >= 128  # the batch of 128 waiting clients
+    assert shared.delay_ms == 0  # what is inside is never cut below a batch that shares the scan
+    # everything else as by default: waiting clients (K + B of them) are never refused
+    assert (shared.max_burst, shared.max_queue, shared.burst_ms) == (
+        Admission().max_burst, Admission().max_queue, Admission().burst_ms)

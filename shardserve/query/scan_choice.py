@@ -24,6 +24,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from shardserve.index.manifest import Manifest
+
 _L2_FALLBACK = 1 << 20  # where sysfs does not say (1 MiB: a common server core's L2)
 
 
@@ -123,3 +125,10 @@ def batches_share_lists(index_factory: str, num_vectors: int, dim: int, cache: i
     if found is None or not int(found.group(1)):
         return False
     return num_vectors * dim * 4 / int(found.group(1)) > (cache_bytes() if cache is None else cache)
+
+
+def shares_scan(manifest: Manifest) -> bool:
+    """Does a batch share each shard's scan of this index (batches_share_lists)? Then the router
+    fills batches and runs one per shard replica (deployments.config.AppArgs), and the edge lets
+    in the batch 128 waiting clients make (serving.edge.default_admission)."""
+    return batches_share_lists(manifest.index_factory, manifest.num_vectors, manifest.dim)
