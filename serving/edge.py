@@ -73,12 +73,12 @@ DEFAULT_DELAY_MS = 70
 # onset: until the first shed, what is admitted may wait up to ~D_B longer; once shedding, Q and D cut it.
 DEFAULT_BURST_MS = 250
 # Where a batch's queries share each shard's scan (IVF-Flat lists larger than a core's cache,
-# shardserve.query.scan_choice.batches_share_lists), a larger batch costs less a query (at 4M x 128,
-# nprobe 32, in-process: 0.81x the CPU of the by-query scan at 32 rows, 0.58x at 128): K holds the
-# batch 128 waiting clients make, and D is off, since cutting what is inside below a batch that
-# shares the scan makes each query dearer, the rate falls, and the cut tightens again (a 2x burst
-# at 4M answered 0.58x the closed-loop rate with D = 70 ms, bench-scale-served.json of 2026-11-27).
-# What is admitted while shedding then waits at most (K + Q) / capacity: a full house of clients.
+# shardserve.query.scan_choice.shares_scan), a larger batch costs less a query: K holds the batch 128
+# waiting clients make, and D is off, since cutting what is inside below a batch that shares the
+# scan makes each query dearer, the rate falls, and the cut tightens again. At 4M x 128 through
+# `shardserve serve`: 1.13x queries/s at 128 clients at 0.85x CPU a request against K 64, D 70 ms
+# (loadtests/records/shared-scan-admission-ab.json); a 2x burst answered 0.80x the closed-loop rate
+# (0.58x with D 70 ms). What is admitted while shedding waits about (K + Q) / capacity and a batch.
 SHARED_SCAN_IN_FLIGHT = 128
 SHARED_SCAN_DELAY_MS = 0
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
