@@ -239,11 +239,11 @@ def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-
     """The edge's admission: `base` (default: serving.edge's defaults) with the flags given."""
     from dataclasses import replace
 
-    from serving.edge import DEFAULT_BURST, Admission
+    from serving.edge import Admission
 
     burst = args.edge_burst
     if burst is None and args.edge_queue is not None:  # a queue alone still admits the default's clients
-        burst = max(DEFAULT_BURST, args.edge_queue)
+        burst = max((base or Admission()).max_burst, args.edge_queue)
     given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
              "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms,
              "burst_ms": args.edge_burst_ms}

@@ -77,8 +77,10 @@ DEFAULT_BURST_MS = 250
 # waiting clients make, and D is off, since cutting what is inside below a batch that shares the
 # scan makes each query dearer, the rate falls, and the cut tightens again. At 4M x 128 through
 # `shardserve serve`: 1.13x queries/s at 128 clients at 0.85x CPU a request against K 64, D 70 ms
-# (loadtests/records/shared-scan-admission-ab.json); a 2x burst answered 0.80x the closed-loop rate
-# (0.58x with D 70 ms). What is admitted while shedding waits about (K + Q) / capacity and a batch.
+# (loadtests/records/shared-scan-admission-ab.json, closed loop); through a 2x burst it answered
+# 0.80x its closed-loop rate (bench-scale-served.json). What is admitted while shedding waits about
+# (K + Q) / capacity and a batch. The edge takes these from the index served when it starts (a swap
+# to an index on the other side of the cache threshold keeps them: restart, or set the flags).
 SHARED_SCAN_IN_FLIGHT = 128
 SHARED_SCAN_DELAY_MS = 0
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches

@@ -415,22 +415,6 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     assert not (tmp_path / "b").exists()
 
 
-def test_edge_flags_change_only_what_they_name_in_the_index_defaults() -> None:
-    """`shardserve serve` starts from the index's admission (serving.edge.default_admission); a flag
-    replaces its own field only: a queue alone keeps the K and D of a shared scan."""
-    from serving.cli import _admission, parser
-    from serving.edge import DEFAULT_BURST, SHARED_SCAN_IN_FLIGHT, default_admission
-
-    args = parser().parse_args(["serve", "INDEX", "--edge-queue", "96"])
-    shared = _admission(args, default_admission(True))
-    assert (shared.max_in_flight, shared.delay_ms) == (SHARED_SCAN_IN_FLIGHT, 0)
-    assert (shared.max_queue, shared.max_burst) == (96, 96)
-    plain = _admission(parser().parse_args(["serve", "INDEX", "--edge-delay-ms", "40"]),
-                       default_admission(False))
-    assert (plain.max_in_flight, plain.delay_ms, plain.max_burst) == (Admission().max_in_flight, 40,
-                                                                      DEFAULT_BURST)
-
-
 class _RawBackend:
     """A router stand-in that records each request's head as it arrived (headers included) and
     answers 200 with the body's length: what the edge forwarded, byte for byte."""

@@ -113,3 +113,29 @@ def test_the_edge_admits_a_shared_batch_where_batches_share_the_scan() -> None:
     # everything else as by default: waiting clients (K + B of them) are never refused
     assert (shared.max_burst, shared.max_queue, shared.burst_ms) == (
         Admission().max_burst, Admission().max_queue, Admission().burst_ms)
+
+
+def test_edge_flags_change_only_what_they_name_in_the_index_defaults() -> None:
+    """`shardserve serve` starts from the index's admission (serving.edge.default_admission); a flag
+    replaces its own field only: a queue alone keeps the K and D of a shared scan."""
+    from serving.cli import _admission, parser
+    from serving.edge import DEFAULT_BURST, SHARED_SCAN_IN_FLIGHT, Admission, default_admission
+
+    args = parser().parse_args(["serve", "INDEX", "--edge-queue", "96"])
+    shared = _admission(args, default_admission(True))
+    assert (shared.max_in_flight, shared.delay_ms) == (SHARED_SCAN_IN_FLIGHT, 0)
+    assert (shared.max_queue, shared.max_burst) == (96, 96)
+    plain = _admission(parser().parse_args(["serve", "INDEX", "--edge-delay-ms", "40"]),
+                       default_admission(False))
+    assert (plain.max_in_flight, plain.delay_ms, plain.max_burst) == (Admission().max_in_flight, 40,
+                                                                      DEFAULT_BURST)
+
+
+def test_a_location_pyarrow_cannot_open_is_one_clear_error() -> None:
+    import pytest
+
+    from shardserve.errors import ShardserveError
+    from shardserve.index.storage import Location
+
+    with pytest.raises(ShardserveError, match="cannot open index location 'weird://x'"):
+        Location.parse("weird://x")

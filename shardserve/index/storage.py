@@ -10,6 +10,7 @@ import posixpath
 import uuid
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from shardserve.errors import ShardserveError
@@ -41,7 +42,7 @@ class Location:
                 import os
 
                 fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
-        except (pafs.ArrowInvalid, OSError, ValueError) as exc:  # type: ignore[attr-defined]
+        except (pa.ArrowInvalid, OSError, ValueError) as exc:
             raise ShardserveError(f"cannot open index location {uri!r}: {exc}") from None
         return cls(fs, root.rstrip("/") or "/", uri)
 
