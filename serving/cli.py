@@ -58,19 +58,15 @@ def _serve(args: argparse.Namespace) -> None:
     from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
-    from serving.edge import default_admission
     from serving.local_server import serve_blocking
-    from shardserve.index.manifest import read_manifest
-    from shardserve.index.storage import Location
-    from shardserve.query.scan_choice import shares_scan
 
-    manifest = read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before Ray starts
+    base = _index_admission(args.index_dir)  # a bad index: one line, before Ray starts
 
     api_key = _api_key()
     # Read once, then out of the environment before Ray starts: Ray's processes (every Serve
     # replica) and the edge inherit this process's environment, and the key is the edge's alone.
     os.environ.pop("SHARDSERVE_API_KEY", None)
-    admission = _admission(args, default_admission(shares_scan(manifest)))
+    admission = _admission(args, base)
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
                    edge=not args.no_edge, admission=admission, api_key=api_key,
@@ -223,16 +219,19 @@ def _edge_config(args: argparse.Namespace) -> None:
 
     from serving.edge import write_edge
 
-    base = None
-    if args.index is not None:  # the defaults `shardserve serve` would take for this index
-        from serving.edge import default_admission
-        from shardserve.index.manifest import read_manifest
-        from shardserve.index.storage import Location
-        from shardserve.query.scan_choice import shares_scan
-
-        base = default_admission(shares_scan(read_manifest(Location.parse(args.index))))
+    base = None if args.index is None else _index_admission(args.index)  # as `serve` would take it
     config = write_edge(Path(args.dir), args.backend, args.listen, _admission(args, base), _api_key())
     print(f"wrote {config} (run: haproxy -f {config})")
+
+
+def _index_admission(index: str):  # type: ignore[no-untyped-def]
+    """The edge's defaults for this index (serving.edge.default_admission), from its manifest."""
+    from serving.edge import default_admission
+    from shardserve.index.manifest import read_manifest
+    from shardserve.index.storage import Location
+    from shardserve.query.scan_choice import shares_scan
+
+    return default_admission(shares_scan(read_manifest(Location.parse(index))))
 
 
 def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-def]
