@@ -14,6 +14,7 @@ these rows, on the 60K Fashion-MNIST index and on a 4M x 128 one.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import faiss
 import numpy as np
@@ -23,9 +24,11 @@ from loadtests.record import header, save
 from shardserve.data.datasets import load_dataset
 from shardserve.index.assigner import CoarseAssigner
 from shardserve.index.indexes import prepare_vectors
+from shardserve.index.manifest import Manifest
 from shardserve.index.storage import Location
 from shardserve.query.scan_choice import cache_bytes
-from shardserve.query.searcher import load_all_shards
+from shardserve.query.searcher import ShardSearcher, load_all_shards
+from shardserve.transport.shard_wire import ShardQuery
 
 
 def queries_for(dataset: str, dim: int, count: int) -> np.ndarray:
@@ -35,16 +38,24 @@ def queries_for(dataset: str, dim: int, count: int) -> np.ndarray:
     return load_dataset(dataset, num_queries=count).queries
 
 
-def measure(index: str, queries: np.ndarray, k: int, nprobe: int, batches: list[int],
-            rounds: int) -> list[dict]:
-    faiss.omp_set_num_threads(1)  # as in every shard replica
+def batched(index: str, queries: np.ndarray, k: int, nprobe: int, batches: list[int]
+            ) -> tuple[Manifest, list[ShardSearcher], dict[int, list[ShardQuery]]]:
+    """The index's shards (one FAISS thread, as in every replica) and the queries in batches of
+    each size, assigned to lists as the router does."""
+    faiss.omp_set_num_threads(1)
     manifest, shards = load_all_shards(index)
     assigner = CoarseAssigner.load(Location.parse(index), manifest)
     prepared = prepare_vectors(queries, manifest.metric)
+    return manifest, shards, {batch: [assigner.query(prepared[row:row + batch], k, {"nprobe": nprobe})
+                                      for row in range(0, len(prepared) - batch + 1, batch)]
+                              for batch in batches}
+
+
+def measure(index: str, queries: np.ndarray, k: int, nprobe: int, batches: list[int],
+            rounds: int) -> list[dict]:
+    _, shards, by_batch = batched(index, queries, k, nprobe, batches)
     rows = []
-    for batch in batches:
-        assigned = [assigner.query(prepared[row:row + batch], k, {"nprobe": nprobe})
-                    for row in range(0, len(prepared) - batch + 1, batch)]
+    for batch, assigned in by_batch.items():
         n = batch * len(assigned)
         for shard in shards:
             sizes = shard.scan_choice
@@ -68,16 +79,19 @@ def measure(index: str, queries: np.ndarray, k: int, nprobe: int, batches: list[
     return rows
 
 
-def main() -> None:
-    cli = argparse.ArgumentParser(description=__doc__)
+def run(doc: str, name: str, batches: str, measure: Callable[..., list[dict]], key: str,
+        not_covered: list[str]) -> None:
+    """The command line of an in-process scan lab: `measure(index, queries, k, nprobe, batches,
+    rounds)`'s rows saved under `key` in a record named `name`."""
+    cli = argparse.ArgumentParser(description=doc)
     cli.add_argument("--index", required=True)
     cli.add_argument("--dataset", default="fashion-mnist", help="a dataset name, or embedding-like")
     cli.add_argument("--queries", type=int, default=1024)
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--k", type=int, default=10)
-    cli.add_argument("--batches", default="4,8,16,32,64,128,256")
+    cli.add_argument("--batches", default=batches)
     cli.add_argument("--rounds", type=int, default=2)
-    cli.add_argument("--name", default="scan-choice")
+    cli.add_argument("--name", default=name)
     args = cli.parse_args()
     manifest, _ = load_all_shards(args.index)
     queries = queries_for(args.dataset, manifest.dim, args.queries)
@@ -88,9 +102,14 @@ def main() -> None:
                            "vectors": manifest.num_vectors, "shards": len(manifest.shards),
                            "params": {"nprobe": args.nprobe}},
                     queries=len(queries), threads=1, cache_bytes=cache_bytes(),
-                    unit="CPU ms per query (process time, best of rounds)", scan_choice=rows,
-                    not_covered=["serving: see bench-scale.json's served comparison"])
+                    unit="CPU ms per query (process time, best of rounds)", not_covered=not_covered,
+                    **{key: rows})
     print(f"record: {save(record)}")
+
+
+def main() -> None:
+    run(__doc__ or "", "scan-choice", "4,8,16,32,64,128,256", measure, "scan_choice",
+        ["serving: see bench-scale.json's served comparison"])
 
 
 if __name__ == "__main__":

@@ -81,8 +81,13 @@ class ScanChoice:
         held = self.list_bytes[self.list_bytes > 0]
         self.mean_list_bytes = float(held.mean()) if len(held) else 0.0
         self.cache = cache_bytes() if cache is None else cache
-        self.reads_per_list = READS_PER_LIST if self.mean_list_bytes > self.cache else READS_PER_CACHED_LIST
+        self.reads_per_list = READS_PER_LIST if self.memory_bound else READS_PER_CACHED_LIST
         self.forced: bool | None = None
+
+    @property
+    def memory_bound(self) -> bool:
+        """Are the lists larger than the core's cache on average (a scan bound by reading them)?"""
+        return self.mean_list_bytes > self.cache
 
     @classmethod
     def of(cls, ivf: faiss.IndexIVF, cache: int | None = None) -> ScanChoice:

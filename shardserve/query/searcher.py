@@ -17,6 +17,7 @@ from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
+from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
 from shardserve.query.list_scan import search_by_lists
 from shardserve.query.scan_choice import ScanChoice
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
@@ -66,6 +67,10 @@ class ShardSearcher:
         self.scan_choice = None if flat is None else ScanChoice.of(flat)
         # the lists this shard holds: the probes a shard dealt by lists can skip
         self.nonempty = None if self.scan_choice is None else self.scan_choice.list_bytes > 0
+        # lists larger than the core's cache: a scan bound by reading them scans a half-precision
+        # copy, then answers with FAISS's float32 distances (query.half_scan)
+        memory_bound = self.scan_choice is not None and self.scan_choice.memory_bound
+        self.half = HalfCopy.of(flat) if flat is not None and memory_bound else None
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
@@ -140,26 +145,20 @@ class ShardSearcher:
             return self.search(query.matrix, query.k, query.params, prepared=True, exclude=exclude)
         if self.ivf is None:
             raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
-        n = len(query.assign)
         matrix = np.ascontiguousarray(query.matrix, np.float32)
         assign = np.ascontiguousarray(query.assign, np.int64)
         coarse = np.ascontiguousarray(query.coarse, np.float32)
         sel = None if exclude is None else exclude.selector
         start = time.perf_counter()
-        if self.nonempty is not None and self.scan_choice is not None and self.scan_choice.by_lists(assign):
-            one_probe = self._params(1) if sel is None else faiss.SearchParametersIVF(nprobe=1, sel=sel)
-            distances, ids, again = search_by_lists(self.ivf, self.nonempty, matrix, assign, coarse, query.k,
-                                                    self.metric != "l2", one_probe)
-            if len(again):  # a tie at the k-th distance: FAISS's own scan decides, as unsharded
+        if self.half is None:
+            distances, ids = self._scan_choosing(self.ivf, matrix, assign, coarse, query.k, sel)
+        else:  # candidates from the half-precision copy, answered with FAISS's own distances
+            found_d, found_i = self._scan_choosing(self.half.index, matrix, assign, coarse,
+                                                   KEPT_FACTOR * query.k, sel, settle_ties=False)
+            distances, ids, again = self.half.rerank(matrix, found_d, found_i, query.k, self.metric != "l2")
+            if len(again):  # not settled by the copy's bound, or tied at the k-th: FAISS's own scan
                 distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
                                                           query.k, sel)
-        elif n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
-            order = np.argsort(assign.min(axis=1), kind="stable")
-            distances, ids = np.empty((n, query.k), np.float32), np.empty((n, query.k), np.int64)
-            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], query.k,
-                                                      sel)
-        else:
-            distances, ids = self._scan(matrix, assign, coarse, query.k, sel)
         return distances, ids, (time.perf_counter() - start) * 1000.0
 
     def answer_filtered(self, query: ShardQuery, exclude: Exclusion | None = None
@@ -307,6 +306,29 @@ class ShardSearcher:
             self._selected.put(where, found, found.nbytes + len(where))
         return found
 
+    def _scan_choosing(self, ivf: faiss.IndexIVF, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
+                       k: int, sel: faiss.IDSelector | None, settle_ties: bool = True
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """`ivf`'s top k of a preassigned batch, list by list or query by query (query.scan_choice).
+        `settle_ties`: rows tied at the k-th distance list by list are scanned again the FAISS way
+        (the half-precision copy's candidates need not be: query.half_scan bounds what they miss)."""
+        n = len(matrix)
+        if self.nonempty is not None and self.scan_choice is not None and self.scan_choice.by_lists(assign):
+            one_probe = self._params(1) if sel is None else faiss.SearchParametersIVF(nprobe=1, sel=sel)
+            distances, ids, again = search_by_lists(ivf, self.nonempty, matrix, assign, coarse, k,
+                                                    self.metric != "l2", one_probe)
+            if settle_ties and len(again):  # a tie at the k-th distance: FAISS's own scan decides
+                distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again], k,
+                                                          sel, ivf)
+            return distances, ids
+        if n >= self.list_order_rows:  # rows by their lowest list: neighbours scan lists still in cache
+            order = np.argsort(assign.min(axis=1), kind="stable")
+            distances, ids = np.empty((n, k), np.float32), np.empty((n, k), np.int64)
+            distances[order], ids[order] = self._scan(matrix[order], assign[order], coarse[order], k,
+                                                      sel, ivf)
+            return distances, ids
+        return self._scan(matrix, assign, coarse, k, sel, ivf)
+
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = self._ivf_params.get(nprobe)
         if params is None:  # one per nprobe, kept: a SWIG object per call cost ~1.5% of a shard's CPU
@@ -314,18 +336,21 @@ class ShardSearcher:
         return params
 
     def _scan(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,
-              k: int, sel: faiss.IDSelector | None = None) -> tuple[np.ndarray, np.ndarray]:
+              k: int, sel: faiss.IDSelector | None = None, ivf: faiss.IndexIVF | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         """FAISS's query-by-query scan of the assigned lists; arrays C-contiguous float32 / int64 /
         float32 (the C++ call: FAISS's Python wrapper takes no SearchParameters here, and nprobe must
-        come from the request, never from mutating the shared index). `sel`: only those ids."""
-        assert self.ivf is not None  # answer() routes only IVF shards here
+        come from the request, never from mutating the shared index). `sel`: only those ids. `ivf`:
+        the index scanned (the shard's own, or its half-precision copy)."""
+        ivf = self.ivf if ivf is None else ivf
+        assert ivf is not None  # answer() routes only IVF shards here
         n, nprobe = assign.shape
         params = self._params(nprobe) if sel is None else faiss.SearchParametersIVF(nprobe=nprobe, sel=sel)
         distances = np.empty((n, k), np.float32)
         ids = np.empty((n, k), np.int64)
-        self.ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),  # type: ignore[attr-defined]
-                                      faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
-                                      faiss.swig_ptr(ids), False, params)
+        ivf.search_preassigned_c(n, faiss.swig_ptr(matrix), k, faiss.swig_ptr(assign),  # type: ignore[attr-defined]
+                                 faiss.swig_ptr(coarse), faiss.swig_ptr(distances),
+                                 faiss.swig_ptr(ids), False, params)
         return distances, ids
 
 

@@ -1,0 +1,120 @@
+"""The half-precision scan (query.half_scan): FAISS's own answers, distances bit for bit, whether
+the bound settles a row, a tie sends it back to FAISS, or nothing is settled at all."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import faiss
+import numpy as np
+import pytest
+
+from shardserve.data.datasets import load_dataset
+from shardserve.index.indexes import prepare_vectors
+from shardserve.query import scan_choice
+from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
+from shardserve.query.searcher import Exclusion, ShardSearcher
+from shardserve.transport.shard_wire import ShardQuery
+from tests.shared import sharded_and_unsharded
+
+
+def with_half(searcher: ShardSearcher) -> HalfCopy:
+    """These lists fit in a core's cache, so the searcher makes no copy itself: make it."""
+    assert searcher.half is None and searcher.ivf is not None
+    half = HalfCopy.of(searcher.ivf)
+    assert half is not None
+    searcher.half = half
+    return half
+
+
+def faiss_answer(searcher: ShardSearcher, query: ShardQuery, sel: faiss.IDSelector | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    return searcher._scan(query.matrix, query.assign, query.coarse, query.k, sel)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("by_lists", [False, True])
+def test_answers_are_faiss_own_bit_for_bit(metric: str, by_lists: bool) -> None:
+    data = load_dataset("synthetic:8000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", metric, data.base)
+    settled = 0
+    for k, nprobe in ((10, 7), (1, 1), (40, 64)):
+        query = assigner.query(prepare_vectors(data.queries[:300], metric), k, {"nprobe": nprobe})
+        for searcher in searchers:
+            half = searcher.half or with_half(searcher)
+            assert searcher.scan_choice is not None
+            searcher.scan_choice.forced = by_lists
+            found_d, found_i = searcher._scan(query.matrix, query.assign, query.coarse, KEPT_FACTOR * k,
+                                              ivf=half.index)
+            _, _, again = half.rerank(query.matrix, found_d, found_i, k, metric != "l2")
+            settled += len(query.matrix) - len(again)
+            distances, ids, _ = searcher.answer(query)
+            expected_d, expected_i = faiss_answer(searcher, query)
+            assert np.array_equal(ids, expected_i), (metric, k, nprobe)
+            assert np.array_equal(distances, expected_d), (metric, k, nprobe)
+    assert settled > 0  # the bound settled rows: not every answer came from the fallback
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_ties_and_unsettled_rows_go_back_to_faiss(metric: str) -> None:
+    """Small integer vectors, many duplicates: the k-th distance ties often (FAISS keeps whichever
+    it scanned first), and those rows are FAISS's. With a bound too loose to settle anything, every
+    row is FAISS's too."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 3, (6000, 8)).astype(np.float32)
+    searchers, _, assigner = sharded_and_unsharded("IVF16,Flat", metric, base)
+    query = assigner.query(prepare_vectors(rng.integers(0, 3, (400, 8)).astype(np.float32), metric), 10,
+                           {"nprobe": 4})
+    for searcher in searchers:
+        half = with_half(searcher)
+        assert half.error == 0.0  # small integers are exact in half precision
+        found_d, found_i = searcher._scan(query.matrix, query.assign, query.coarse, KEPT_FACTOR * 10,
+                                          ivf=half.index)
+        _, _, again = half.rerank(query.matrix, found_d, found_i, 10, metric != "l2")
+        assert len(again) > 0  # the ties this test is about did happen
+        expected_d, expected_i = faiss_answer(searcher, query)
+        for copy in (half, dataclasses.replace(half, error=1e6)):
+            searcher.half = copy
+            distances, ids, _ = searcher.answer(query)
+            assert np.array_equal(ids, expected_i) and np.array_equal(distances, expected_d)
+        loose = dataclasses.replace(half, error=1e6)
+        _, _, again = loose.rerank(query.matrix, found_d, found_i, 10, metric != "l2")
+        assert len(again) == np.count_nonzero(found_i[:, -1] >= 0)  # only rows with all candidates settle
+
+
+def test_excluded_ids_stay_out() -> None:
+    """A delta's tombstones (a selector over ids) hold in the copy's scan as in FAISS's."""
+    data = load_dataset("synthetic:8000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
+    query = assigner.query(prepare_vectors(data.queries[:200], "l2"), 10, {"nprobe": 7})
+    for searcher in searchers:
+        with_half(searcher)
+        _, before = searcher.answer(query)[:2]
+        gone = np.unique(before[:, :3][before[:, :3] >= 0])
+        exclusion = Exclusion(gone, faiss.IDSelectorNot(faiss.IDSelectorBatch(gone)))
+        distances, ids, _ = searcher.answer(query, exclusion)
+        assert not np.isin(ids, gone).any()
+        expected_d, expected_i = faiss_answer(searcher, query, exclusion.selector)
+        assert np.array_equal(ids, expected_i) and np.array_equal(distances, expected_d)
+
+
+def test_no_copy_where_half_precision_cannot_hold_the_values() -> None:
+    base = np.random.default_rng(1).normal(0, 1, (2000, 8)).astype(np.float32)
+    base[7, 3] = 70000.0  # beyond half precision's largest value
+    searchers, _, _ = sharded_and_unsharded("IVF8,Flat", "l2", base)
+    assert [HalfCopy.of(s.ivf) is None for s in searchers if s.ivf is not None].count(True) == 1
+
+
+def test_a_copy_only_where_lists_outgrow_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The searcher makes the copy where its scan is bound by reading lists larger than a core's
+    cache: not for these small ones, nor for codes that are not float32; on a core with a smaller
+    cache, for the same lists."""
+    data = load_dataset("synthetic:8000x32")
+    for factory in ("IVF64,Flat", "IVF64,SQ8"):
+        searchers, _, _ = sharded_and_unsharded(factory, "l2", data.base)
+        assert all(s.half is None for s in searchers)
+    monkeypatch.setattr(scan_choice, "cache_bytes", lambda: 1024)  # smaller than every list here
+    searchers, _, _ = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
+    assert all(s.half is not None for s in searchers)
+    searchers, _, _ = sharded_and_unsharded("IVF64,SQ8", "l2", data.base)
+    assert all(s.half is None for s in searchers)
