@@ -4,16 +4,18 @@ the bound settles a row, a tie sends it back to FAISS, or nothing is settled at 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import faiss
 import numpy as np
 import pytest
 
+from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
 from shardserve.index.indexes import prepare_vectors
 from shardserve.query import scan_choice
 from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
-from shardserve.query.searcher import Exclusion, ShardSearcher
+from shardserve.query.searcher import Exclusion, ShardSearcher, load_all_shards
 from shardserve.transport.shard_wire import ShardQuery
 from tests.shared import sharded_and_unsharded
 
@@ -106,15 +108,28 @@ def test_no_copy_where_half_precision_cannot_hold_the_values() -> None:
 
 
 def test_a_copy_only_where_lists_outgrow_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The searcher makes the copy where its scan is bound by reading lists larger than a core's
-    cache: not for these small ones, nor for codes that are not float32; on a core with a smaller
-    cache, for the same lists."""
+    """A shard makes the copy where its scan is bound by reading lists larger than a core's cache:
+    not for these small ones, nor for codes that are not float32; on a core with a smaller cache,
+    for the same lists."""
     data = load_dataset("synthetic:8000x32")
     for factory in ("IVF64,Flat", "IVF64,SQ8"):
         searchers, _, _ = sharded_and_unsharded(factory, "l2", data.base)
-        assert all(s.half is None for s in searchers)
+        assert not any(s.make_half_copy() for s in searchers)
     monkeypatch.setattr(scan_choice, "cache_bytes", lambda: 1024)  # smaller than every list here
-    searchers, _, _ = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
-    assert all(s.half is not None for s in searchers)
-    searchers, _, _ = sharded_and_unsharded("IVF64,SQ8", "l2", data.base)
-    assert all(s.half is None for s in searchers)
+    for factory, made in (("IVF64,Flat", True), ("IVF64,SQ8", False)):
+        searchers, _, _ = sharded_and_unsharded(factory, "l2", data.base)
+        assert all(s.make_half_copy() is made for s in searchers)
+
+
+def test_shards_loaded_to_be_merged_get_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The monolith baseline merges the shards it loads: FAISS refuses to merge an index with the
+    direct map the copy needs, so loading for a merge makes none."""
+    monkeypatch.setattr(scan_choice, "cache_bytes", lambda: 1024)
+    built = str(tmp_path / "index")
+    build_index("synthetic:8000x32", 2, "IVF64,Flat", built, backend="local")
+    _, mapped = load_all_shards(built)
+    assert all(s.half is not None for s in mapped)
+    _, merged = load_all_shards(built, mmap=False)
+    assert all(s.half is None for s in merged)
+    first = faiss.clone_index(merged[0].index)
+    first.merge_from(merged[1].index, 0)  # no direct map: FAISS merges

@@ -67,10 +67,7 @@ class ShardSearcher:
         self.scan_choice = None if flat is None else ScanChoice.of(flat)
         # the lists this shard holds: the probes a shard dealt by lists can skip
         self.nonempty = None if self.scan_choice is None else self.scan_choice.list_bytes > 0
-        # lists larger than the core's cache: a scan bound by reading them scans a half-precision
-        # copy, then answers with FAISS's float32 distances (query.half_scan)
-        memory_bound = self.scan_choice is not None and self.scan_choice.memory_bound
-        self.half = HalfCopy.of(flat) if flat is not None and memory_bound else None
+        self.half: HalfCopy | None = None  # a half-precision copy of the lists (make_half_copy)
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
@@ -84,11 +81,13 @@ class ShardSearcher:
         self._selectors = ByteBoundedCache(SELECTOR_BYTES)
 
     @classmethod
-    def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True) -> ShardSearcher:
+    def load(cls, location: Location, manifest: Manifest, shard: int, mmap: bool = True,
+             half_copy: bool = True) -> ShardSearcher:
         """`mmap=True`: FAISS maps the file instead of reading it (`IO_FLAG_MMAP`): IVF lists stay
         in the page cache, shared by every replica of the shard on the node, so a replica starts
         without copying them and holds them once. Other index types are read into memory as
-        before (FAISS ignores the flag for them); fast-scan IVF lists are copied too."""
+        before (FAISS ignores the flag for them); fast-scan IVF lists are copied too.
+        `half_copy`: make_half_copy where the lists outgrow the core's cache."""
         entry = manifest.shards[shard]
         if mmap:
             # a shard on remote storage (s3://, ...) is downloaded once per node, then memory-mapped
@@ -97,9 +96,22 @@ class ShardSearcher:
         else:
             index = index_from_bytes(read_shard_checked(location, entry))
         searcher = cls(index, manifest.metric, entry.name, manifest.index_version)
+        if half_copy:
+            searcher.make_half_copy()
         if manifest.metadata is not None:  # what `include` returns and filters read
             searcher.metadata = MetadataTable.load(location, manifest.metadata[shard])
         return searcher
+
+    def make_half_copy(self) -> bool:
+        """Where the IVF-Flat lists are larger than the core's cache, a scan is bound by reading
+        them: keep a half-precision copy to scan, answered with FAISS's float32 distances
+        (query.half_scan). It also gives the index a direct map (an id's place in its lists), which
+        FAISS will not merge: not for an index to be merged or cloned. Was a copy made?"""
+        flat = self.ivf if type(self.ivf) is faiss.IndexIVFFlat else None
+        memory_bound = self.scan_choice is not None and self.scan_choice.memory_bound
+        if self.half is None and flat is not None and memory_bound:
+            self.half = HalfCopy.of(flat)
+        return self.half is not None
 
     @property
     def mmapped(self) -> bool:
@@ -355,7 +367,9 @@ class ShardSearcher:
 
 
 def load_all_shards(uri: str, mmap: bool = True) -> tuple[Manifest, list[ShardSearcher]]:
-    """`mmap=False` when the indexes will be cloned or merged (FAISS cannot clone mapped lists)."""
+    """`mmap=False` when the indexes will be cloned or merged (FAISS cannot clone mapped lists,
+    nor merge an index with the direct map a half-precision copy needs: none is made)."""
     location = Location.parse(uri)
     manifest = read_manifest(location)
-    return manifest, [ShardSearcher.load(location, manifest, s, mmap) for s in range(len(manifest.shards))]
+    return manifest, [ShardSearcher.load(location, manifest, s, mmap, half_copy=mmap)
+                      for s in range(len(manifest.shards))]
