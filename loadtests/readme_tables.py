@@ -231,6 +231,26 @@ def scan_choice_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def half_scan_table(record: dict) -> str:
+    """lab.half_scan: per batch size, the half-precision copy's scan against the float32 one (CPU per
+    query, mean over the shards), the rows its bound settled, and whether answers were FAISS's."""
+    index = record["index"]
+    rows = ["| index | batch | half-precision copy vs float32 lists (CPU) | rows settled by the bound | "
+            "answers equal to FAISS's (ids; distances bit for bit) |", "|---|---|---|---|---|"]
+    by_batch: dict[int, list[dict]] = {}
+    for row in record["half_scan"]:
+        by_batch.setdefault(row["batch"], []).append(row)
+    for batch, shards in sorted(by_batch.items()):
+        ratio = statistics.mean(r["half_vs_float32"] for r in shards)
+        settled = min(r["settled"] for r in shards)
+        same = min(r["same_ids_as_faiss"] for r in shards)
+        bits = "yes" if all(r["distances_bit_equal"] for r in shards) else "no"
+        low, high = (f(r["half_vs_float32"] for r in shards) for f in (min, max))
+        rows.append(f"| {index['vectors']:,} `{index['factory']}`, nprobe {index['params']['nprobe']} "
+                    f"| {batch} | {ratio:.2f}× ({low:.2f}–{high:.2f}) | {settled:.1%} | {same:.1%}; {bits} |")
+    return "\n".join(rows)
+
+
 def scale_served_table(record: dict) -> str:
     """loadtests.scale_served: the default `shardserve serve` against the monolith at millions of
     vectors, per client count; then the ratios and the burst."""
@@ -531,6 +551,7 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "log-latency": log_latency_line(load("writes-log-latency.json")),
             "bench-scale": bench_scale_table(load("bench-scale.json")),
             "scan-choice": scan_choice_table([load("scan-choice-60k.json"), load("scan-choice-4m.json")]),
+            "half-scan": half_scan_table(load("half-scan-4m.json")),
             "scale-served": scale_served_table(load("bench-scale-served.json")),
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),
