@@ -93,7 +93,8 @@ def test_excluded_ids_stay_out() -> None:
         with_half(searcher)
         _, before = searcher.answer(query)[:2]
         gone = np.unique(before[:, :3][before[:, :3] >= 0])
-        exclusion = Exclusion(gone, faiss.IDSelectorNot(faiss.IDSelectorBatch(gone)))
+        batch = faiss.IDSelectorBatch(gone)
+        exclusion = Exclusion(gone, faiss.IDSelectorNot(batch), held=(batch,))
         distances, ids, _ = searcher.answer(query, exclusion)
         assert not np.isin(ids, gone).any()
         expected_d, expected_i = faiss_answer(searcher, query, exclusion.selector)
