@@ -14,6 +14,7 @@ from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
 from shardserve.index.indexes import prepare_vectors
 from shardserve.query import scan_choice
+from shardserve.query import searcher as searcher_module
 from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
 from shardserve.query.searcher import Exclusion, ShardSearcher, load_all_shards
 from shardserve.transport.shard_wire import ShardQuery
@@ -134,3 +135,25 @@ def test_shards_loaded_to_be_merged_get_no_copy(tmp_path: Path, monkeypatch: pyt
     assert all(s.half is None for s in merged)
     first = faiss.clone_index(merged[0].index)
     first.merge_from(merged[1].index, 0)  # no direct map: FAISS merges
+
+
+def test_a_batch_too_wide_to_pool_is_scanned_query_by_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list-by-list scan holds every (row, probe, k+1) candidate at once: past POOL_BYTES the batch
+    is scanned query by query instead, with the same answers."""
+    data = load_dataset("synthetic:8000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
+    query = assigner.query(prepare_vectors(data.queries[:300], "l2"), 10, {"nprobe": 64})
+    searcher = searchers[0]
+    with_half(searcher)
+    assert searcher.scan_choice is not None
+    searcher.scan_choice.forced = True
+    pooled_d, pooled_i, _ = searcher.answer(query)
+    pooled = searcher._pool_bytes(query.assign, KEPT_FACTOR * 10)
+    monkeypatch.setattr(searcher_module, "POOL_BYTES", pooled - 1)
+
+    def refuse(*_args: object) -> None:
+        raise AssertionError("pooled past POOL_BYTES")
+
+    monkeypatch.setattr(searcher_module, "search_by_lists", refuse)
+    distances, ids, _ = searcher.answer(query)
+    assert np.array_equal(ids, pooled_i) and np.array_equal(distances, pooled_d)

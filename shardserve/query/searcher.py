@@ -35,6 +35,10 @@ GATHERED_KEPT = 8  # filters whose matching vectors a shard keeps gathered (in a
 SELECTED_BYTES = 64 << 20
 SELECTOR_BYTES = 64 << 20
 LIST_ORDER_ROWS = 64
+# A list-by-list scan holds every (row, probe, k+1) candidate of its batch at once: past this, the
+# batch is scanned query by query (a heap of k a row). 1,024 rows, 64 probes held and the
+# half-precision copy's 200 candidates (k 100) hold 151 MB; 256 probes held would hold 603 MB.
+POOL_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,8 @@ class ShardSearcher:
         `settle_ties`: rows tied at the k-th distance list by list are scanned again the FAISS way
         (the half-precision copy's candidates need not be: query.half_scan bounds what they miss)."""
         n = len(matrix)
-        if self.nonempty is not None and self.scan_choice is not None and self.scan_choice.by_lists(assign):
+        if self.nonempty is not None and self.scan_choice is not None and self.scan_choice.by_lists(assign) \
+                and self._pool_bytes(assign, k) <= POOL_BYTES:
             one_probe = self._params(1) if sel is None else faiss.SearchParametersIVF(nprobe=1, sel=sel)
             distances, ids, again = search_by_lists(ivf, self.nonempty, matrix, assign, coarse, k,
                                                     self.metric != "l2", one_probe)
@@ -340,6 +345,13 @@ class ShardSearcher:
                                                       sel, ivf)
             return distances, ids
         return self._scan(matrix, assign, coarse, k, sel, ivf)
+
+    def _pool_bytes(self, assign: np.ndarray, k: int) -> int:
+        """What a list-by-list scan of this batch holds at once: k+1 candidates (a float32 and an
+        int64) for each row and probe the shard holds, the widest row setting the width."""
+        assert self.nonempty is not None
+        width = int(self.nonempty[assign].sum(axis=1).max(initial=0))
+        return len(assign) * width * (k + 1) * 12
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = self._ivf_params.get(nprobe)
