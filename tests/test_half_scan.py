@@ -15,7 +15,7 @@ from shardserve.data.datasets import load_dataset
 from shardserve.index.indexes import prepare_vectors
 from shardserve.query import scan_choice
 from shardserve.query import searcher as searcher_module
-from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
+from shardserve.query.half_scan import GATE_PROBE, KEPT_FACTOR, HalfCopy
 from shardserve.query.searcher import Exclusion, ShardSearcher, load_all_shards
 from shardserve.transport.shard_wire import ShardQuery
 from tests.shared import sharded_and_unsharded
@@ -47,8 +47,8 @@ def test_answers_are_faiss_own_bit_for_bit(metric: str, by_lists: bool) -> None:
             half = searcher.half or with_half(searcher)
             assert searcher.scan_choice is not None
             searcher.scan_choice.forced = by_lists
-            found_d, found_i = searcher._scan(query.matrix, query.assign, query.coarse, KEPT_FACTOR * k,
-                                              ivf=half.index)
+            found_d, found_i = searcher._scan_choosing(half.index, query.matrix, query.assign, query.coarse,
+                                                       KEPT_FACTOR * k, None, settle_ties=False)
             _, _, again = half.rerank(query.matrix, found_d, found_i, k, metric != "l2")
             settled += len(query.matrix) - len(again)
             distances, ids, _ = searcher.answer(query)
@@ -85,11 +85,12 @@ def test_ties_and_unsettled_rows_go_back_to_faiss(metric: str) -> None:
         assert len(again) == np.count_nonzero(found_i[:, -1] >= 0)  # only rows with all candidates settle
 
 
-def test_excluded_ids_stay_out() -> None:
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_excluded_ids_stay_out(metric: str) -> None:
     """A delta's tombstones (a selector over ids) hold in the copy's scan as in FAISS's."""
     data = load_dataset("synthetic:8000x32")
-    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
-    query = assigner.query(prepare_vectors(data.queries[:200], "l2"), 10, {"nprobe": 7})
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", metric, data.base)
+    query = assigner.query(prepare_vectors(data.queries[:200], metric), 10, {"nprobe": 7})
     for searcher in searchers:
         with_half(searcher)
         _, before = searcher.answer(query)[:2]
@@ -157,3 +158,96 @@ def test_a_batch_too_wide_to_pool_is_scanned_query_by_query(monkeypatch: pytest.
     monkeypatch.setattr(searcher_module, "search_by_lists", refuse)
     distances, ids, _ = searcher.answer(query)
     assert np.array_equal(ids, pooled_i) and np.array_equal(distances, pooled_d)
+
+
+def copy_answer(searcher: ShardSearcher, half: HalfCopy, query: ShardQuery, metric: str
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What answer() does with the copy, without its gate: the rows not settled are FAISS's."""
+    found_d, found_i = searcher._scan_choosing(half.index, query.matrix, query.assign, query.coarse,
+                                               KEPT_FACTOR * query.k, None, settle_ties=False)
+    distances, ids, again = half.rerank(query.matrix, found_d, found_i, query.k, metric != "l2")
+    distances[again], ids[again] = searcher._scan(query.matrix[again], query.assign[again],
+                                                  query.coarse[again], query.k)
+    return distances, ids, again
+
+
+@pytest.mark.parametrize("by_lists", [False, True])
+def test_the_bound_is_what_keeps_the_answers_faiss_own(monkeypatch: pytest.MonkeyPatch,
+                                                        by_lists: bool) -> None:
+    """Values far from zero with small differences: half precision's step (0.5 at 1,000) reorders
+    neighbours, so the copy's 2k candidates miss some of the true top k. The bound leaves those rows
+    to FAISS; a bound that settled every row would answer them wrongly (so this data tests it)."""
+    metric = "l2"
+    rng = np.random.default_rng(7)
+    base = (1000 + rng.normal(0, 0.3, (6000, 16))).astype(np.float32)
+    queries = (1000 + rng.normal(0, 0.3, (300, 16))).astype(np.float32)
+    searchers, _, assigner = sharded_and_unsharded("IVF16,Flat", metric, base)
+    query = assigner.query(prepare_vectors(queries, metric), 10, {"nprobe": 4})
+    wrong = 0
+    for searcher in searchers:
+        half = with_half(searcher)
+        assert searcher.scan_choice is not None
+        searcher.scan_choice.forced = by_lists
+        expected_d, expected_i = faiss_answer(searcher, query)
+        distances, ids, again = copy_answer(searcher, half, query, metric)
+        assert len(again) > 0
+        assert np.array_equal(ids, expected_i) and np.array_equal(distances, expected_d)
+        with monkeypatch.context() as patched:
+            patched.setattr(HalfCopy, "_excludes_the_rest",
+                            lambda self, queries, *_: np.ones(len(queries), bool))
+            _, unbound_i, _ = copy_answer(searcher, half, query, metric)
+        wrong += int((unbound_i != expected_i).any(axis=1).sum())
+    assert wrong > 0
+
+
+def test_subnormal_distances_are_not_settled_by_relative_rounding() -> None:
+    """Distances among float32's subnormals round by an absolute step: a query duplicated in two
+    lists, where the copy's distances all tie (they round to 0 in half precision) and float32
+    rounds q0^2 up by a third. FAISS answers the copy in the list it scanned first."""
+    q0 = np.float32(np.sqrt(1.5001 * 2.0 ** -149))
+    q = np.array([[q0, q0]], np.float32)
+    quantizer = faiss.IndexFlatL2(2)
+    quantizer.add(np.array([[0, 0], [1, 1]], np.float32))
+    flat = faiss.IndexIVFFlat(quantizer, 2, 2, faiss.METRIC_L2)
+    flat.is_trained = True
+    for number, ids, vectors in ((0, [5], q), (1, [1, 2], np.vstack([q, [[0, 0]]]))):
+        ids_array, codes = np.asarray(ids, np.int64), np.ascontiguousarray(vectors, np.float32).view(np.uint8)
+        flat.invlists.add_entries(number, len(ids), faiss.swig_ptr(ids_array), faiss.swig_ptr(codes))
+    flat.ntotal = 3
+    searcher = ShardSearcher(flat, "l2", "s0", "v")
+    with_half(searcher)
+    assert searcher.scan_choice is not None
+    query = ShardQuery(q, 1, {"nprobe": 2}, np.array([[0, 1]], np.int64), np.zeros((1, 2), np.float32))
+    for by_lists in (False, True):
+        searcher.scan_choice.forced = by_lists
+        assert np.array_equal(searcher.answer(query)[1], faiss_answer(searcher, query)[1])  # id 5
+
+
+def test_the_copy_sits_out_while_most_rows_go_back_to_faiss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queries far from the data: no row is settled (the bound's rounding slack grows with the
+    distance), so each would pay the copy's scan and FAISS's. The copy sits out, then is tried
+    again every GATE_PROBE-th batch; the answers stay FAISS's throughout."""
+    data = load_dataset("synthetic:8000x32")
+    searchers, _, assigner = sharded_and_unsharded("IVF64,Flat", "l2", data.base)
+    searcher = searchers[0]
+    with_half(searcher)
+    reranked: list[int] = []
+    rerank = HalfCopy.rerank
+
+    def counted(self: HalfCopy, matrix: np.ndarray, *args: object) -> tuple:
+        answer = rerank(self, matrix, *args)  # type: ignore[arg-type]
+        reranked.append(len(answer[2]))
+        return answer
+
+    monkeypatch.setattr(HalfCopy, "rerank", counted)
+    far = assigner.query(prepare_vectors(data.queries[:64] + 1e4, "l2"), 10, {"nprobe": 7})
+    batches = 2 * (GATE_PROBE + 1) + 1
+    for _ in range(batches):
+        distances, ids, _ = searcher.answer(far)
+        expected_d, expected_i = faiss_answer(searcher, far)
+        assert np.array_equal(ids, expected_i) and np.array_equal(distances, expected_d)
+    assert reranked == [64, 64, 64]  # the first batch, then one in GATE_PROBE + 1: every row to FAISS
+    near = assigner.query(prepare_vectors(data.queries[:64], "l2"), 10, {"nprobe": 7})
+    for _ in range(GATE_PROBE * 8):  # near queries again: once their rows outweigh, the copy is back
+        searcher.answer(near)
+    assert searcher.half_gate.use()

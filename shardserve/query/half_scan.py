@@ -36,8 +36,43 @@ from shardserve.query.merge import merge_topk
 
 KEPT_FACTOR = 2  # candidates a query keeps from the half-precision scan, per answer asked
 _FP16_MAX = 65504.0  # beyond it a value would be infinite in half precision: no copy is made
-_ROUNDING = 1e-4  # relative slack for float32 rounding in both distances (128 terms: < 1e-5)
+# float32 rounding in both distances: relative, at least 1e-4 (FAISS's SIMD sums of 128 terms err
+# far less), more with the dimension (a sequential sum's bound, d x 2^-24, four times over); and
+# absolute where distances fall among float32's subnormals (2^-149 a step).
+_ROUNDING = 1e-4
+_SUBNORMAL = 2.0 ** -149
 _MISSING = {False: np.finfo(np.float32).max, True: -np.finfo(np.float32).max}
+RERANK_BYTES = 16 << 20  # the candidates' float32 vectors gathered at once, rows at a time
+_ERROR_ROWS = 16384  # rows of a list measured at once against their copy (float64)
+# The copy sits out while more than half of the recent rows it scanned went back to FAISS anyway
+# (queries far from the data, or data the bound cannot separate: each such row costs the copy's
+# scan on top of FAISS's), counted over about GATE_ROWS rows; every GATE_PROBE-th batch it is
+# tried again, so the count follows the queries.
+GATE_ROWS = 1024
+GATE_PROBE = 16
+
+
+class FallbackGate:
+    """Whether a batch scans the copy first (see GATE_ROWS). Its counts are advisory: two threads
+    updating them at once can lose an update, never an answer."""
+
+    def __init__(self) -> None:
+        self.rows = 0.0
+        self.again = 0.0
+        self.skipped = 0
+
+    def use(self) -> bool:
+        if self.again * 2 <= self.rows or self.skipped >= GATE_PROBE:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def record(self, rows: int, again: int) -> None:
+        self.rows += rows
+        self.again += again
+        if self.rows > GATE_ROWS:
+            self.rows, self.again = self.rows / 2, self.again / 2
 
 
 @dataclass(frozen=True)
@@ -59,20 +94,27 @@ class HalfCopy:
                                              faiss.ScalarQuantizer.QT_fp16, flat.metric_type, False)
         half.is_trained = True  # QT_fp16 has nothing to train
         error = max_norm = 0.0
-        for number in range(int(flat.nlist)):
-            size = int(lists.list_size(number))
-            if not size:
-                continue
-            codes32 = faiss.rev_swig_ptr(lists.get_codes(number), size * d * 4)
-            vectors = codes32.view(np.float32).reshape(size, d)
-            if not np.isfinite(vectors).all() or np.abs(vectors).max() >= _FP16_MAX:
-                return None
-            ids = faiss.rev_swig_ptr(lists.get_ids(number), size).view(np.int64).copy()
-            codes = half.sq.compute_codes(vectors)
-            exact = vectors.astype(np.float64)
-            error = max(error, float(np.sqrt(((exact - half.sq.decode(codes)) ** 2).sum(axis=1)).max()))
-            max_norm = max(max_norm, float(np.sqrt((exact ** 2).sum(axis=1)).max()))
-            half.invlists.add_entries(number, size, faiss.swig_ptr(ids), faiss.swig_ptr(codes))  # type: ignore[union-attr]
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # FAISS encodes in parallel: not on the cores replicas serve from
+        try:
+            for number in range(int(flat.nlist)):
+                size = int(lists.list_size(number))
+                if not size:
+                    continue
+                codes32 = faiss.rev_swig_ptr(lists.get_codes(number), size * d * 4)
+                vectors = codes32.view(np.float32).reshape(size, d)
+                if not np.isfinite(vectors).all() or np.abs(vectors).max() >= _FP16_MAX:
+                    return None
+                ids = faiss.rev_swig_ptr(lists.get_ids(number), size).view(np.int64).copy()
+                codes = half.sq.compute_codes(vectors)
+                for row in range(0, size, _ERROR_ROWS):
+                    exact = vectors[row:row + _ERROR_ROWS].astype(np.float64)
+                    back = half.sq.decode(codes[row:row + _ERROR_ROWS])
+                    error = max(error, float(np.sqrt(((exact - back) ** 2).sum(axis=1)).max()))
+                    max_norm = max(max_norm, float(np.sqrt((exact ** 2).sum(axis=1)).max()))
+                half.invlists.add_entries(number, size, faiss.swig_ptr(ids), faiss.swig_ptr(codes))  # type: ignore[union-attr]
+        finally:
+            faiss.omp_set_num_threads(threads)
         half.ntotal = flat.ntotal
         # the candidates' float32 vectors are read by id (the lists hold the user's ids)
         if flat.direct_map.type == faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
@@ -86,16 +128,24 @@ class HalfCopy:
         n, kept = found_i.shape
         d = int(self.flat.d)
         valid = found_i >= 0
-        vectors = np.zeros((n * kept, d), np.float32)
-        if valid.any():
-            vectors[valid.ravel()] = self.flat.reconstruct_batch(found_i[valid])
-        exact = np.empty((n, kept), np.float32)
-        rows = np.arange(n * kept, dtype=np.int64)
         queries = np.ascontiguousarray(matrix, np.float32)
+        exact = np.empty((n, kept), np.float32)
         # the kernels FAISS's IVF-Flat scanner calls, one (query, candidate) pair each
         kernel = faiss.fvec_inner_products_by_idx if higher_is_better else faiss.fvec_L2sqr_by_idx  # type: ignore[attr-defined]
-        kernel(faiss.swig_ptr(exact), faiss.swig_ptr(queries), faiss.swig_ptr(vectors), faiss.swig_ptr(rows),
-               d, n, kept)
+        step = max(1, RERANK_BYTES // (kept * d * 4))
+        for row in range(0, n, step):
+            part = slice(row, row + step)
+            rows = len(queries[part])
+            vectors = np.zeros((rows * kept, d), np.float32)
+            held = valid[part].ravel()
+            if held.any():
+                vectors[held] = self.flat.reconstruct_batch(found_i[part].ravel()[held])
+            pairs = np.arange(rows * kept, dtype=np.int64)
+            chunk_q = np.ascontiguousarray(queries[part])
+            chunk_d = np.empty((rows, kept), np.float32)
+            kernel(faiss.swig_ptr(chunk_d), faiss.swig_ptr(chunk_q), faiss.swig_ptr(vectors),
+                   faiss.swig_ptr(pairs), d, rows, kept)
+            exact[part] = chunk_d
         exact[~valid] = _MISSING[higher_is_better]
         top_d, top_i = merge_topk([exact], [found_i], k + 1, higher_is_better, ties_by_id=True)
         # fewer candidates than kept: the scan found no more, every vector probed is a candidate
@@ -109,9 +159,14 @@ class HalfCopy:
         """Is every vector the scan left out strictly worse than the k-th exact candidate, as FAISS
         would compute both (a bound on the true distance, then on float32's rounding of it)?"""
         last64, kth64 = last.astype(np.float64), kth.astype(np.float64)
+        d = int(self.flat.d)
+        rel, tiny = max(_ROUNDING, 4 * d * 2.0 ** -24), 4 * (d + 2) * _SUBNORMAL
         if not higher_is_better:
-            nearest_left_out = np.sqrt(np.maximum(last64, 0) * (1 - _ROUNDING)) - self.error * (1 + _ROUNDING)
-            return nearest_left_out > np.sqrt(np.maximum(kth64, 0) * (1 + 2 * _ROUNDING))
+            # computed c of a true t: |c - t| <= rel t + tiny. The copy's true distance to what was
+            # left out, at least last's; the true distance, at most `error` nearer; FAISS's float32.
+            copy_distance = np.sqrt(np.maximum(last64 - tiny, 0) / (1 + rel))
+            nearest = np.maximum(copy_distance - self.error * (1 + rel), 0)
+            return (nearest > 0) & (nearest ** 2 * (1 - rel) - tiny > kth64)
         norms = np.sqrt((queries.astype(np.float64) ** 2).sum(axis=1))
-        slack = _ROUNDING * norms * (self.max_norm + self.error)
+        slack = rel * norms * (self.max_norm + self.error) + tiny
         return last64 + norms * self.error + 2 * slack < kth64

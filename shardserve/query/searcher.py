@@ -17,7 +17,7 @@ from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
 from shardserve.query.filters import matching
-from shardserve.query.half_scan import KEPT_FACTOR, HalfCopy
+from shardserve.query.half_scan import KEPT_FACTOR, FallbackGate, HalfCopy
 from shardserve.query.list_scan import search_by_lists
 from shardserve.query.scan_choice import ScanChoice
 from shardserve.transport.shard_wire import QueryBounds, ShardQuery
@@ -36,8 +36,9 @@ SELECTED_BYTES = 64 << 20
 SELECTOR_BYTES = 64 << 20
 LIST_ORDER_ROWS = 64
 # A list-by-list scan holds every (row, probe, k+1) candidate of its batch at once: past this, the
-# batch is scanned query by query (a heap of k a row). 1,024 rows, 64 probes held and the
-# half-precision copy's 200 candidates (k 100) hold 151 MB; 256 probes held would hold 603 MB.
+# batch is scanned query by query (a heap of k a row). 1,024 rows of 128 dimensions, 64 probes held
+# each and the half-precision copy's 200 candidates (k 100) would hold ~635 MB: scanned query by
+# query; with 20 candidates (k 10) and 32 probes, ~48 MB.
 POOL_BYTES = 256 << 20
 
 
@@ -72,6 +73,7 @@ class ShardSearcher:
         # the lists this shard holds: the probes a shard dealt by lists can skip
         self.nonempty = None if self.scan_choice is None else self.scan_choice.list_bytes > 0
         self.half: HalfCopy | None = None  # a half-precision copy of the lists (make_half_copy)
+        self.half_gate = FallbackGate()  # does a batch scan the copy first?
         self.metadata: MetadataTable | None = None  # this shard's rows' metadata, for filters
         self._selected = ByteBoundedCache(SELECTED_BYTES)  # filter -> ids of its matching rows
         self._gathered: dict[str, faiss.Index] = {}  # filter -> flat index of its matching vectors
@@ -166,12 +168,13 @@ class ShardSearcher:
         coarse = np.ascontiguousarray(query.coarse, np.float32)
         sel = None if exclude is None else exclude.selector
         start = time.perf_counter()
-        if self.half is None:
+        if self.half is None or not self.half_gate.use():
             distances, ids = self._scan_choosing(self.ivf, matrix, assign, coarse, query.k, sel)
         else:  # candidates from the half-precision copy, answered with FAISS's own distances
             found_d, found_i = self._scan_choosing(self.half.index, matrix, assign, coarse,
                                                    KEPT_FACTOR * query.k, sel, settle_ties=False)
             distances, ids, again = self.half.rerank(matrix, found_d, found_i, query.k, self.metric != "l2")
+            self.half_gate.record(len(matrix), len(again))
             if len(again):  # not settled by the copy's bound, or tied at the k-th: FAISS's own scan
                 distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
                                                           query.k, sel)
@@ -347,11 +350,15 @@ class ShardSearcher:
         return self._scan(matrix, assign, coarse, k, sel, ivf)
 
     def _pool_bytes(self, assign: np.ndarray, k: int) -> int:
-        """What a list-by-list scan of this batch holds at once: k+1 candidates (a float32 and an
-        int64) for each row and probe the shard holds, the widest row setting the width."""
+        """What a list-by-list scan of this batch holds at once (query.list_scan), about: each pair
+        (a row and a probe the shard holds) its query vector and k+1 candidates (a float32 and an
+        int64); the pool of every row's pairs, the widest row setting the width, three times over
+        (the pool, and the merge's copies and sort)."""
         assert self.nonempty is not None
-        width = int(self.nonempty[assign].sum(axis=1).max(initial=0))
-        return len(assign) * width * (k + 1) * 12
+        held = self.nonempty[assign]
+        width = int(held.sum(axis=1).max(initial=0))
+        pairs = int(held.sum())
+        return pairs * (4 * self.dim + 12 * (k + 1)) + 3 * len(assign) * width * (k + 1) * 12
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = self._ivf_params.get(nprobe)
