@@ -20,8 +20,8 @@ then keeps whichever it scanned first), is searched again by FAISS on the float3
 Measured at 4M x 128 (lists of ~3,900 vectors, 2 MB in float32), in-process, each of 4 shards: a
 query cost 0.63-0.81x the CPU of the float32 scan at batches of 1, 32 and 128, every row was
 settled by the bound, and every answer equalled FAISS's, distances bit for bit (lab.half_scan,
-half-scan-4m.json). Its cost: the copy, 2 bytes a dimension a row in
-each replica's memory, made as the replica loads (about 1.5 s a million rows of 128), and a
+half-scan-4m.json). Its cost: the copy, 2 bytes a dimension a row in each replica's memory, made
+as the replica loads (2.2-2.7 s a million rows of 128 on one thread, with the next item), and a
 hash map from id to place in the lists (FAISS's direct map), to read the candidates' vectors.
 """
 
