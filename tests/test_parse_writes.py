@@ -19,6 +19,8 @@ from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import parse_npy_request
 from shardserve.query.parse_writes import (
+    MAX_METADATA_BYTES,
+    MAX_STRING_BYTES,
     delete_filter,
     parse_delete,
     parse_delete_npy,
@@ -252,6 +254,52 @@ def test_negative_npy_shapes_are_422_before_any_data_is_read(body: bytes) -> Non
         with pytest.raises(ApiError) as refused:
             parse(body)
         assert refused.value.status == 422
+
+
+@pytest.mark.parametrize("shape", ["(4, 2**62)", "(2**62, 4)", "(2**32, 2**32)", "(2**63-1,)"])
+def test_npy_shapes_whose_product_overflows_int64_are_422(shape: str) -> None:
+    """(4, 2**62): numpy's product wraps to 0, so an empty body passed the length check and reshape
+    raised, a 500 on /v1/search. Sizes are multiplied as Python integers, after the dim is checked."""
+    body = _raw_npy(_HEADER.format("<f4", shape.replace("2**62", str(2**62)).replace(
+        "2**32", str(2**32)).replace("2**63-1", str(2**63 - 1))), b"")
+    for parse in (lambda b: parse_npy_request(b, "", 4, 10, 10),
+                  lambda b: parse_upsert_npy(npy(np.array([1])) + b, DIM, "l2", 10)):
+        with pytest.raises(ApiError) as refused:
+            parse(body)
+        assert refused.value.status == 422
+
+
+def test_metadata_is_bounded_in_bytes_a_point_and_a_string() -> None:
+    """8 MB string values were accepted (20 of them grew a served index's processes by 583 MB):
+    a string value and a point's metadata have a bound in bytes, refused as a 422 on metadata."""
+    for value, says in (("x" * 8_000_000, "string of more than"),
+                        ("é" * (MAX_STRING_BYTES // 2 + 1), "string of more than")):  # bytes, not characters
+        with pytest.raises(ApiError) as refused:
+            upsert({"ids": [1], "vectors": [V], "metadata": [{"lang": value}]})
+        assert refused.value.field == "metadata" and says in refused.value.message
+    kinds = {f"s{n}": "string" for n in range(4)}
+    near = MAX_STRING_BYTES - 10
+    ok = parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"s0": "a" * near}]}),
+                      DIM, "l2", kinds, 10)
+    assert ok[0].metadata == {"s0": "a" * near}
+    with pytest.raises(ApiError) as refused:  # each string under its bound, the point over its own
+        parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [
+            {name: "a" * near for name in kinds}]}), DIM, "l2", kinds, 10)
+    assert refused.value.field == "metadata"
+    assert f"more than {MAX_METADATA_BYTES} a point" in refused.value.message
+
+
+def test_a_float32_column_refuses_what_float32_cannot_hold() -> None:
+    """1e39 in a float32 column was stored as inf; a float64 column takes it."""
+    with pytest.raises(ApiError) as refused:
+        parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"f": 1e39}]}), DIM, "l2",
+                     {"f": "float32"}, 10)
+    assert refused.value.field == "metadata" and "float32" in refused.value.message
+    for kind, value in (("float32", -3.0e38), ("number", 1e39)):
+        ops = parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"f": value}]}), DIM,
+                           "l2", {"f": kind}, 10)
+        assert ops[0].metadata == {"f": value}
+    assert check_filter({"f": {"$gt": 0.5}}, {"f": "float32"}) is not None
 
 
 def test_a_header_length_of_a_backslash_byte_is_read_and_a_backslash_in_its_text_is_not() -> None:
@@ -804,3 +852,12 @@ def test_a_write_to_a_closed_front_is_refused_and_not_written(tmp_path: Path) ->
         asyncio.run(front.accept(_body(2), True, manifest))
     assert not front._queued and front.waiting == 0 and not front._drain_due
     assert open_log(front.path).last_position() == 1
+
+
+def test_the_limits_get_v1_index_shows_are_the_ones_enforced() -> None:
+    from shardserve.query.api import Limits
+    from shardserve.writes.accept import MAX_BACKLOG_BYTES
+
+    limits = Limits(10, 10, 10, 10)
+    assert (limits.max_metadata_bytes, limits.max_string_bytes, limits.max_write_backlog_bytes) == (
+        MAX_METADATA_BYTES, MAX_STRING_BYTES, MAX_BACKLOG_BYTES)

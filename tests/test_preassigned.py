@@ -140,8 +140,9 @@ def test_wire_round_trip() -> None:
         else:
             assert back.assign is None
     distances, ids = coarse[:, :2].copy(), assign[:, :2].copy()
-    got_d, got_i, ms, matched = decode_answer(encode_answer(distances, ids, 1.5, 42))
-    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and (ms, matched) == (1.5, 42)
+    got_d, got_i, ms, matched, position = decode_answer(encode_answer(distances, ids, 1.5, 42, 1 << 40))
+    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids)
+    assert (ms, matched, position) == (1.5, 42, 1 << 40)
     with pytest.raises(ValueError, match="magic"):
         ShardQuery.decode(b"XXXX" + blob[4:], BOUNDS)
     with pytest.raises(ValueError, match="bytes"):

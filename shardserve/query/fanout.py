@@ -18,8 +18,9 @@ from shardserve.query.api import ParsedQuery
 from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.transport.shard_wire import ShardQuery
 
-# (shard index, the group's query) -> (distances, ids, search ms)
-# a shard call answers (distances, ids, search ms), and with a filter also the rows it matched
+# (shard index, the group's query) -> (distances, ids, search ms[, rows a filter matched[, position]])
+# a shard call answers (distances, ids, search ms), with a filter also the rows it matched, and over
+# a write log the log position its answer is the state at (decode_answer's five fields)
 ShardCall = Callable[[int, ShardQuery], Awaitable[tuple]]
 # (prepared matrix, k, params) -> the query every shard gets (e.g. with IVF lists assigned once)
 Prepare = Callable[[np.ndarray, int, dict], Awaitable[ShardQuery]]
@@ -77,7 +78,7 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
     error = None
     if answered:
         distances, ids = merge_topk([o[0] for o in answered], [o[1] for o in answered], k,
-                                    higher_is_better)
+                                    higher_is_better, positions=[o[4] if len(o) > 4 else 0 for o in answered])
     else:
         fill = -np.inf if higher_is_better else np.inf
         distances = np.full((len(matrix), k), fill, np.float32)

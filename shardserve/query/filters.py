@@ -26,7 +26,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shardserve.index.metadata import INTEGER_KINDS, Postings
+from shardserve.index.metadata import FLOAT_KINDS, INTEGER_KINDS, Postings
 from shardserve.query.api import ApiError
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.transport.shard_wire import MAX_FILTER_BYTES
@@ -80,7 +80,7 @@ def _value(value: object, kind: str, op: str, where: str) -> object:
     """A filter value checked against its column's kind, in its canonical spelling."""
     if kind in INTEGER_KINDS:
         return _integer(value, kind, op, where)
-    if kind == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if kind in FLOAT_KINDS and isinstance(value, (int, float)) and not isinstance(value, bool):
         if math.isfinite(value) and abs(value) < 1e308:
             return float(value) + 0.0  # -0.0 is 0.0: one spelling, one cache entry
     elif (kind, type(value)) in (("string", str), ("bool", bool)):

@@ -235,7 +235,9 @@ def _npy_matrix(body: bytes, dim: int, max_vectors: int, at: int = 0) -> tuple[n
     field = "vector" if single else "vectors"
     if not single and shape[0] > max_vectors:
         raise ApiError(422, field, f"too many vectors: {shape[0]} > max {max_vectors}")
-    count = int(np.prod(shape))
+    if shape[-1] != dim:  # before any product of the shape's sizes
+        raise ApiError(422, field, f"wrong dimension: expected {dim}, got {shape[-1]}")
+    count = math.prod(shape)  # Python integers: numpy's int64 product wraps ((4, 2**62) made 0)
     if len(body) - start != count * dtype.itemsize:
         raise ApiError(422, "body", f"the array's data is {len(body) - start} bytes, its header says "
                                     f"{count * dtype.itemsize}")

@@ -29,13 +29,19 @@ import numpy as np
 import orjson
 
 from shardserve.index.indexes import prepare_vectors
-from shardserve.index.metadata import EXACT_FLOAT, INTEGER_KINDS
+from shardserve.index.metadata import EXACT_FLOAT, FLOAT32_MAX, FLOAT_KINDS, INTEGER_KINDS
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import _checked, _matrix, _npy_header, _npy_matrix
 from shardserve.writes.ops import MAX_ID, Delete, Upsert
 
 UPSERT_FIELDS = ("ids", "vectors", "metadata")
+# A point's metadata, as the log stores it (JSON), and one string value in it: every replica of
+# every shard holds each upserted point's metadata until compaction, and the backlog's byte bound
+# (writes.accept) counts it, so no single point may take a share of that out of proportion
+# (GET /v1/index: max_metadata_bytes, max_string_bytes).
+MAX_METADATA_BYTES = 16 * 1024
+MAX_STRING_BYTES = 8 * 1024
 
 
 def _payload(body: bytes, fields: tuple[str, ...]) -> dict:
@@ -89,10 +95,20 @@ def _value(value: object, kind: str, where: str) -> object:
             raise ApiError(422, "metadata", f"{where} = {value} is outside the {kind} column's range "
                                             f"[{low}, {high}]")
         return value
-    if kind == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if kind in FLOAT_KINDS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind == "float32" and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+            raise ApiError(422, "metadata", f"{where} = {value:g} is outside the float32 column's range "
+                                            f"(|x| <= {FLOAT32_MAX:.7g})")
         if math.isfinite(value) and abs(value) < 1e308:
             return float(value)
-    elif (kind, type(value)) in (("string", str), ("bool", bool)):
+    elif kind == "string" and isinstance(value, str):
+        # a character is 1 to 4 bytes of UTF-8: only a long string is encoded to be measured
+        if len(value) > MAX_STRING_BYTES // 4 and len(value.encode("utf-8", "surrogatepass")) > \
+                MAX_STRING_BYTES:
+            raise ApiError(422, "metadata", f"{where} is a string of more than {MAX_STRING_BYTES} bytes "
+                                            "(max_string_bytes)")
+        return value
+    elif kind == "bool" and isinstance(value, bool):
         return value
     raise ApiError(422, "metadata", f"{where} needs a {kind}, got {type(value).__name__} {str(value)[:40]!r}")
 
@@ -115,8 +131,12 @@ def _metadata(value: object, count: int, kinds: dict[str, str]) -> list[dict | N
         if unknown:
             raise ApiError(422, "metadata", f"metadata[{slot}]: unknown column {unknown[0]!r} (this "
                                             f"index has: {sorted(kinds) or 'none'})")
-        rows.append({name: _value(item, kinds[name], f"metadata[{slot}].{name}")
-                     for name, item in row.items()})
+        checked = {name: _value(item, kinds[name], f"metadata[{slot}].{name}") for name, item in row.items()}
+        size = len(orjson.dumps(checked))  # what the log stores
+        if size > MAX_METADATA_BYTES:
+            raise ApiError(422, "metadata", f"metadata[{slot}] is {size} bytes of JSON, more than "
+                                            f"{MAX_METADATA_BYTES} a point (max_metadata_bytes)")
+        rows.append(checked)
     return rows
 
 

@@ -68,6 +68,8 @@ def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits
         "max_body_bytes": limits.max_body_bytes, "max_work": limits.max_work,
         "max_write_points": limits.max_write_points, "max_write_backlog": limits.max_write_backlog,
         "max_filter_delete_points": limits.max_filter_delete_points,
+        "max_write_backlog_bytes": limits.max_write_backlog_bytes,
+        "max_metadata_bytes": limits.max_metadata_bytes, "max_string_bytes": limits.max_string_bytes,
         "log_position": manifest.log_position,
         "metadata_kinds": manifest.dataset.metadata_kinds,
     }

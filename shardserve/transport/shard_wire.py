@@ -22,8 +22,9 @@ import numpy as np
 import orjson
 
 _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment (0 = none), params len
-_ANSWER = struct.Struct("<4sIIdq")  # magic, n, k, search milliseconds, rows a filter matched
-_QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA2"
+# magic, n, k, search milliseconds, rows a filter matched, the write-log position answered at
+_ANSWER = struct.Struct("<4sIIdqq")
+_QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA3"
 MAX_FILTER_BYTES = 256 * 1024  # a filter's JSON: 8 levels, $in lists of 4,096 values
 MAX_PARAMS_BYTES = MAX_FILTER_BYTES + 1024
 MAX_EF_SEARCH = 65536
@@ -131,18 +132,22 @@ def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
     return params if where is None else {**params, "filter": where}
 
 
-def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float, matched: int = 0) -> bytes:
+def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float, matched: int = 0,
+                  position: int = 0) -> bytes:
+    """A shard's answer bytes; `position`: the write-log position its answer is the state at (the
+    router's merge keeps an id's copy from the newest position: shardserve.query.merge)."""
     n, k = ids.shape
-    return b"".join([_ANSWER.pack(_ANSWER_MAGIC, n, k, search_ms, matched),
+    return b"".join([_ANSWER.pack(_ANSWER_MAGIC, n, k, search_ms, matched, position),
                      np.ascontiguousarray(distances, np.float32).tobytes(),
                      np.ascontiguousarray(ids, np.int64).tobytes()])
 
 
-def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float, int]:
-    """(distances, ids, search ms, rows a filter matched) from a shard's answer bytes (views, no copy)."""
-    magic, n, k, search_ms, matched = _ANSWER.unpack_from(blob)
+def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float, int, int]:
+    """(distances, ids, search ms, rows a filter matched, log position) from a shard's answer bytes
+    (views, no copy)."""
+    magic, n, k, search_ms, matched, position = _ANSWER.unpack_from(blob)
     if magic != _ANSWER_MAGIC:
         raise ValueError(f"not a shard answer (magic {magic!r})")
     distances = np.frombuffer(blob, np.float32, n * k, _ANSWER.size).reshape(n, k)
     ids = np.frombuffer(blob, np.int64, n * k, _ANSWER.size + 4 * n * k).reshape(n, k)
-    return distances, ids, search_ms, matched
+    return distances, ids, search_ms, matched, position

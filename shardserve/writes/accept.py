@@ -9,9 +9,10 @@ answer (shardserve.writes.follow). Nothing before the append changes any state: 
 
 Backpressure: every upsert since the served version's `log_position` sits in some shard's delta
 (memory) until compaction folds it into a new version. The router refuses an upsert that would
-take the log's backlog past one delta's bound (a bound on the largest delta whatever the dealing:
-a delta holds at most every upsert), with a 503 + Retry-After; deletes are always taken (a
-tombstone is a bit per base row, bounded by the base).
+take the log's backlog past one delta's bound, in points and in bytes of vectors and metadata (a
+bound on the largest delta whatever the dealing: a delta holds at most every upsert; the compactor
+and the replicas' log reads hold at most the backlog too), with a 503 + Retry-After; deletes are
+always taken (a tombstone is a bit per base row, bounded by the base).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import orjson
 import pyarrow as pa
 
 from shardserve.index.manifest import Manifest
@@ -45,6 +47,10 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 # to the log as one request (a row each), read 32 requests at a time by every replica
 # (writes.follow.READ_REQUESTS) and applied under its delta's lock: ten times a request by ids.
 MAX_FILTER_DELETE = 10_000
+# Bytes of vectors and metadata (as the log stores them) the upserts not yet compacted may hold (GET
+# /v1/index: max_write_backlog_bytes): 200,000 points of 784 float32 dims are 627 MB; a point's
+# metadata is bounded (parse_writes.MAX_METADATA_BYTES), and this bounds their sum.
+MAX_BACKLOG_BYTES = 1 << 30
 
 
 # Operations one group commit writes at most (WriteFront._drain): its rows are copied for SQLite at
@@ -152,14 +158,15 @@ class WriteFront:
 
     def __init__(self, path: LogAddress | None, max_points: int = MAX_WRITE_POINTS,
                  max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256,
-                 on_commit: Callable[[int], None] | None = None):
+                 on_commit: Callable[[int], None] | None = None, max_backlog_bytes: int = MAX_BACKLOG_BYTES):
         self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
+        self.max_backlog_bytes = max_backlog_bytes
         self.on_commit = on_commit  # told the requests of each commit (the router's metric)
         self.retry_after_s, self.max_waiting, self.waiting = retry_after_s, max_waiting, 0
         self._log: Log | None = None
         self._lock = threading.Lock()
-        # (the log, its base position, counted up to, upserts): one tuple, replaced whole
-        self._counted: tuple[LogAddress | None, int, int, int] = (path, -1, 0, 0)
+        # (the log, its base position, counted up to, upserts, their bytes): one tuple, replaced whole
+        self._counted: tuple[LogAddress | None, int, int, int, int] = (path, -1, 0, 0, 0)
         self._exact = False  # `_counted` is the log's count: every request since it was ours
         self._thread = ThreadPoolExecutor(1, "writes")
         self._queued: deque[Queued] = deque()  # parsed, in arrival order, for the next group commit
@@ -306,26 +313,27 @@ class WriteFront:
         assert self.path is not None, "callers answer a front without a log with no_log()"
         if self._log is None:
             self._log = open_log(self.path)
-        taken: list[tuple[int, list[Op], int]] = []
-        backlog = None
+        taken: list[tuple[int, list[Op], int, int]] = []
+        backlog: tuple[int, int] | None = None
         for n, ops in enumerate(requests):
             adding = sum(isinstance(op, Upsert) for op in ops)
+            size = sum(upsert_bytes(op) for op in ops if isinstance(op, Upsert))
             if adding:
                 backlog = self.backlog(manifest.log_position) if backlog is None else backlog
-                if backlog + adding > self.max_backlog:
+                if backlog[0] + adding > self.max_backlog or backlog[1] + size > self.max_backlog_bytes:
                     answer(n, self._backlog_full())
                     continue
-                backlog += adding
-            taken.append((n, ops, adding))
+                backlog = (backlog[0] + adding, backlog[1] + size)
+            taken.append((n, ops, adding, size))
         if not taken:
             return
         assert unless_past is None or len(requests) == 1, "a conditional append is one request"
-        together = (self._log.append_many([ops for _, ops, _ in taken], manifest.log_position, unless_past)
+        together = (self._log.append_many([ops for _, ops, _, _ in taken], manifest.log_position, unless_past)
                     if isinstance(self._log, WriteLog) else None)
-        for at, (n, ops, adding) in enumerate(taken):
+        for at, (n, ops, adding, size) in enumerate(taken):
             position = (self._log.append(ops, manifest.log_position, unless_past) if together is None
                         else together[at])
-            self._appended(position, adding)
+            self._appended(position, adding, size)
             answer(n, position)
             if together is None:
                 self._committed(1)
@@ -420,30 +428,31 @@ class WriteFront:
         ops = parse_delete(body, self.max_points)
         return {"position": self._append(ops, manifest, log), "deleted": len(ops)}
 
-    def backlog(self, base_position: int) -> int:
-        """Upserts in the log past `base_position` (caller holds _lock): counted in the log from
-        where the last count ended, unless the log's newest request is still the last one counted
+    def backlog(self, base_position: int) -> tuple[int, int]:
+        """(upserts, their bytes) in the log past `base_position` (caller holds _lock): counted in the
+        log from where the last count ended, unless the log's newest request is still the last one counted
         (`_appended` counts this front's own: with one writer, the usual case, one read of the
         newest position replaces a counting transaction). As before, another router may append
         between this check and the append: the bound may be passed by what they append at once."""
         assert self._log is not None
-        _, base, counted_to, upserts = self._counted
+        _, base, counted_to, upserts, size = self._counted
         if base != base_position:
-            counted_to, upserts = base_position, 0
+            counted_to, upserts, size = base_position, 0, 0
         elif self._exact and self._log.last_position() == counted_to:
-            return upserts
-        last, _, more = self._log.backlog(counted_to)
-        self._counted = (self.path, base_position, last, upserts + more)
+            return upserts, size
+        found = self._log.backlog(counted_to)
+        self._counted = (self.path, base_position, found.last, upserts + found.upserts, size + found.bytes)
         self._exact = True
-        return upserts + more
+        return upserts + found.upserts, size + found.bytes
 
-    def _appended(self, position: int, upserts: int) -> None:
-        """This front appended `position` holding `upserts` upserts (caller holds _lock): the count
-        stays exact when it directly follows what was counted, else the next check counts the log."""
-        path, base, counted_to, counted = self._counted
+    def _appended(self, position: int, upserts: int, size: int) -> None:
+        """This front appended `position` holding `upserts` upserts of `size` bytes (caller holds
+        _lock): the count stays exact when it directly follows what was counted, else the next check
+        counts the log."""
+        path, base, counted_to, counted, counted_bytes = self._counted
         self._exact = self._exact and position == counted_to + 1
         if self._exact:
-            self._counted = (path, base, position, counted + upserts)
+            self._counted = (path, base, position, counted + upserts, counted_bytes + size)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -479,14 +488,23 @@ class WriteFront:
             with self._lock:
                 if self._log is not None:
                     self._log.close()
-                self.path, self._log, self._counted, self._exact = log, None, (log, -1, 0, 0), False
+                self.path, self._log, self._counted, self._exact = log, None, (log, -1, 0, 0, 0), False
 
     def _known_full(self, path: LogAddress | None, base_position: int) -> bool:
         """The backlog past `base_position` was already at its bound when last counted: it only
         grows until a new version (another base position) is served, so any upsert is refused."""
-        counted, base, _, upserts = self._counted  # one tuple, replaced whole by the writes thread
-        return counted == path and base == base_position and upserts >= self.max_backlog
+        counted, base, _, upserts, size = self._counted  # one tuple, replaced whole by the writes thread
+        return counted == path and base == base_position and (upserts >= self.max_backlog
+                                                              or size >= self.max_backlog_bytes)
 
     def _backlog_full(self) -> ApiError:
-        return ApiError(503, None, f"write backlog full: {self.max_backlog} upserts wait to be compacted "
-                                   "into a new index version (`shardserve compact`)", self.retry_after_s)
+        return ApiError(503, None, f"write backlog full: at most {self.max_backlog} upserts or "
+                                   f"{self.max_backlog_bytes} bytes of vectors and metadata wait to be "
+                                   "compacted into a new index version (`shardserve compact`)",
+                        self.retry_after_s)
+
+
+def upsert_bytes(op: Upsert) -> int:
+    """What an upsert takes in the log and in a delta: its float32 vector and its metadata's JSON
+    (the backlog's byte bound; the logs count it the same way)."""
+    return 4 * len(op.vector) + (0 if op.metadata is None else len(orjson.dumps(op.metadata)))
