@@ -173,7 +173,8 @@ class ShardSearcher:
         else:  # candidates from the half-precision copy, answered with FAISS's own distances
             found_d, found_i = self._scan_choosing(self.half.index, matrix, assign, coarse,
                                                    KEPT_FACTOR * query.k, sel, settle_ties=False)
-            distances, ids, again = self.half.rerank(matrix, found_d, found_i, query.k, self.metric != "l2")
+            distances, ids, again = self.half.rerank(matrix, found_d, found_i, query.k, self.metric != "l2",
+                                                     assign)
             self.half_gate.record(len(matrix), len(again))
             if len(again):  # not settled by the copy's bound, or tied at the k-th: FAISS's own scan
                 distances[again], ids[again] = self._scan(matrix[again], assign[again], coarse[again],
