@@ -13,6 +13,7 @@ from shardserve.query.scan_choice import (
     ScanChoice,
     batches_share_lists,
     cache_bytes,
+    outgrows_cache,
     shares_scan,
 )
 
@@ -84,6 +85,20 @@ def test_batches_share_lists_where_ivf_flat_lists_outgrow_the_cache() -> None:
     assert batches_share_lists("IVF1024_HNSW32,Flat", 4_000_000, 128, cache=mib)
     for factory in ("IVF1024,PQ16", "HNSW32", "Flat", "IVF1024,SQ8", "OPQ16,IVF1024,PQ16", "IVF0,Flat"):
         assert not batches_share_lists(factory, 4_000_000, 128, cache=mib), factory
+
+
+def test_the_4m_lists_outgrow_a_1_or_2_mib_l2_and_60k_s_fit_in_either() -> None:
+    """The rule was a list against the whole L2: at 4M x 128 over 1024 lists (1.95 MB a list) a
+    host with a 2 MiB L2 engaged nothing, and measured 1.07x the monolith against 1.41-1.46x where
+    a 1 MiB L2 engaged it. A list must fit in half the L2 to stay in it."""
+    mib = 1 << 20
+    four_m, sixty_k = 4_000_000 * 128 * 4 / 1024, 60_000 * 784 * 4 / 1024
+    for cache in (mib, 2 * mib, int(1.25 * mib)):
+        assert outgrows_cache(four_m, cache) and not outgrows_cache(sixty_k, cache)
+        assert batches_share_lists("IVF1024,Flat", 4_000_000, 128, cache=cache)
+        assert not batches_share_lists("IVF1024,Flat", 60_000, 784, cache=cache)
+        assert ScanChoice(np.full(1024, int(four_m)), cache=cache).memory_bound
+        assert not ScanChoice(np.full(1024, int(sixty_k)), cache=cache).memory_bound
 
 
 def test_batches_fill_and_run_one_per_replica_where_they_share_the_scan_unless_set() -> None:
