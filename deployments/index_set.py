@@ -83,7 +83,7 @@ class IndexSet:
         if found["secret"] is not None:
             self.links.update(found["endpoints"], bytes.fromhex(found["secret"]))
 
-    async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int]:
+    async def call(self, shard: int, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int, int]:
         """One shard call: over the shard's link when one is up, else (or if it breaks) Serve."""
         link = self.links.pick(shard) if self.links is not None else None
         if link is not None and self.links is not None:

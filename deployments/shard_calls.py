@@ -24,7 +24,7 @@ def shard_handle(handle: DeploymentHandle) -> DeploymentHandle:
 
 
 async def call_shard(handle: DeploymentHandle, query: ShardQuery
-                     ) -> tuple[np.ndarray, np.ndarray, float, int]:
+                     ) -> tuple[np.ndarray, np.ndarray, float, int, int]:
     """One awaited call; a cancelled caller (deadline) cancels the shard's request too."""
     response = handle.remote(query.encode())
     try:

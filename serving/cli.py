@@ -455,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    if not args.verbose:  # a line per request (`serve` polls its health at start-up): debug output
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").exists():
         # Ray starts local clusters (`shardserve serve`'s own among them) with token auth, and a
         # driver that joins one sends the token only in token mode: set before Ray is imported

@@ -154,6 +154,7 @@ def test_include_returns_each_hits_metadata_over_http(ray_cluster, tmp_path: Pat
     assert bad.status_code == 422 and bad.json()["field"] == "include"
 
 
+@pytest.mark.slow
 def test_an_int64_filter_past_2_53_is_exact_over_http(ray_cluster, tmp_path: Path) -> None:
     """A parquet column holding 2^60 + (row mod 500), served: equality, $in, ranges and $and return
     exactly the matching rows (k larger than the matches); a value outside int64 is a 422 naming

@@ -63,6 +63,7 @@ def test_idle_cpu_is_read_from_the_node() -> None:
     assert 0 < idle <= total
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_next_actor_runs_in_a_prestarted_worker() -> None:
     import ray

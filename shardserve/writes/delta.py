@@ -7,37 +7,53 @@ remove_ids on them. So each replica keeps, in memory:
   with their metadata, in a small FAISS index of the base's own kind: for plain IVF a copy of the
   trained empty index the shards were built from (same quantizer, same codes, so a delta point is
   found exactly when the unsharded index would find it, with the same distance); otherwise an
-  exact flat index;
+  exact flat index, whose rows are the delta's rows;
 - tombstones: base ids deleted, overwritten or moved away (shardserve.writes.tombstones).
 
 Every shard applies every request of the log, in order: a shard needs to know when a point it holds
 (in its base or its delta) is deleted or overwritten anywhere. `apply` is idempotent for positions
 already applied, so a replica replaying the log after a restart, or a retried delivery, is harmless.
-A point lives in the delta at most once (an overwrite removes its previous row), so an id is
-answered at most once, with its latest vector and metadata.
+A point lives in the delta at most once, so an id is answered at most once, with its latest vector
+and metadata: an overwrite or a delete kills the point's previous row, a bit cleared (`LiveRows`;
+the IVF delta's lists, which hold ids, drop it through their hash map). Dead rows stay, left out of
+every search, until a repack copies the live rows to new arrays: once the dead pass REPACK_SHARE of
+the live ones (or the arrays are full), so a repack comes after as many writes as it copies rows.
 
-Memory is bounded by `max_rows` rows of vectors; past it `apply` refuses the request (DeltaFull),
-whole, before changing anything: the router answers 503 + Retry-After until compaction makes room.
-Tombstones are bounded by the base's rows (only base ids are tombstoned).
+Filters read the delta's metadata as arrow columns, built from the points' dicts only for the rows
+written since a filter last needed them; each filter's matching rows are kept (bounded by bytes,
+the least recently used dropped first) and brought up to date the same way: a write costs the next
+filtered search its own rows, not the delta's.
+
+Memory is bounded by `max_rows` live rows of vectors (plus the dead ones not yet reclaimed); past it
+`apply` refuses the request (DeltaFull), whole, before changing anything: the router answers 503 +
+Retry-After until compaction makes room. Tombstones are bounded by the base's rows (only base ids
+are tombstoned).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
 import pyarrow as pa
 
 from shardserve.index.indexes import index_from_bytes, search_params
+from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filters import matching
 from shardserve.query.searcher import FilterPlan, ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.ops import Op, Upsert
 from shardserve.writes.route import WriteRoute
-from shardserve.writes.tombstones import Tombstones
+from shardserve.writes.tombstones import LiveRows, Tombstones
 
 MAX_DELTA_ROWS = 200_000  # per shard replica: 200,000 x 784 float32 is 627 MB of vectors (twice: codes)
+# Each filter's matching rows (8 bytes a row), kept for its next batches: bounded as the base's are
+# (shardserve.query.searcher.SELECTED_BYTES).
+MATCHED_BYTES = 64 << 20
+REPACK_MIN = 1024  # dead rows a delta may hold whatever its size
+REPACK_SHARE = 0.5  # and dead rows up to this share of its live ones: a flat delta scans them too
 
 
 class DeltaFull(Exception):
@@ -47,6 +63,45 @@ class DeltaFull(Exception):
         super().__init__(f"the shard's delta holds {rows} rows, {adding} more would pass its bound of "
                          f"{max_rows}: retry once compaction has folded it into a new version")
         self.rows, self.adding, self.max_rows = rows, adding, max_rows
+
+
+@dataclass(frozen=True)
+class _Matched:
+    """A filter's matching rows among rows [0, through), as of `kills` rows killed (ascending)."""
+
+    through: int
+    kills: int
+    rows: np.ndarray
+
+
+class _Columns:
+    """The metadata of the delta's rows [0, built) as arrow tables, built from their dicts when a
+    filter first needs them. The chunks at least halve in size from the first (the last two merge
+    until they do, as a binary counter carries): a row is copied O(log rows) times, and a read joins
+    O(log rows) chunks."""
+
+    def __init__(self, schema: pa.Schema, first: pa.Table | None = None):
+        self.schema = schema
+        self._chunks = [] if first is None or not first.num_rows else [first]
+        self.built = 0 if first is None else first.num_rows
+
+    def extend(self, metas: list[dict | None]) -> None:
+        """The next rows' metadata (None: every column null)."""
+        if not metas:
+            return
+        columns = [pa.array([None if m is None else m.get(f.name) for m in metas], f.type)
+                   for f in self.schema]
+        self._chunks.append(pa.Table.from_arrays(columns, schema=self.schema))
+        self.built += len(metas)
+        while len(self._chunks) > 1 and self._chunks[-2].num_rows <= 2 * self._chunks[-1].num_rows:
+            last = self._chunks.pop()
+            self._chunks[-1] = pa.concat_tables([self._chunks[-1], last]).combine_chunks()
+
+    def take(self, rows: np.ndarray) -> pa.Table:
+        """The metadata of `rows` (each below `built`), in their order."""
+        if not self._chunks:
+            return self.schema.empty_table()
+        return pa.concat_tables(self._chunks).take(rows)
 
 
 class ShardDelta:
@@ -67,8 +122,8 @@ class ShardDelta:
             if self.index.ntotal or self._ivf.nlist != base.ivf.nlist:  # type: ignore[union-attr]
                 raise ValueError("`trained` is not the empty index this shard was built from")
             self._ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
-        else:
-            self.index = faiss.IndexIDMap2(faiss.IndexFlat(self.dim, base.index.metric_type))
+        else:  # its rows are the arrays' rows below: dead ones left out by a bitmap (`_live`)
+            self.index = faiss.IndexFlat(self.dim, base.index.metric_type)
         self.schema = None if base.metadata is None else base.metadata.table.schema
         self.tombstones = Tombstones(base.index)
         self.lock = threading.RLock()
@@ -78,9 +133,11 @@ class ShardDelta:
         self._ids = np.zeros(0, np.int64)
         self._vectors = np.zeros((0, self.dim), np.float32)
         self._meta: list[dict | None] = []
+        self._live = LiveRows(0)  # which rows hold a live point
         self._used = 0  # rows used, the dead ones (deleted, overwritten) until a repack
-        self._table: tuple[pa.Table, np.ndarray] | None = None  # live metadata, at `position`
-        self._matched: dict[str, np.ndarray] = {}  # filter -> live delta ids matching, at `position`
+        self._kills = 0  # rows killed so far: a filter's kept rows are checked again once it moves
+        self._columns = None if self.schema is None else _Columns(self.schema)
+        self._matched = ByteBoundedCache(MATCHED_BYTES)  # filter -> _Matched
 
     @property
     def rows(self) -> int:
@@ -113,26 +170,28 @@ class ShardDelta:
             if bounded and self.rows + adding > self.max_rows:
                 raise DeltaFull(self.rows, adding, self.max_rows)
             if self._used + adding > len(self._ids):
-                self._grow(self.rows + adding)
-            touched = {op.id for op in ops}
-            was_here = [id_ for id_ in touched if id_ in self._slot]
+                self._repack(self.rows + adding)
+            first = self._used
+            gone: list[int] = []  # ids whose previous row the delta's index holds
             homes = iter(home)
             for op in ops:
-                self._slot.pop(op.id, None)  # its previous row is dead (repacked later)
+                row = self._slot.pop(op.id, None)
+                if row is not None:  # its previous row is dead
+                    self._live.set(row, False)
+                    self._kills += 1
+                    if row < first:
+                        gone.append(op.id)
                 self.tombstones.hide(op.id)  # a base copy is hidden for good
                 if isinstance(op, Upsert) and next(homes) == self.shard:
-                    self._ids[self._used], self._vectors[self._used] = op.id, op.vector
-                    self._meta[self._used] = op.metadata
-                    self._slot[op.id] = self._used
+                    row = self._used
+                    self._ids[row], self._vectors[row], self._meta[row] = op.id, op.vector, op.metadata
+                    self._slot[op.id] = row
+                    self._live.set(row, True)
                     self._used += 1
-            if was_here:
-                gone = np.array(was_here, np.int64)  # the selector reads it: alive through the call
-                self.index.remove_ids(faiss.IDSelectorArray(gone))
-            now = np.array(sorted(self._slot[id_] for id_ in touched if id_ in self._slot), np.int64)
-            if len(now):
-                self.index.add_with_ids(self._vectors[now], self._ids[now])
+            self._index_rows(first, gone)
+            if self._used - self.rows > max(REPACK_MIN, REPACK_SHARE * self.rows):
+                self._repack(self.rows)
             self.position = position
-            self._table, self._matched = None, {}
             self._applied.notify_all()
             return True
 
@@ -141,22 +200,43 @@ class ShardDelta:
         with self._applied:
             return self._applied.wait_for(lambda: self.position >= position, timeout_s)
 
-    def _grow(self, live_needed: int) -> None:
-        """Room for `live_needed` live rows: the dead rows dropped (a repack), capacity doubled."""
-        live = np.array(sorted(self._slot.values()), np.int64)
-        capacity = max(1024, 2 * live_needed)
+    def _index_rows(self, first: int, gone: list[int]) -> None:
+        """The delta's index after a request wrote rows [first, _used) and killed `gone`'s rows."""
+        if not self.ivf_delta:  # every new row, dead ones (an id written twice in a request) too
+            if self._used > first:
+                self.index.add(self._vectors[first:self._used])
+            return
+        if gone:  # found through the lists' hash map: no other row moves
+            dropped = np.array(gone, np.int64)  # the selector reads it: alive through the call
+            self.index.remove_ids(faiss.IDSelectorArray(dropped))
+        now = first + np.flatnonzero(self._live.mask[first:self._used])
+        if len(now):
+            self.index.add_with_ids(self._vectors[now], self._ids[now])
+
+    def _repack(self, live_needed: int) -> None:
+        """The live rows copied to new arrays (a flat delta's index too), the dead dropped, with room
+        for `live_needed` live rows (twice as many: a repack comes after as many writes as it copies)."""
+        live = np.flatnonzero(self._live.mask[:self._used])
+        kept, capacity = len(live), max(REPACK_MIN, 2 * live_needed)
         ids, vectors = np.zeros(capacity, np.int64), np.zeros((capacity, self.dim), np.float32)
-        ids[:len(live)], vectors[:len(live)] = self._ids[live], self._vectors[live]
-        meta: list[dict | None] = [self._meta[row] for row in live.tolist()] + [None] * (capacity - len(live))
-        self._ids, self._vectors, self._meta = ids, vectors, meta
-        self._slot = {int(id_): row for row, id_ in enumerate(ids[:len(live)].tolist())}
-        self._used = len(live)
+        ids[:kept], vectors[:kept] = self._ids[live], self._vectors[live]
+        self._meta = [self._meta[row] for row in live.tolist()] + [None] * (capacity - kept)
+        self._ids, self._vectors = ids, vectors
+        self._slot = dict(zip(ids[:kept].tolist(), range(kept), strict=True))
+        self._live, self._used = LiveRows(capacity, kept), kept
+        if not self.ivf_delta:
+            self.index.reset()
+            self.index.add(vectors[:kept])
+        if self._columns is not None:  # the live rows keep their order: the built ones come first
+            self._columns = _Columns(self._columns.schema,
+                                     self._columns.take(live[live < self._columns.built]))
+        self._matched = ByteBoundedCache(MATCHED_BYTES)  # rows renumbered: each filter starts again
 
     def points(self) -> tuple[np.ndarray, np.ndarray, list[dict | None]]:
         """The live points (ids, vectors, metadata), as upserted: what compaction folds in."""
         with self.lock:
-            rows = np.array(sorted(self._slot.values()), np.int64)
-            return self._ids[rows].copy(), self._vectors[rows].copy(), [self._meta[r] for r in rows.tolist()]
+            rows = np.flatnonzero(self._live.mask[:self._used])
+            return self._ids[rows], self._vectors[rows], [self._meta[r] for r in rows.tolist()]
 
     def metadata_of(self, id_: int) -> tuple[bool, dict | None]:
         """(is the id in the delta, its metadata)."""
@@ -164,55 +244,81 @@ class ShardDelta:
             row = self._slot.get(id_)
             return (False, None) if row is None else (True, self._meta[row])
 
+    def matching_rows(self, where: str) -> np.ndarray:
+        """The delta's live rows whose (latest) metadata pass a checked filter, ascending; caller
+        holds `lock`. Kept per filter, and brought up to date by the rows written since."""
+        if self._columns is None:
+            raise ValueError("this shard holds no metadata to filter on")
+        kept: _Matched | None = self._matched.get(where)
+        if kept is not None and kept.through == self._used and kept.kills == self._kills:
+            return kept.rows
+        through, rows = (0, np.zeros(0, np.int64)) if kept is None else (kept.through, kept.rows)
+        if kept is not None and kept.kills != self._kills:
+            rows = rows[self._live.mask[rows]]
+        new = through + np.flatnonzero(self._live.mask[through:self._used])
+        if len(new):
+            self._columns.extend(self._meta[self._columns.built:self._used])
+            ids = self._ids[new]
+            found = matching(where, self._columns.take(new), ids)
+            rows = np.concatenate([rows, new[np.isin(ids, found, assume_unique=True)]])
+        self._matched.put(where, _Matched(self._used, self._kills, rows), rows.nbytes + len(where))
+        return rows
+
     def matching(self, where: str) -> np.ndarray:
         """The live delta ids whose (latest) metadata pass a checked filter; caller holds `lock`."""
-        found = self._matched.get(where)
-        if found is None:
-            if self.schema is None:
-                raise ValueError("this shard holds no metadata to filter on")
-            if self._table is None:
-                rows = np.array(sorted(self._slot.values()), np.int64)
-                metas = [self._meta[r] for r in rows.tolist()]
-                columns = {f.name: pa.array([None if m is None else m.get(f.name) for m in metas], f.type)
-                           for f in self.schema}
-                self._table = (pa.table(columns, schema=self.schema), self._ids[rows].copy())
-            found = self._matched[where] = matching(where, self._table[0], self._table[1])
-        return found
+        return self._ids[self.matching_rows(where)]
 
     def search(self, query: ShardQuery, plan: FilterPlan | None = None,
                matched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The delta's top-k of a batch, unfiltered (`plan` None) or the way the shard's filter
-        `plan` searches its base, among the `matched` delta ids; caller holds `lock`."""
+        `plan` searches its base, among the `matched` delta rows (matching_rows); caller holds `lock`."""
         n, k = len(query.matrix), query.k
         matrix = np.ascontiguousarray(query.matrix, np.float32)
         if not self.rows or (plan is not None and (matched is None or not len(matched))):
             return self._missing(n, k)
+        if not self.ivf_delta:
+            return self._search_flat(matrix, k, plan, matched)
         params = dict(query.params) if plan is None else dict(plan.params)
         params.pop("filter", None)
-        if not self.ivf_delta:
-            params = {}  # an exact flat delta: no probes, no graph
         if plan is None:
-            if self.ivf_delta and query.assign is not None and query.coarse is not None:
+            if query.assign is not None and query.coarse is not None:
                 return self._preassigned(matrix, query.assign, query.coarse, k, None)
             return self.index.search(matrix, k, params=search_params(self.index, params))
         assert matched is not None
-        if plan.kind == "exact":  # the matching rows' stored vectors, compared one by one
-            flat = faiss.IndexFlat(self.dim, self.index.metric_type)
-            flat.add(self._stored(matched))
-            distances, rows = flat.search(matrix, min(k, len(matched)))
-            return self._padded(distances, np.where(rows >= 0, matched[np.maximum(rows, 0)], -1), k)
-        sel = faiss.IDSelectorBatch(matched)  # alive until FAISS returns: a local
+        ids = self._ids[matched]
+        if plan.kind == "exact":  # the matching rows' stored vectors (decoded, as the base's are)
+            return self._exact(matrix, k, self._ivf.reconstruct_batch(ids), ids)
+        sel = faiss.IDSelectorBatch(ids)  # alive until FAISS returns: a local
         if plan.kind == "routed":
             assert query.assign is not None and query.coarse is not None
             return self._preassigned(matrix, query.assign[:, :plan.probe], query.coarse[:, :plan.probe],
                                      k, sel)
         return self.index.search(matrix, k, params=search_params(self.index, params, sel))
 
-    def _stored(self, ids: np.ndarray) -> np.ndarray:
-        """The vectors the delta's index stores for `ids` (decoded, as the base's are)."""
-        if self.ivf_delta:
-            return self._ivf.reconstruct_batch(ids)
-        return self._vectors[np.array([self._slot[int(i)] for i in ids.tolist()], np.int64)]
+    def _search_flat(self, matrix: np.ndarray, k: int, plan: FilterPlan | None, matched: np.ndarray | None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """An exact flat delta (no probes, no graph): its index's rows are the arrays' rows, searched
+        with the dead ones left out, or only the `matched` ones."""
+        sel: faiss.IDSelector | None = None  # none dead: FAISS's plain scan
+        if plan is None:
+            if self._used > self.rows:
+                sel = self._live.selector
+        else:
+            assert matched is not None
+            if plan.kind == "exact":  # the matching rows' vectors, compared one by one
+                return self._exact(matrix, k, self._vectors[matched], self._ids[matched])
+            sel = faiss.IDSelectorBatch(matched)  # alive until FAISS returns: a local
+        params = None if sel is None else faiss.SearchParameters(sel=sel)
+        distances, rows = self.index.search(matrix, k, params=params)
+        return distances, np.where(rows >= 0, self._ids[np.maximum(rows, 0)], -1)
+
+    def _exact(self, matrix: np.ndarray, k: int, vectors: np.ndarray, ids: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Brute force over these points."""
+        flat = faiss.IndexFlat(self.dim, self.index.metric_type)
+        flat.add(vectors)
+        distances, rows = flat.search(matrix, min(k, len(ids)))
+        return self._padded(distances, np.where(rows >= 0, ids[np.maximum(rows, 0)], -1), k)
 
     def _preassigned(self, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray, k: int,
                      sel: faiss.IDSelector | None) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,9 @@ rows (base minus tombstones plus delta), and the delta is searched the same way,
 metadata deciding which of its points match.
 
 Caches: the searcher's per-filter caches (matching ids, selectors, gathered vectors) describe the
-base's rows, which never change, so they stay keyed by filter alone; what changes with writes (the
-tombstones, the delta's matching ids and metadata) is held per log position by the delta.
+base's rows, which never change, so they stay keyed by filter alone; what changes with writes is
+the delta's: the tombstones' snapshot per log position, and its filters' matching rows, bounded by
+bytes and brought up to date by the rows written since (shardserve.writes.delta).
 """
 
 from __future__ import annotations
@@ -40,19 +41,21 @@ class ShardWithDelta:
     def position(self) -> int:
         return self.delta.position
 
-    def answer(self, query: ShardQuery) -> tuple:
-        """(distances, ids, ms), or with a `filter` param (distances, ids, ms, rows matched)."""
+    def answer(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int, int]:
+        """(distances, ids, ms, rows a filter matched (0 without one), the log position the answer
+        is the state at: the delta's when its part and the tombstones' snapshot were taken)."""
         if "filter" in query.params:
             return self.answer_filtered(query)
         start = time.perf_counter()
         with self.delta.lock:
             exclude = self.delta.tombstones.exclusion()
             delta_d, delta_i = self.delta.search(query)
+            position = self.delta.position
         base_d, base_i, _ = self.searcher.answer(query, exclude)
         distances, ids = merge_topk([base_d, delta_d], [base_i, delta_i], query.k, self._ip, ties_by_id=True)
-        return distances, ids, (time.perf_counter() - start) * 1000.0
+        return distances, ids, (time.perf_counter() - start) * 1000.0, 0, position
 
-    def answer_filtered(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int]:
+    def answer_filtered(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int, int]:
         params = dict(query.params)
         where = params.pop("filter")
         start = time.perf_counter()
@@ -61,14 +64,15 @@ class ShardWithDelta:
             exclude = self.delta.tombstones.exclusion()
             hidden = 0 if exclude is None else int(np.isin(selected, exclude.ids, assume_unique=True).sum())
             base_matched = len(selected) - hidden
-            delta_matched = self.delta.matching(where)
+            delta_matched = self.delta.matching_rows(where)
             matched = base_matched + len(delta_matched)
+            position = self.delta.position
             rows = int(self.searcher.index.ntotal) - len(self.delta.tombstones) + self.delta.rows
             if not matched:
                 worst = -np.inf if self._ip else np.inf
                 n, k = len(query.matrix), query.k
                 return (np.full((n, k), worst, np.float32), np.full((n, k), -1, np.int64),
-                        (time.perf_counter() - start) * 1000.0, 0)
+                        (time.perf_counter() - start) * 1000.0, 0, position)
             plan = self.searcher.filter_plan(query, params, matched / max(rows, 1))
             delta_d, delta_i = self.delta.search(query, plan, delta_matched)
         parts_d, parts_i = [delta_d], [delta_i]
@@ -77,7 +81,7 @@ class ShardWithDelta:
             parts_d.insert(0, base_d)
             parts_i.insert(0, base_i)
         distances, ids = merge_topk(parts_d, parts_i, query.k, self._ip, ties_by_id=True)
-        return distances, ids, (time.perf_counter() - start) * 1000.0, matched
+        return distances, ids, (time.perf_counter() - start) * 1000.0, matched, position
 
     def ids_matching(self, where: str) -> tuple[np.ndarray, int]:
         """(the live ids that pass a checked filter, by their latest metadata, the log position

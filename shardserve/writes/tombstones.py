@@ -11,6 +11,10 @@ previous one. Over an IndexIDMap2 (Flat, HNSW, refined IVF) the selector is a bi
 rows still live (a copy of the last bitmap, the new rows cleared: n/8 bytes); over IVF, whose lists
 hold the ids, it is "not in these sets" (IDSelectorNot over the settled tombstones' hash set or the
 recent ones': a snapshot builds the recent set only).
+
+The delta's own rows have tombstones too (`LiveRows`): a point overwritten or deleted in a flat
+delta is a bit cleared, not FAISS's remove_ids, which on an IndexIDMap2 moves every row after it and
+rebuilds the id map (work in the delta's size, on every replica, under the lock searches take).
 """
 
 from __future__ import annotations
@@ -109,3 +113,22 @@ class Tombstones:
         selector = faiss.IDSelectorNot(either)
         selector.referenced_objects = list(held)  # type: ignore[attr-defined]
         return Exclusion(ids, selector, held)
+
+
+class LiveRows:
+    """Which of a delta's rows hold a live point (`mask`), and `selector`, the bitmap of them over the
+    delta's flat index (its rows are the delta's rows). Changed in place, one bit a write: the delta
+    searches under the lock its writes take, so no search sees it change. A new one at each repack."""
+
+    def __init__(self, capacity: int, live: int = 0):
+        self.mask = np.zeros(capacity, bool)
+        self.mask[:live] = True
+        self._bits = np.packbits(self.mask, bitorder="little")
+        self.selector = faiss.IDSelectorBitmap(capacity, faiss.swig_ptr(self._bits))  # reads _bits
+
+    def set(self, row: int, live: bool) -> None:
+        self.mask[row] = live
+        if live:
+            self._bits[row >> 3] |= np.uint8(1 << (row & 7))
+        else:
+            self._bits[row >> 3] &= np.uint8(~(1 << (row & 7)) & 0xFF)
