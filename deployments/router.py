@@ -42,6 +42,7 @@ from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import MAX_FILTER_DELETE, Evaluated, Matches, WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.follow import LogBehind
 from shardserve.writes.locate import LogAddress
 from shardserve.writes.log import LogMoved
 from shardserve.writes.redis_log import LogUnavailable
@@ -142,7 +143,8 @@ async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
     log unreadable) is a 503: nothing was written, the client may send it again."""
     try:
         return await active.ids_matching(where, MAX_FILTER_DELETE, router.args.shard_timeout_s * 5)
-    except (TimeoutError, RayActorError, ActorUnavailableError, RayServeException, LogUnavailable) as exc:
+    except (TimeoutError, RayActorError, ActorUnavailableError, RayServeException, LogUnavailable,
+            LogBehind) as exc:
         raise ApiError(503, None, f"the shards did not all answer the filter: {type(exc).__name__}",
                        router.args.retry_after_s) from None
 

@@ -25,7 +25,7 @@ from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, 
 from shardserve.runtime.warm_pool import WarmPool
 from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, shard_secret
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
-from shardserve.writes.follow import ShardWrites
+from shardserve.writes.follow import LogBehind, ShardWrites
 from shardserve.writes.locate import log_address
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
@@ -135,6 +135,8 @@ class ShardDeployment:
                 await loop.run_in_executor(self.executor, self.writes.catch_up)
             except asyncio.CancelledError:
                 raise
+            except LogBehind:  # the replica said so once, and rebuilds on its own
+                pass
             except Exception as exc:  # a gap, a locked log: searches report it too, keep trying
                 logger.warning("write log: %s", exc)
 

@@ -74,8 +74,8 @@ def test_append_read_truncate(engine) -> None:
     assert [p for p, _ in log.read(3, limit=2)] == [4, 5]
     counts = [len(request(n)) for n in range(1, 8)]
     upserts = [sum(isinstance(op, Upsert) for op in request(n)) for n in range(1, 8)]
-    assert log.backlog(0) == (7, sum(counts), sum(upserts))
-    assert log.backlog(5) == (7, sum(counts[5:]), sum(upserts[5:])) and log.backlog(7) == (7, 0, 0)
+    assert log.backlog(0)[:3] == (7, sum(counts), sum(upserts))  # bytes: tests/test_log_positions.py
+    assert log.backlog(5)[:3] == (7, sum(counts[5:]), sum(upserts[5:])) and log.backlog(7)[:3] == (7, 0, 0)
     log.truncate_below(6)
     assert log.first_position() == 6 and [p for p, _ in log.read(0)] == [6, 7]
     log.truncate_below(100)  # everything gone: positions still never reused
@@ -83,7 +83,7 @@ def test_append_read_truncate(engine) -> None:
     assert log.append(request(8)) == 8
     with pytest.raises(ValueError):
         log.append([])
-    assert log.backlog(7) == (8, len(request(8)), sum(isinstance(op, Upsert) for op in request(8)))
+    assert log.backlog(7)[:3] == (8, len(request(8)), sum(isinstance(op, Upsert) for op in request(8)))
     log.close()
     again = open_log(address)
     assert again.last_position() == 8 and same_ops(again.read(7)[0][1], request(8))

@@ -37,7 +37,7 @@ from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.log import LogMoved, WriteLog
 from shardserve.writes.ops import Delete, Op, Upsert
-from shardserve.writes.redis_log import LogUnavailable
+from shardserve.writes.redis_log import LogUnavailable, OutcomeUnknown
 from shardserve.writes.roll import Carried, Found, metadata_schema
 
 logger = logging.getLogger(__name__)
@@ -331,8 +331,16 @@ class WriteFront:
         together = (self._log.append_many([ops for _, ops, _, _ in taken], manifest.log_position, unless_past)
                     if isinstance(self._log, WriteLog) else None)
         for at, (n, ops, adding, size) in enumerate(taken):
-            position = (self._log.append(ops, manifest.log_position, unless_past) if together is None
-                        else together[at])
+            try:
+                position = (self._log.append(ops, manifest.log_position, unless_past) if together is None
+                            else together[at])
+            except OutcomeUnknown as exc:  # this one may be written; those after it were never sent
+                self._exact = False  # the next backlog check counts the log
+                answer(n, ApiError(503, None, str(exc), self.retry_after_s))
+                if at == len(taken) - 1:
+                    raise
+                raise LogUnavailable("the write log did not answer a request sent before this one: "
+                                     "not written") from None
             self._appended(position, adding, size)
             answer(n, position)
             if together is None:
@@ -392,9 +400,9 @@ class WriteFront:
             if more[0][0] != carried.position + 1 if more else self._truncated_past(carried.position):
                 raise ApiError(503, None, "the write log was truncated while the filter was evaluated: send "
                                           "it again", self.retry_after_s)
-            carried.through(more)
-            if len(more) < READ_REQUESTS:
+            if not more:  # a read bounded by bytes may return fewer than asked while more remain
                 return
+            carried.through(more)
 
     def _truncated_past(self, position: int) -> bool:
         """Nothing read past `position`: because nothing was appended since (False), or because all

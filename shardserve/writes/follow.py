@@ -11,6 +11,15 @@ version's `log_position` the same way, before its first answer.
 
 Nothing is built until the log holds a request past the version's position: an index nobody writes
 to answers exactly as before (the base searcher alone), and its replicas hold no delta.
+
+A log can lose its newest requests (a restored file, a Redis failed over to a replica that was
+behind, or flushed) and hand their positions out again (shardserve.writes.log: epochs). A replica
+checks, in the same read as the newest position, that the log still holds the request it applied
+last; when it does not, its delta holds writes the log no longer has and lacks ones it has, and no
+delta can be un-applied: the replica drops it and replays the log from its version's position, as
+a replica started now would, in a thread of its own (the search that found it may run on the
+replica's event loop). Until that is done, or when the log no longer holds those requests, it
+answers nothing as current (LogBehind).
 """
 
 from __future__ import annotations
@@ -23,25 +32,36 @@ from pathlib import Path
 
 import numpy as np
 
+from shardserve.errors import ShardserveError
 from shardserve.index.partition import Partition
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.delta import MAX_DELTA_ROWS, ShardDelta
 from shardserve.writes.locate import Log, LogAddress, open_log
+from shardserve.writes.log import READ_BYTES as LOG_READ_BYTES
+from shardserve.writes.log import Entry, Tip
 from shardserve.writes.redis_log import LogUnavailable
 from shardserve.writes.route import WriteRoute
 from shardserve.writes.shard import ShardWithDelta
 
-# Requests read from the log at once while catching up: a request holds up to 1,000 points
-# (~3 MB at 784 dims), so this bounds one read's memory (and a Redis reply's) to ~100 MB.
 logger = logging.getLogger(__name__)
+# Requests read from the log at once while catching up, and their bytes of vectors and metadata
+# (the first request whatever its size): a request holds up to 1,000 points and each point up to
+# 16 KiB of metadata, so the count alone would let one read (and a Redis reply) hold half a GB.
 READ_REQUESTS = 32
+READ_BYTES = LOG_READ_BYTES
 LOG_DOWN_BACKOFF_S = 1.0  # after the log failed to answer, searches skip it this long
 
 
 class LogGap(RuntimeError):
     """The log no longer holds requests this replica needs: its version is older than what the log
     was truncated to, and only a newer version can serve."""
+
+
+class LogBehind(ShardserveError, RuntimeError):
+    """The log no longer holds requests this replica applied (it lost them), and the replica has
+    not rebuilt its view from its version's position yet, or cannot (the log no longer holds those
+    requests either): it answers nothing as current (the router: a 503)."""
 
 
 class ShardWrites:
@@ -57,8 +77,19 @@ class ShardWrites:
         self._log: Log | None = None
         self._view: ShardWithDelta | None = None
         self._lock = threading.Lock()
-        self.position = base_position
+        # the position applied and the epoch of the request there (None: nothing past the base),
+        # one tuple replaced whole: a search's check reads both without the lock
+        self._applied: tuple[int, int | None] = (base_position, None)
+        self._lost: str | None = None  # the log lost what was applied; the view not rebuilt yet
+        self._rebuilding: threading.Thread | None = None
+        self._rebuild_failed: str | None = None  # why the last rebuild stopped, if it did
+        self._rebuild_after = 0.0  # a rebuild that failed is tried again from then on
         self._log_down_until = 0.0
+
+    @property
+    def position(self) -> int:
+        """The log position applied: every request up to it is in the view."""
+        return self._applied[0]
 
     @property
     def delta(self) -> ShardDelta | None:
@@ -67,8 +98,11 @@ class ShardWrites:
     def catch_up(self, required: bool = False) -> int:
         """Apply every request committed to the log before this call; return the position applied.
         When the log cannot be read (its Redis down), what was applied is served, and the log is
-        tried again after LOG_DOWN_BACKOFF_S, unless `required` (a replica starting: it raises)."""
+        tried again after LOG_DOWN_BACKOFF_S, unless `required` (a replica starting: it raises).
+        LogBehind while the log no longer holds what was applied and the view is not rebuilt."""
         if not required and time.monotonic() < self._log_down_until:
+            if self._lost is not None:
+                raise self._refusal()
             return self.position
         try:
             return self._catch_up()
@@ -78,35 +112,121 @@ class ShardWrites:
             if time.monotonic() >= self._log_down_until + 60.0:  # said once a minute at most
                 logger.warning("shard %d serves position %d: %s", self.shard, self.position, exc)
             self._log_down_until = time.monotonic() + LOG_DOWN_BACKOFF_S
+            if self._lost is not None:  # what was applied is known to be wrong: not served
+                raise LogBehind(f"{self._lost}; the log is unavailable to re-read: {exc}") from None
             return self.position
 
     def _catch_up(self) -> int:
         log = self._log or self._open()
         if log is None:
             return self.position
-        last = log.last_position()
-        if last <= self.position:
-            return self.position
-        with self._lock:
-            while self.position < last:
-                requests = log.read(self.position, READ_REQUESTS)
-                if not requests:
-                    break
-                if requests[0][0] != self.position + 1:
-                    raise LogGap(f"shard {self.shard}: the write log starts at request {requests[0][0]}, "
-                                 f"this replica has applied up to {self.position}: serve a newer version")
-                view = self._view or self._start_delta()
-                for position, ops in requests:
-                    view.delta.apply(position, ops, bounded=False)  # acknowledged: held whatever the bound
-                    self.position = position
+        position, epoch = self._applied
+        if self._lost is None:  # a search's one read: the newest position and the epoch there
+            tip = log.tip()
+            if tip.position <= position and _holds(tip, position, epoch):
+                return position
+        # one thread applies, the others wait for it; while a rebuild holds the lock, they answer
+        # LogBehind at once rather than wait out a replay of the whole log
+        if not self._lock.acquire(blocking=self._lost is None):
+            raise self._refusal()
+        try:
+            return self._apply(log)
+        finally:
+            self._lock.release()
+
+    def _apply(self, log: Log) -> int:
+        """Apply what the log holds past the position applied (caller holds _lock); LogBehind, and
+        the view rebuilt meanwhile, when the log no longer holds the request applied last."""
+        tip = log.tip()
+        position, epoch = self._applied
+        if self._lost is not None or not _holds(tip, position, epoch):
+            raise self._behind(log, self._lost or self._why(position, tip.position))
+        while self.position < tip.position:
+            entries = log.entries(self.position, READ_REQUESTS, max_bytes=READ_BYTES)
+            if not entries:
+                break
+            position, epoch = self._applied
+            if entries[0].position != position + 1:
+                raise LogGap(f"shard {self.shard}: the write log starts at request {entries[0].position}, "
+                             f"this replica has applied up to {position}: serve a newer version")
+            if not _follows(entries[0], epoch):
+                raise self._behind(log, self._why(position, tip.position))
+            view = self._view or self._start_delta()
+            for entry in entries:  # acknowledged: held whatever the bound
+                view.delta.apply(entry.position, entry.ops, bounded=False)
+                self._applied = (entry.position, entry.epoch)
         return self.position
 
-    def answer(self, query: ShardQuery) -> tuple:
-        """The shard's answer to a batch at the newest committed position (searcher.answer's shape)."""
-        self.catch_up()
+    def _why(self, position: int, newest: int) -> str:
+        return (f"shard {self.shard}: the write log no longer holds request {position} as this replica "
+                f"applied it (the log is at {newest}: it lost requests)")
+
+    def _behind(self, log: Log, why: str) -> LogBehind:
+        """The view is wrong (caller holds _lock): dropped at once (it holds writes the log lost,
+        and a delta cannot be un-applied), and rebuilt in a thread of its own, unless one runs or
+        the last one failed less than LOG_DOWN_BACKOFF_S ago. Why a thread: the search that finds
+        the loss may run on the replica's event loop, and a replay of the whole log would stall
+        it. The LogBehind to raise meanwhile."""
+        if self._lost is None:
+            logger.warning("%s: rebuilding its view from position %d", why, self.base_position)
+            self._lost, self._view, self._applied = why, None, (self.base_position, None)
+        running = self._rebuilding is not None and self._rebuilding.is_alive()
+        if not running and time.monotonic() >= self._rebuild_after:
+            self._rebuilding = threading.Thread(target=self._rebuild, args=(log,), daemon=True,
+                                                name=f"shard-{self.shard}-rebuild")
+            self._rebuilding.start()  # it takes the lock once the caller lets it go
+        return self._refusal()
+
+    def _refusal(self) -> LogBehind:
+        failed = f"; {self._rebuild_failed}" if self._rebuild_failed else ""
+        return LogBehind(f"{self._lost or 'the view is being rebuilt'}{failed}")
+
+    def _rebuild(self, log: Log) -> None:
+        """The view a replica started now would build: the log replayed from the version's position
+        into a new delta, put in place once whole. A failure is kept for the refusals (and tried
+        again later): the log unavailable, changing again meanwhile, or no longer holding a
+        request from the version's position on (then only a newer version can serve)."""
+        with self._lock:
+            try:
+                view, applied = self._replay(log)
+            except Exception as exc:
+                if str(exc) != self._rebuild_failed:
+                    logger.warning("shard %d: rebuilding its view failed: %s", self.shard, exc)
+                self._rebuild_failed = str(exc)
+                self._rebuild_after = time.monotonic() + LOG_DOWN_BACKOFF_S
+                return
+            self._view, self._applied, self._lost, self._rebuild_failed = view, applied, None, None
+        logger.warning("shard %d: view rebuilt, at position %d", self.shard, applied[0])
+
+    def _replay(self, log: Log) -> tuple[ShardWithDelta | None, tuple[int, int | None]]:
+        view: ShardWithDelta | None = None
+        position, epoch = self.base_position, None
+        while position < log.tip().position:
+            entries = log.entries(position, READ_REQUESTS, max_bytes=READ_BYTES)
+            if not entries:
+                break
+            if entries[0].position != position + 1:
+                raise LogBehind(f"the log no longer holds request {position + 1} either, past this "
+                                f"replica's version (position {self.base_position}): serve a newer version")
+            if not _follows(entries[0], epoch):
+                raise LogBehind("the log changed again while this replica re-read it")
+            view = view or self._new_view()
+            for entry in entries:
+                view.delta.apply(entry.position, entry.ops, bounded=False)
+                position, epoch = entry.position, entry.epoch
+        return view, (position, epoch)
+
+    def answer(self, query: ShardQuery) -> tuple[np.ndarray, np.ndarray, float, int, int]:
+        """The shard's answer to a batch at the newest committed position: (distances, ids, search
+        ms, rows a filter matched, the log position the answer is the state at). The router keeps
+        an id's copy from the newest position when two shards of one search answered at different
+        ones (an overwrite moved it between them: shardserve.query.merge)."""
+        position = self.catch_up()
         view = self._view
         if view is None or (not view.delta.rows and not len(view.delta.tombstones)):
-            return self.searcher.answer(query)  # nothing written here (yet): the base alone
+            # nothing written here (yet): the base alone, the state at any position up to now
+            found = self.searcher.answer(query)
+            return found[0], found[1], found[2], int(found[3]) if len(found) > 3 else 0, position
         return view.answer(query)
 
     def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
@@ -143,11 +263,30 @@ class ShardWrites:
         return self._log
 
     def _start_delta(self) -> ShardWithDelta:
-        """The delta, built at the first request past the version's position (caller holds _lock).
-        Upserts are dealt to shards by a hash of their id (shardserve.writes.route): every shard
-        computes the same home without the build's partition, which the manifest does not keep."""
+        """The delta, built at the first request past the version's position (caller holds _lock)."""
+        self._view = self._new_view()
+        return self._view
+
+    def _new_view(self) -> ShardWithDelta:
+        """An empty delta over the base, at the version's position. Upserts are dealt to shards by
+        a hash of their id (shardserve.writes.route): every shard computes the same home without
+        the build's partition, which the manifest does not keep."""
         route = WriteRoute(Partition(self.shards))
         delta = ShardDelta(self.searcher, self.shard, route, self._trained(), self.max_rows)
         delta.position = self.base_position
-        self._view = ShardWithDelta(self.searcher, delta)
-        return self._view
+        return ShardWithDelta(self.searcher, delta)
+
+
+def _holds(tip: Tip, position: int, epoch: int | None) -> bool:
+    """Whether a log whose newest request is `tip` may still hold the request at `position` that
+    was applied with `epoch` (None: nothing applied past the version's position, nothing to lose).
+    Past it, the next request's `prev` tells (_follows); an unknown epoch (the request truncated
+    away, a log read as schema 1) is taken as held."""
+    if epoch is None or tip.position > position:
+        return True
+    return tip.position == position and (tip.epoch is None or tip.epoch == epoch)
+
+
+def _follows(entry: Entry, epoch: int | None) -> bool:
+    """Whether `entry` was appended onto the request applied last, whose epoch was `epoch`."""
+    return epoch is None or entry.prev is None or entry.prev == epoch

@@ -15,10 +15,21 @@ never reused, even after truncation) and one row per operation, written in one t
 any requests that queued behind it (`append_many`, the router's group commit). All or nothing: a
 reader or a restart sees the whole request or none of it. A delete is an operation without a
 vector. Vectors are float32 bytes, metadata JSON (orjson: integers exact to 64 bits).
+
+Why each request records an epoch: a log that lost its newest requests (a file restored from a
+copy; on Redis, a failover to a replica that was behind) hands their positions out again, and a
+running replica that applied the lost ones would take the new requests there for requests it has.
+So a position names a request only with its epoch: each writer (each `WriteLog` that appends)
+draws a random one, and draws another when it finds the log's newest position below one it wrote
+(the log lost requests under it). A request records its writer's epoch and the epoch of the
+request before it (`prev`), and `tip()` reads the newest position with the epoch there in the
+one statement a search already made: a replica (shardserve.writes.follow) sees that the request
+it applied last is no longer the log's, whether the log is behind it, level with it or past it.
 """
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import threading
 from pathlib import Path
@@ -31,11 +42,14 @@ from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     position INTEGER PRIMARY KEY AUTOINCREMENT,
-    ops INTEGER NOT NULL
+    ops INTEGER NOT NULL,
+    epoch INTEGER,
+    prev INTEGER,
+    bytes INTEGER
 );
 CREATE TABLE IF NOT EXISTS ops (
     position INTEGER NOT NULL,
@@ -46,14 +60,47 @@ CREATE TABLE IF NOT EXISTS ops (
     PRIMARY KEY (position, seq)
 ) WITHOUT ROWID;
 """
+# The columns schema 2 added to `requests`: its writer's epoch, the epoch of the request at
+# position - 1 when it was written (NULL: none there), the bytes of its vectors and metadata. A
+# writer adds them to a log of schema 1 when it opens it; the requests already there keep NULL
+# (epoch 0, no prev, their bytes counted from their operations when read).
+_ADDED = {"epoch": "INTEGER", "prev": "INTEGER", "bytes": "INTEGER"}
 WRITE_LOG = "writes/log.sqlite"  # in the index directory, beside manifest.json and versions/
 BUSY_TIMEOUT_MS = 10_000  # a reader or a checkpoint holding a lock: wait, do not fail the write
+# Bytes of vectors and metadata one read returns at most (always one request at least): a request
+# may hold 1,000 points of 16 KiB of metadata each, so a count of requests alone bounds nothing.
+READ_BYTES = 32 << 20
 
 
 class Backlog(NamedTuple):
     last: int  # the newest request's position
     operations: int  # upserts and deletes past the position asked about
     upserts: int
+    bytes: int  # their float32 vectors and each point's metadata JSON
+
+
+class Tip(NamedTuple):
+    """The newest position, and the epoch of the request there (0: written before epochs; None:
+    not known here, the request truncated away or the log read as schema 1)."""
+
+    position: int
+    epoch: int | None
+
+
+class Entry(NamedTuple):
+    """A request as a follower reads it: its position, its writer's epoch (0: written before
+    epochs), the epoch the request before it had when it was written (None: no request there, or
+    not known), and its operations."""
+
+    position: int
+    epoch: int
+    prev: int | None
+    ops: list[Op]
+
+
+def new_epoch() -> int:
+    """A writer's epoch: random, never 0 (the requests written before epochs)."""
+    return 1 + secrets.randbelow((1 << 63) - 1)
 
 
 class LogMoved(RuntimeError):
@@ -86,11 +133,38 @@ class WriteLog:
                 raise RuntimeError(f"write log {self.path}: SQLite refused WAL mode (got {mode!r}): "
                                    "is it on a network filesystem?")
             self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            self._migrate()
         # per connection: every commit of this one waits for the WAL's fsync
         self._db.execute("PRAGMA synchronous = FULL")
         if self._db.execute("PRAGMA synchronous").fetchone()[0] != 2:
             raise RuntimeError(f"write log {self.path}: synchronous=FULL was not applied")
+        self._current = self._schema_current()  # a reader of a log of schema 1 reads it as such
+        # this writer's epoch, the one it takes when it finds the log lost requests, and the newest
+        # position it appended (the log's newest below it: lost requests)
+        self._epoch, self._fresh, self._high = new_epoch(), new_epoch(), 0
+
+    def _migrate(self) -> None:
+        """A log of schema 1 gets schema 2's columns (in one transaction, whichever writer first)."""
+        cursor = self._db.cursor()
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            version = cursor.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(f"write log {self.path}: schema {version}, written by a newer "
+                                   f"shardserve (this one knows {SCHEMA_VERSION})")
+            columns = {row[1] for row in cursor.execute("PRAGMA table_info(requests)").fetchall()}
+            for name, kind in _ADDED.items():
+                if name not in columns:
+                    cursor.execute(f"ALTER TABLE requests ADD COLUMN {name} {kind}")
+            cursor.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            cursor.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                cursor.execute("ROLLBACK")
+            raise
+
+    def _schema_current(self) -> bool:
+        return bool(self._db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION)
 
     def close(self) -> None:
         with self._lock:
@@ -100,7 +174,8 @@ class WriteLog:
         """Write one request (all its operations, or none) and return its log position, once the
         commit is on disk: the caller may acknowledge it then. The position is past `after` (the
         served version's): a log that lost its newest requests (a file restored from a backup)
-        never hands out a position a replica would skip as already applied. `unless_past`: raise
+        never hands out a position a replica of that version would skip as already applied (one
+        that applied lost requests past it tells them by their epochs). `unless_past`: raise
         LogMoved instead, writing nothing, when the log holds a request past that position (checked
         in the same transaction as the write: a delete by filter evaluated at that position)."""
         return self.append_many([ops], after, unless_past)[0]
@@ -113,7 +188,7 @@ class WriteLog:
         if not requests or not all(requests):
             raise ValueError("a write request needs at least one operation")
         rows = [[_row(seq, op) for seq, op in enumerate(ops)] for ops in requests]
-        positions = []
+        positions, epochs = [], []
         with self._lock:
             cursor = self._db.cursor()
             cursor.execute("BEGIN IMMEDIATE")  # the write lock now: no other writer interleaves
@@ -121,10 +196,13 @@ class WriteLog:
                 for ops, request_rows in zip(requests, rows, strict=True):
                     # the newest position read and the request's row written in one statement: a
                     # router appends beside its searches, and each statement is a GIL hand-off there
-                    row = cursor.execute(_INSERT_REQUEST, (after, len(ops), unless_past)).fetchall()
+                    size = sum(len(v or b"") + len(m or b"") for _, _, v, m in request_rows)
+                    row = cursor.execute(_INSERT_REQUEST, (after, len(ops), unless_past, self._high,
+                                                           self._fresh, self._epoch, size)).fetchall()
                     if not row:
                         raise LogMoved(f"the log is at {_newest(cursor)}, past {unless_past}")
                     positions.append(int(row[0][0]))
+                    epochs.append(int(row[0][1]))
                     unless_past = None if unless_past is None else positions[-1]  # ours, then
                     cursor.executemany("INSERT INTO ops (position, seq, id, vector, metadata) VALUES "
                                        "(?, ?, ?, ?, ?)", [(positions[-1], *r) for r in request_rows])
@@ -133,31 +211,56 @@ class WriteLog:
                 if self._db.in_transaction:
                     cursor.execute("ROLLBACK")
                 raise
+            self._high = max(self._high, positions[-1])
+            if epochs[-1] == self._fresh:  # the log had lost requests this writer wrote: a new epoch
+                self._epoch, self._fresh = self._fresh, new_epoch()
         return positions
 
-    def read(self, after: int, limit: int = 1000, vectors: bool = True) -> list[tuple[int, list[Op]]]:
-        """Up to `limit` requests past position `after`, oldest first: (position, its operations).
+    def read(self, after: int, limit: int = 1000, vectors: bool = True,
+             max_bytes: int = READ_BYTES) -> list[tuple[int, list[Op]]]:
+        """Up to `limit` requests past position `after`, oldest first: (position, its operations),
+        no more than `max_bytes` of vectors and metadata (the first request whatever its size).
         One statement: one consistent snapshot, whatever the writer commits meanwhile (a replica
         reads the log once per write it applies: one statement costs a third of a transaction's
         four). `vectors` False: upserts come with an empty vector (a delete by filter reads only
-        ids and metadata)."""
+        ids and metadata; the budget still counts them)."""
+        return [(entry.position, entry.ops) for entry in self.entries(after, limit, vectors, max_bytes)]
+
+    def entries(self, after: int, limit: int = 1000, vectors: bool = True,
+                max_bytes: int = READ_BYTES) -> list[Entry]:
+        """`read`, with each request's epochs (a follower checks that the log still holds the
+        request it applied last: the first one's `prev` is its epoch)."""
         vector = "o.vector" if vectors else "CASE WHEN o.vector IS NULL THEN NULL ELSE x'' END"
         with self._lock:
-            found = self._db.execute(
-                f"SELECT r.position, r.ops, o.id, {vector}, o.metadata FROM "
-                "(SELECT position, ops FROM requests WHERE position > ? ORDER BY position LIMIT ?) AS r "
-                "JOIN ops AS o ON o.position = r.position ORDER BY o.position, o.seq",
-                (after, limit)).fetchall()
+            if not self._current:  # a writer may have migrated it since: reads are rarer than tips
+                self._current = self._schema_current()
+            found = self._db.execute(_read_statement(vector, self._current),
+                                     (after, limit, max_bytes)).fetchall()
         requests: dict[int, list[Op]] = {}
-        counts: dict[int, int] = {}
-        for position, count, id_, vector, metadata in found:
-            requests.setdefault(position, []).append(_op(id_, vector, metadata))
-            counts[position] = count
-        for position, count in counts.items():
+        heads: dict[int, tuple[int, int, int | None]] = {}
+        for position, count, epoch, prev, id_, vector_, metadata in found:
+            requests.setdefault(position, []).append(_op(id_, vector_, metadata))
+            heads[position] = count, epoch, prev
+        for position, (count, _, _) in heads.items():
             if len(requests[position]) != count:  # SQLite's transactions make this impossible
                 raise RuntimeError(f"write log {self.path}: request {position} holds "
                                    f"{len(requests[position])} of its {count} operations")
-        return list(requests.items())
+        return [Entry(position, int(heads[position][1]), heads[position][2], ops)
+                for position, ops in requests.items()]
+
+    def tip(self) -> Tip:
+        """The newest position and the epoch of the request there, in one statement (a replica
+        makes it before every search, where it made `last_position`: one statement still)."""
+        if not self._current:
+            return Tip(self.last_position(), None)
+        with self._lock:
+            try:
+                rows = self._db.execute(_TIP).fetchall()
+            except sqlite3.OperationalError as exc:  # a reader opened the file before its schema
+                if "no such table" not in str(exc):
+                    raise
+                return Tip(0, None)
+        return Tip(int(rows[0][0]), rows[0][1]) if rows else Tip(0, None)
 
     def last_position(self) -> int:
         """The newest request's position (0: none ever, or the writer has not created the tables
@@ -174,19 +277,21 @@ class WriteLog:
 
     def backlog(self, position: int) -> Backlog:
         """What the requests past `position` hold, up to the newest (one snapshot): the upserts a
-        served version has not folded in yet (the router's bound), and all the operations a
-        compaction of it would fold (automatic compaction's threshold)."""
+        served version has not folded in yet and their bytes (the router's bounds), and all the
+        operations a compaction of it would fold (automatic compaction's threshold). length() of
+        a blob reads its header, not its pages."""
         with self._lock:
             cursor = self._db.cursor()
             cursor.execute("BEGIN")
             try:
                 last = _newest(cursor)
-                operations, upserts = cursor.execute(
-                    "SELECT count(*), count(vector) FROM ops WHERE position > ? AND position <= ?",
+                operations, upserts, size = cursor.execute(
+                    "SELECT count(*), count(vector), coalesce(sum(length(vector)), 0) + "
+                    "coalesce(sum(length(metadata)), 0) FROM ops WHERE position > ? AND position <= ?",
                     (position, last)).fetchone()
             finally:
                 cursor.execute("COMMIT")
-        return Backlog(last, int(operations), int(upserts))
+        return Backlog(last, int(operations), int(upserts), int(size))
 
     def first_position(self) -> int | None:
         """The oldest request still kept (None: none kept). A replica that applied less than
@@ -224,9 +329,34 @@ def log_path(index: str) -> Path | None:
 
 
 _NEWEST = "coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'requests'), 0)"
-# A request's row at max(newest, after) + 1, unless the log is past `unless_past` (NULL: always).
-_INSERT_REQUEST = (f"INSERT INTO requests (position, ops) SELECT max({_NEWEST}, ?1) + 1, ?2 "
-                   f"WHERE ?3 IS NULL OR {_NEWEST} <= ?3 RETURNING position")
+# A request's row at max(newest, after) + 1, unless the log is past `unless_past` (NULL: always),
+# with the writer's epoch, or its fresh one when the log's newest is below the newest position it
+# wrote (?4), and the epoch of the request before it (NULL: none there). ?1 after, ?2 its operations,
+# ?3 unless_past, ?5 the fresh epoch, ?6 the writer's, ?7 its bytes.
+_INSERT_REQUEST = ("INSERT INTO requests (position, ops, epoch, prev, bytes) "
+                   "SELECT at + 1, ?2, CASE WHEN newest < ?4 THEN ?5 ELSE ?6 END, "
+                   "(SELECT coalesce(epoch, 0) FROM requests WHERE position = at), ?7 "
+                   f"FROM (SELECT newest, max(newest, ?1) AS at FROM (SELECT {_NEWEST} AS newest)) "
+                   "WHERE ?3 IS NULL OR newest <= ?3 RETURNING position, epoch")
+_TIP = ("SELECT seq, (SELECT coalesce(epoch, 0) FROM requests WHERE position = seq) "
+        "FROM sqlite_sequence WHERE name = 'requests'")
+# A request's bytes as its operations hold them (schema 1 did not record them)
+_COUNTED = ("(SELECT coalesce(sum(length(vector)), 0) + coalesce(sum(length(metadata)), 0) "
+            "FROM ops WHERE ops.position = requests.position)")
+
+
+def _read_statement(vector: str, current: bool) -> str:
+    """The requests past ?1, at most ?2 of them and ?3 bytes (the first whatever its size), joined to
+    their operations: the byte budget is a running sum over the requests the limit took first."""
+    epoch, prev, size = (("coalesce(epoch, 0)", "prev", f"coalesce(bytes, {_COUNTED})") if current
+                         else ("0", "NULL", _COUNTED))
+    return (f"SELECT r.position, r.ops, r.epoch, r.prev, o.id, {vector}, o.metadata FROM "
+            "(SELECT position, ops, epoch, prev, size, "
+            "sum(size) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS upto FROM "
+            f"(SELECT position, ops, {epoch} AS epoch, {prev} AS prev, {size} AS size FROM requests "
+            "WHERE position > ?1 ORDER BY position LIMIT ?2)) AS r "
+            "JOIN ops AS o ON o.position = r.position WHERE r.upto <= ?3 OR r.upto = r.size "
+            "ORDER BY o.position, o.seq")
 
 
 def _newest(cursor: sqlite3.Cursor) -> int:

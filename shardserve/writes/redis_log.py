@@ -12,16 +12,24 @@ refuses a Redis whose CONFIG says otherwise; a managed Redis that hides CONFIG i
 configured (docs/operations.md says what to ask of it).
 
 Layout, under one key prefix per index (`<prefix>` = `shardserve:log:{HASH}`, HASH a hash of the
-index's root location, in braces so a Redis Cluster keeps the three keys in one slot):
-- `<prefix>:seq`, the last position handed out (INCR: never reused, truncation or not);
+index's root location, in braces so a Redis Cluster keeps its keys in one slot):
+- `<prefix>:seq`, the last position handed out (never reused, truncation or not);
+- `<prefix>:tip`, the epoch of the request at that position (shardserve.writes.log says why
+  epochs: a Redis failed over to a replica that was behind, or flushed, hands positions out again);
 - `<prefix>:requests`, a stream with one entry per request, its ID `<position>-0`, its fields the
   ids (int64), one kind byte per operation (1 upsert, 0 delete), the upserts' float32 vectors and
-  their metadata (one orjson list), and the running totals of operations and upserts, so that a
-  backlog is two lookups, not a scan;
+  their metadata (one orjson list), its bytes (vectors and each point's metadata), the running
+  totals of operations, upserts and bytes, so that a backlog is two lookups, not a scan, its
+  writer's epoch and the epoch of the request before it (`prev`);
 - `<prefix>:totals`, those running totals at the newest request.
 
-A request is appended by one Lua script (INCR, then XADD): Redis runs it whole, so a reader sees
-all of a request or none of it, and positions are dense.
+A request is appended by one Lua script (XADD, then the counters): Redis runs it whole, so a reader
+sees all of a request or none of it, and positions are dense. Requests logged before epochs and
+byte counts have neither: epoch 0, and no bytes in a backlog.
+
+An append whose script was sent and whose answer did not come (the writer's timeout, a connection
+lost) may still be run by Redis: OutcomeUnknown says so, where a Redis that could not be reached
+at all is LogUnavailable (nothing written). No append is resent by the server.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardserve.errors import ShardserveError
-from shardserve.writes.log import Backlog, LogMoved
+from shardserve.writes.log import READ_BYTES, Backlog, Entry, LogMoved, Tip, new_epoch
 from shardserve.writes.ops import Delete, Op, Upsert
 
 WRITE_LOG_ENV = "SHARDSERVE_WRITE_LOG"  # redis://HOST:PORT[/DB]: the log of every index in Redis
@@ -55,27 +63,83 @@ READ_TIMEOUT_S = 1.0  # a reader (a search catching up): then it serves what it 
 # version's position (ARGV[7]): a counter lost (a flushed or restored Redis, a log moved from
 # SQLite) never hands out a position a replica would skip as applied. With ARGV[8] >= 0 (a
 # conditional append, WriteLog.append's `unless_past`) a log already past it gets -1, nothing
-# written. XADD runs first: if it refuses, the script has written nothing (Redis does not undo a
-# script's earlier writes).
+# written. The request takes the writer's epoch (ARGV[10]), or its fresh one (ARGV[11]) when the
+# log's newest is below the newest position the writer appended (ARGV[9]: the log lost requests),
+# and records the epoch at the position before it (none: ''). ARGV[12]: its bytes. XADD runs
+# first: if it refuses, the script has written nothing (Redis does not undo a script's earlier
+# writes). Epochs stay strings here: Lua's numbers hold 53 bits.
 _APPEND = """
-local position = tonumber(redis.call('GET', KEYS[1]) or '0')
+local seq = redis.call('GET', KEYS[1])
+local position = tonumber(seq or '0')
+local prev = redis.call('GET', KEYS[4]) or (seq and '0')
 local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 if newest[1] then
-  position = math.max(position, tonumber(string.match(newest[1][1], '^(%d+)')))
+  local at = tonumber(string.match(newest[1][1], '^(%d+)'))
+  if at > position then
+    position, prev = at, '0'
+    local fields = newest[1][2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'epoch' then prev = fields[i + 1] end
+    end
+  end
 end
 if tonumber(ARGV[8]) >= 0 and position > tonumber(ARGV[8]) then
-  return -1
+  return {-1, ''}
 end
-position = math.max(position, tonumber(ARGV[7])) + 1
-local totals = redis.call('HMGET', KEYS[3], 'ops', 'upserts')
+local epoch = ARGV[10]
+if position < tonumber(ARGV[9]) then
+  epoch = ARGV[11]
+end
+if tonumber(ARGV[7]) > position then
+  position, prev = tonumber(ARGV[7]), false
+end
+position = position + 1
+local totals = redis.call('HMGET', KEYS[3], 'ops', 'upserts', 'bytes')
 local ops = tonumber(totals[1] or '0') + tonumber(ARGV[5])
 local upserts = tonumber(totals[2] or '0') + tonumber(ARGV[6])
+local bytes = tonumber(totals[3] or '0') + tonumber(ARGV[12])
 local id = string.format('%d-0', position)
 redis.call('XADD', KEYS[2], id, 'ids', ARGV[1], 'kinds', ARGV[2], 'vectors', ARGV[3],
-           'metadata', ARGV[4], 'ops_total', ops, 'upserts_total', upserts)
+           'metadata', ARGV[4], 'bytes', ARGV[12], 'ops_total', ops, 'upserts_total', upserts,
+           'bytes_total', bytes, 'epoch', epoch, 'prev', prev or '')
 redis.call('SET', KEYS[1], string.format('%d', position))
-redis.call('HSET', KEYS[3], 'ops', ops, 'upserts', upserts)
-return position
+redis.call('SET', KEYS[4], epoch)
+redis.call('HSET', KEYS[3], 'ops', ops, 'upserts', upserts, 'bytes', bytes)
+return {position, epoch}
+"""
+# The entries past ARGV[1], at most ARGV[2] of them and ARGV[3] bytes (the first whatever its size),
+# their vectors left out unless ARGV[4] is '1': XRANGE cannot stop at a size, so a script reads one
+# entry at a time (Redis copies what it reads into the script: never more than the budget and one
+# entry) and stops there (an entry logged before byte counts: its blobs' lengths).
+_READ = """
+local out, used, start = {}, 0, tonumber(ARGV[1]) + 1
+local limit, budget = tonumber(ARGV[2]), tonumber(ARGV[3])
+while #out < limit do
+  local batch = redis.call('XRANGE', KEYS[1], string.format('%d-0', start), '+', 'COUNT', 1)
+  if not batch[1] then
+    return out
+  end
+  for _, entry in ipairs(batch) do
+    local fields, size, counted = entry[2], 0, nil
+    for i = 1, #fields, 2 do
+      local name = fields[i]
+      if name == 'bytes' then
+        counted = tonumber(fields[i + 1])
+      elseif name == 'vectors' or name == 'metadata' then
+        size = size + #fields[i + 1]
+        if name == 'vectors' and ARGV[4] ~= '1' then fields[i + 1] = '' end
+      end
+    end
+    size = counted or size
+    if #out > 0 and used + size > budget then
+      return out
+    end
+    used = used + size
+    out[#out + 1] = entry
+    start = tonumber(string.match(entry[1], '^(%d+)')) + 1
+  end
+end
+return out
 """
 
 
@@ -125,10 +189,13 @@ class RedisWriteLog:
         self._db = redis.Redis.from_url(address.url, password=password or _password(),
                                         socket_timeout=timeout, socket_connect_timeout=timeout,
                                         retry=Retry(NoBackoff(), 0))
-        self._seq, self._stream, self._totals = (f"{address.prefix}:{name}"
-                                                 for name in ("seq", "requests", "totals"))
+        self._seq, self._stream, self._totals, self._tip = (f"{address.prefix}:{name}"
+                                                            for name in ("seq", "requests", "totals", "tip"))
         self._append = self._db.register_script(_APPEND)
+        self._read = self._db.register_script(_READ)
         self._lock = threading.Lock()
+        # as WriteLog's: this writer's epoch, its next one, the newest position it appended
+        self._epoch, self._fresh, self._high = new_epoch(), new_epoch(), 0
         if not readonly:
             self._check_durable()
 
@@ -150,13 +217,15 @@ class RedisWriteLog:
 
     def exists(self) -> bool:
         """Whether any request was ever appended."""
-        return bool(self._db.exists(self._seq))
+        with _unavailable(self.address):
+            return bool(self._db.exists(self._seq))
 
     def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None) -> int:
         """Write one request (all its operations, or none) and return its log position (past
         `after`, the served version's), once Redis answered (after its fsync): the caller may
-        acknowledge it then. LogUnavailable when Redis cannot be reached: nothing acknowledged.
-        `unless_past`: as WriteLog.append (checked inside the script)."""
+        acknowledge it then. LogUnavailable when Redis cannot be reached: nothing written;
+        OutcomeUnknown (a LogUnavailable) when the script was sent and no answer came: it may have
+        been written. `unless_past`: as WriteLog.append (checked inside the script)."""
         if not ops:
             raise ValueError("a write request needs at least one operation")
         if self.readonly:
@@ -165,23 +234,78 @@ class RedisWriteLog:
         kinds = np.array([isinstance(op, Upsert) for op in ops], np.uint8)
         upserts = [op for op in ops if isinstance(op, Upsert)]
         vectors = b"".join(np.ascontiguousarray(op.vector, np.float32).tobytes() for op in upserts)
-        metadata = orjson.dumps([op.metadata for op in upserts])
+        metas = [op.metadata for op in upserts]
+        metadata = orjson.dumps(metas)
+        # each point's JSON: the list's, less its brackets and commas (n + 1) and its nulls'
+        size = len(vectors) + (len(metadata) - len(metas) - 1 - 4 * metas.count(None) if metas else 0)
         condition = -1 if unless_past is None else unless_past
-        with self._lock, _unavailable(self.address):
-            position = int(self._append(keys=[self._seq, self._stream, self._totals],
-                                        args=[ids.tobytes(), kinds.tobytes(), vectors, metadata, len(ops),
-                                              len(upserts), after, condition]))
-        if position < 0:
-            raise LogMoved(f"the log holds requests past {unless_past}")
-        return position
+        with self._lock:
+            position, epoch = self._run_append([ids.tobytes(), kinds.tobytes(), vectors, metadata, len(ops),
+                                                len(upserts), after, condition, self._high, self._epoch,
+                                                self._fresh, size])
+            if position < 0:
+                raise LogMoved(f"the log holds requests past {unless_past}")
+            self._high = max(self._high, int(position))
+            if int(epoch) == self._fresh:  # the log had lost requests this writer wrote: a new epoch
+                self._epoch, self._fresh = self._fresh, new_epoch()
+        return int(position)
 
-    def read(self, after: int, limit: int = 1000, vectors: bool = True) -> list[tuple[int, list[Op]]]:
-        """Up to `limit` requests past position `after`, oldest first: (position, its operations).
-        `vectors` is read either way (a request is one stream entry; XRANGE returns its fields
-        whole): a caller that does not need them bounds its reads by `limit`."""
+    def _run_append(self, args: list) -> Any:
+        """The append script on a connection of its own (caller holds _lock): a failure to connect
+        sent nothing (LogUnavailable), a failure after that may have run it (OutcomeUnknown)."""
+        keys = [self._seq, self._stream, self._totals, self._tip]
+        pool = self._db.connection_pool
         with _unavailable(self.address):
-            entries: Any = self._db.xrange(self._stream, min=f"{after + 1}-0", max="+", count=limit)
-        return [(_position(entry_id), _ops(fields)) for entry_id, fields in entries]
+            connection = pool.get_connection()  # connected and checked: nothing sent yet
+        try:
+            connection.send_command("EVALSHA", self._append.sha, len(keys), *keys, *args)
+            try:
+                return self._db.parse_response(connection, "EVALSHA")
+            except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: EVAL caches it
+                connection.send_command("EVAL", _APPEND, len(keys), *keys, *args)
+                return self._db.parse_response(connection, "EVAL")
+        except redis.ResponseError:  # answered: the script refused, whole
+            raise
+        except BaseException as exc:  # its answer may be unread on the connection: never reused
+            connection.disconnect()
+            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                raise OutcomeUnknown(f"write log {self.address.url}: no answer to an append once it "
+                                     f"was sent ({type(exc).__name__}): the request may have been "
+                                     "written") from None
+            raise
+        finally:
+            pool.release(connection)
+
+    def read(self, after: int, limit: int = 1000, vectors: bool = True,
+             max_bytes: int = READ_BYTES) -> list[tuple[int, list[Op]]]:
+        """Up to `limit` requests past position `after`, oldest first: (position, its operations),
+        no more than `max_bytes` of vectors and metadata (the first request whatever its size).
+        `vectors` False: upserts come with an empty vector (Redis still reads them: one stream
+        entry a request; the reply leaves them out)."""
+        return [(entry.position, entry.ops) for entry in self.entries(after, limit, vectors, max_bytes)]
+
+    def entries(self, after: int, limit: int = 1000, vectors: bool = True,
+                max_bytes: int = READ_BYTES) -> list[Entry]:
+        """`read`, with each request's epochs (WriteLog.entries)."""
+        with _unavailable(self.address):
+            found: Any = self._read(keys=[self._stream],
+                                    args=[after, limit, max_bytes, "1" if vectors else "0"])
+        entries = []
+        for entry_id, flat in found:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            prev = fields.get(b"prev")
+            entries.append(Entry(_position(entry_id), int(fields.get(b"epoch", 0)),
+                                 int(prev) if prev else None, _ops(fields)))
+        return entries
+
+    def tip(self) -> Tip:
+        """The newest position and the epoch of the request there, in one command (a replica makes
+        it before every search)."""
+        with _unavailable(self.address):
+            seq, epoch = self._db.mget(self._seq, self._tip)
+        if seq is None:
+            return Tip(0, None)
+        return Tip(int(seq), int(epoch) if epoch is not None else 0)  # no tip: logged before epochs
 
     def last_position(self) -> int:
         """The newest request's position (0: none ever), truncation or not."""
@@ -200,27 +324,41 @@ class RedisWriteLog:
             first, newest, seq = pipe.execute()
         last = int(seq) if seq is not None else 0
         if not first or not newest:
-            return Backlog(last, 0, 0)
+            return Backlog(last, 0, 0, 0)
         head, tail = first[0][1], newest[0][1]
-        ops_before = int(head[b"ops_total"]) - len(np.frombuffer(head[b"kinds"], np.uint8))
-        upserts_before = int(head[b"upserts_total"]) - int(np.frombuffer(head[b"kinds"], np.uint8).sum())
+        kinds = np.frombuffer(head[b"kinds"], np.uint8)
+        ops_before = int(head[b"ops_total"]) - len(kinds)
+        upserts_before = int(head[b"upserts_total"]) - int(kinds.sum())
+        # entries logged before byte counts count none
+        bytes_before = int(head.get(b"bytes_total", 0)) - int(head.get(b"bytes", 0))
         return Backlog(last, int(tail[b"ops_total"]) - ops_before,
-                       int(tail[b"upserts_total"]) - upserts_before)
+                       int(tail[b"upserts_total"]) - upserts_before,
+                       int(tail.get(b"bytes_total", 0)) - bytes_before)
 
     def first_position(self) -> int | None:
         """The oldest request still kept (None: none kept)."""
-        entries: Any = self._db.xrange(self._stream, min="-", max="+", count=1)
+        with _unavailable(self.address):
+            entries: Any = self._db.xrange(self._stream, min="-", max="+", count=1)
         return _position(entries[0][0]) if entries else None
 
     def truncate_below(self, position: int) -> None:
         """Forget the requests before `position` (every kept index version includes them)."""
         if self.readonly:
             raise RuntimeError("a read-only write log cannot truncate")
-        self._db.xtrim(self._stream, minid=f"{position}-0", approximate=False)
+        with _unavailable(self.address):
+            self._db.xtrim(self._stream, minid=f"{position}-0", approximate=False)
 
 
 class LogUnavailable(ShardserveError):
-    """The write log's Redis did not answer (down, unreachable, or slower than TIMEOUT_S)."""
+    """The write log's Redis did not answer (down, unreachable, or slower than TIMEOUT_S). Raised by
+    an append: nothing was written, unless it is an OutcomeUnknown."""
+
+
+class OutcomeUnknown(LogUnavailable):
+    """An append was sent to Redis and its answer did not come: Redis may have run it (a writer's
+    timeout does not stop a script Redis has read). The request may have been written: whoever
+    answers it says so, and a client sending it again writes it again (as an upsert or a delete by
+    id, the same state)."""
 
 
 @contextlib.contextmanager
