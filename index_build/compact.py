@@ -10,7 +10,10 @@ compaction is lost, and none is applied twice.
 Why this is exact: an IVF shard gets each point with `add_with_ids`, which places it in its nearest
 list with the same quantizer and codes the served delta used (a copy of the trained empty index),
 and a flat shard stores vectors as they are: a search after the swap answers what it answered
-before it, at the same log position (tests/test_compact.py).
+before it, at the same log position (tests/test_compact.py). Every other kind that takes writes
+(refined IVF-PQ, pre-transformed IVF, HNSW, flat codes) is rewritten by shardserve.index.removal:
+the points nobody wrote keep their stored codes, each upsert gets the codes the trained index gives
+it, and the version answers as that kind answers over those points (tests/test_compact_kinds.py).
 
 The swap (`shardserve swap INDEX --address ...`) then moves a running server onto it with its
 recall gate. The log is truncated only below the oldest version still on disk (`truncate_log`):
@@ -46,6 +49,7 @@ from shardserve.index.manifest import (
 )
 from shardserve.index.metadata import MetadataTable, write_metadata
 from shardserve.index.partition import Partition
+from shardserve.index.removal import remove_ids
 from shardserve.index.storage import Location
 from shardserve.writes.locate import Log, log_address, log_exists, open_log
 from shardserve.writes.ops import Op, Upsert
@@ -173,18 +177,16 @@ def _dataset_rows(manifest: Manifest) -> int:
 
 
 def _folded(index: faiss.Index, touched: np.ndarray, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
-    """One shard's index minus the touched ids plus its upserts (a writable, in-memory copy)."""
+    """One shard's index minus the touched ids plus its upserts (a writable, in-memory copy). Every
+    kind that takes writes is rewritten here (shardserve.index.removal); any other is refused,
+    naming it, before anything is published."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None and ivf.direct_map.type != faiss.DirectMap.NoMap:  # type: ignore[attr-defined]
         ivf.set_direct_map_type(faiss.DirectMap.NoMap)  # type: ignore[attr-defined]  # rebuilt on load
-    try:
-        if len(touched):
-            index.remove_ids(faiss.IDSelectorBatch(touched))
-        if len(ids):
-            index.add_with_ids(np.ascontiguousarray(vectors, np.float32), ids)
-    except RuntimeError as exc:  # HNSW cannot remove: only a rebuild changes it
-        raise ShardserveError(f"compaction cannot change a {type(index).__name__} shard ({exc}): "
-                              "rebuild the index instead") from None
+    if len(touched):
+        remove_ids(index, touched)
+    if len(ids):
+        index.add_with_ids(np.ascontiguousarray(vectors, np.float32), ids)
     return index
 
 

@@ -20,6 +20,7 @@ from index_build.publish import (
     publish_build,
     training_sample,
     write_shard,
+    writes_start,
 )
 from shardserve.data.datasets import BASE_ONLY_METRIC, Dataset, is_npy_dir_spec, is_parquet_spec, load_dataset
 from shardserve.errors import ShardserveError
@@ -39,7 +40,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
                 limit: int | None = None, backend: Backend = "ray", force: bool = False,
                 train_size: int = 0, seed: int = 1234, vector_column: str | None = None,
                 id_column: str | None = None, metadata_columns: list[str] | None = None,
-                memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Manifest:
+                memory_budget: int = DEFAULT_MEMORY_BUDGET, discard_writes: bool = False) -> Manifest:
     """Build a sharded index of `dataset_spec` at `out`; return its manifest (published last, atomically).
 
     Arguments:
@@ -53,6 +54,9 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         limit: index only the first `limit` rows.
         backend: "ray" (the Ray Data job) or "local" (one process; the same bytes).
         force: publish a new version over an existing index.
+        discard_writes: build into a directory whose write log took writes, leaving them out: the
+            version starts at the log's last position (index_build.publish.writes_start); without it
+            such a build is refused before any work.
         train_size: training sample rows (0: the factory's need, capped).
         seed: the training sample's and k-means' seed (same data + params -> same bytes).
         vector_column, id_column, metadata_columns: parquet columns of the vectors, of the user's
@@ -65,6 +69,7 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
     location.ensure_writable()
     if location.exists(MANIFEST) and not force:
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
+    writes_start(location, discard_writes)  # refused here, before any work, if it took writes
     if is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec):  # streamed: no process holds the base
         from index_build.streaming import build_streaming
 
@@ -78,7 +83,8 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         params = BuildParams(factory, shards, metric or BASE_ONLY_METRIC, train_size, seed)
         return build_streaming(dataset_spec, params=params, location=location, backend=backend,
                                vector_column=vector_column, id_column=id_column,
-                               metadata_columns=metadata_columns, limit=limit, factory_for=factory_for)
+                               metadata_columns=metadata_columns, limit=limit, factory_for=factory_for,
+                               discard_writes=discard_writes)
     dataset = load_dataset(dataset_spec, limit=limit, vector_column=vector_column, id_column=id_column,
                            metadata_columns=metadata_columns)
     auto = None
@@ -93,12 +99,14 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         from shardserve.runtime.ray_session import ensure_ray
 
         ensure_ray(serving_node=False)
-    return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto)
+    return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto,
+                              discard_writes)
 
 
 def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,
                        backend: Backend = "ray", vector_column: str | None = None,
-                       id_column: str | None = None, auto: str | None = None) -> Manifest:
+                       id_column: str | None = None, auto: str | None = None,
+                       discard_writes: bool = False) -> Manifest:
     """The in-memory build: `dataset` holds the base matrix; Ray (or this process) adds per shard."""
     vectors = prepare_vectors(dataset.base, params.metric)
 
@@ -123,7 +131,8 @@ def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location
                        metadata_kinds={} if dataset.metadata is None
                        else column_kinds(dataset.metadata.schema))
     return publish_build(location, params, info, dataset.dim, len(vectors),
-                         lambda: training_sample(vectors, params), add, {"backend": backend}, auto)
+                         lambda: training_sample(vectors, params), add, {"backend": backend}, auto,
+                         discard_writes)
 
 
 def rows_per_shard(partition: Partition, empty: bytes, vectors: np.ndarray) -> list[np.ndarray]:

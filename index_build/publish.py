@@ -5,6 +5,12 @@ Every build writes into its own `versions/<build id>/` (shard files and that ver
 publishes it by replacing the index directory's manifest.json in one atomic write. A published
 version is never changed again: `--force` builds beside the old version, which keeps serving (and
 stays on disk for the replicas still bound to it) if the rebuild fails.
+
+The write log belongs to the index directory, not to a version (shardserve.writes.locate): a build
+into a directory that took writes either starts its version at the log's last position, leaving
+every write so far out of it by request (`discard_writes`), or is refused (`writes_start`). A version
+at position 0 over such a log would replay old writes onto other data, or, once compaction truncated
+the log, never start (its shards' LogGap).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from shardserve.index.manifest import (
 from shardserve.index.partition import Partition
 from shardserve.index.storage import Location, sha256_hex
 from shardserve.runtime.timing import timed
+from shardserve.writes.locate import log_address, log_exists, open_log
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,13 @@ AddShards = Callable[[bytes, Partition, Location, dict],
 
 
 def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
-                  sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None) -> Manifest:
+                  sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None,
+                  discard_writes: bool = False) -> Manifest:
     """What every build shares: its own version directory, train ONCE, `add` the shards (and their
     metadata), the trained file, the version's manifest, then publish with one atomic replace of
-    manifest.json. A failure deletes this build's directory and leaves the published version as it was."""
+    manifest.json. A failure deletes this build's directory and leaves the published version as it was.
+    The version's log position is read just before it is published (`writes_start`): a write that
+    arrives during the build is refused with the build, or left out with the others."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     created = dt.datetime.now(dt.UTC)
@@ -80,8 +90,12 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
         entries, metadata = add(empty, partition, location, timings)
         entries = sorted(entries, key=lambda e: e.name)
         trained = write_file(location, TRAINED_FILE, empty, 0)
+        log_position = writes_start(index_location, discard_writes)
+        if log_position:
+            extra = {**extra, "discarded_writes_to": log_position}
         manifest = Manifest(
-            index_version=Manifest.content_version(entries, params.factory, params.metric, metadata),
+            index_version=Manifest.content_version(entries, params.factory, params.metric, metadata,
+                                                   log_position),
             dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
             shards=entries, trained=trained, metadata=metadata, dataset=dataset,
             build=BuildInfo(params={**_public(params), **extra, "partition": partition.describe(),
@@ -89,7 +103,7 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
                                     **({"auto": auto} if auto else {})},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
-            created_at=created.isoformat(timespec="seconds"),
+            created_at=created.isoformat(timespec="seconds"), log_position=log_position,
         )
         write_manifest(location, manifest)  # the version's own manifest: what deployments bind to
         # Published only now, after every shard was checked: one atomic replace of manifest.json.
@@ -99,6 +113,30 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
         index_location.child(VERSIONS_DIR).delete_dir(only_if_empty=True)
         raise
     return published(manifest, version_dir)
+
+
+def writes_start(location: Location, discard_writes: bool) -> int:
+    """The log position a new build of the index at `location` starts at: 0 when its write log (the
+    SQLite file in the directory, or its Redis stream: shardserve.writes.locate) never took a write;
+    the log's last position when `discard_writes` says to leave every write so far out of the new
+    version (its shards then apply only what comes after); otherwise a ShardserveError, in one line:
+    a build from the dataset would drop those writes, whether the log still holds them or a
+    compacted version does."""
+    address = log_address(location.uri)
+    if not log_exists(address):
+        return 0
+    assert address is not None
+    log = open_log(address, readonly=True)
+    try:
+        last, first = log.last_position(), log.first_position()
+    finally:
+        log.close()
+    if last == 0 or discard_writes:
+        return last
+    held = 0 if first is None else last - first + 1
+    raise ShardserveError(f"{location.uri} took writes (its write log is at request {last}, {held} still "
+                          "in the log, the rest in compacted versions): a build from the dataset leaves "
+                          "them out; pass --discard-writes to build it anyway, starting at that position")
 
 
 def training_sample(vectors: np.ndarray, params: BuildParams) -> np.ndarray:

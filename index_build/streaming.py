@@ -306,13 +306,14 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
 
 def build_streaming(spec: str, *, params, location: Location, backend: str, vector_column: str | None,
                     id_column: str | None, metadata_columns: list[str] | None, limit: int | None,
-                    factory_for: Callable[[int, int], tuple[str, str | None]]) -> Manifest:
+                    factory_for: Callable[[int, int], tuple[str, str | None]],
+                    discard_writes: bool = False) -> Manifest:
     """Build `spec` (parquet or .npy files) without holding its base set anywhere.
 
     Arguments (as `index_build.job.build_index` documents them): params, the build's; location,
     where the version is published; backend, "ray" or "local"; vector_column, id_column,
     metadata_columns, limit, as for `load_dataset`; factory_for(rows, dim), the factory and why,
-    resolved once the size is known (`--index auto`)."""
+    resolved once the size is known (`--index auto`); discard_writes, as for `publish_build`."""
     from index_build.publish import BuildParams, publish_build, training_rows
     from shardserve.index.manifest import DatasetInfo
     from shardserve.index.metadata import column_kinds
@@ -360,7 +361,8 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
     extra = {"backend": backend, "streaming": {"row_groups": len(source.row_groups),
                                                "train_rows": len(scanned.train),
                                                "train_max_bytes": TRAIN_MAX_BYTES}}
-    return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto)
+    return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto,
+                         discard_writes)
 
 
 def _add_shards_ray(source: Source, empty: bytes, metric: str, partition: Partition, base_rows: int,

@@ -20,7 +20,8 @@ def _build(args: argparse.Namespace) -> None:
                            limit=args.limit, backend=args.backend, force=args.force,
                            train_size=args.train_size, seed=args.seed,
                            vector_column=args.vector_column, id_column=args.id_column,
-                           metadata_columns=args.metadata_columns, memory_budget=args.memory_budget)
+                           metadata_columns=args.metadata_columns, memory_budget=args.memory_budget,
+                           discard_writes=args.discard_writes)
     print(f"built {manifest.index_factory} index {manifest.index_version}: {manifest.num_vectors} "
           f"vectors in {len(manifest.shards)} shards at {args.out} ({manifest.build.seconds:.1f} s)")
 
@@ -358,6 +359,8 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--backend", choices=["ray", "local"], default="ray",
                        help="ray: Ray Data job (default); local: single-process reference")
     build.add_argument("--force", action="store_true", help="replace an index already at --out")
+    build.add_argument("--discard-writes", action="store_true",
+                       help="--out took writes (upserts, deletes): leave them out of the new version")
     build.set_defaults(func=_build)
 
     ev = sub.add_parser("eval", help="recall@k and QPS, in-process or over HTTP")

@@ -346,7 +346,8 @@ def test_a_delete_by_filter_is_a_checked_search_filter_or_nothing() -> None:
 def _front(tmp_path: Path) -> tuple[WriteFront, Manifest]:
     (tmp_path / "idx").mkdir()
     dataset = DatasetInfo.model_construct(metadata_kinds=KINDS)  # what a write's parse reads of it
-    manifest = Manifest.model_construct(log_position=0, dim=DIM, metric="l2", dataset=dataset)
+    manifest = Manifest.model_construct(log_position=0, dim=DIM, metric="l2", dataset=dataset,
+                                        index_factory="IVF8,Flat")
     return WriteFront(tmp_path / "idx" / "log.sqlite"), manifest
 
 
@@ -794,7 +795,7 @@ def test_a_group_queued_across_a_swap_goes_to_the_log_then_served(tmp_path: Path
     front, manifest = _front(tmp_path)
     (tmp_path / "new").mkdir()
     new_log = tmp_path / "new" / "log.sqlite"
-    narrower = Manifest.model_construct(log_position=40, dim=DIM, metric="l2",
+    narrower = Manifest.model_construct(log_position=40, dim=DIM, metric="l2", index_factory="IVF8,Flat",
                                         dataset=DatasetInfo.model_construct(metadata_kinds={}))
     answers = _queued_behind(front, [_body(10), _body(11)], manifest, served=lambda: (narrower, new_log))
     assert all(isinstance(a, ApiError) and a.status == 422 and a.field == "metadata" for a in answers)
@@ -811,7 +812,7 @@ def test_a_swap_between_a_group_s_reading_and_its_append_sends_it_to_the_new_log
     front, manifest = _front(tmp_path)
     (tmp_path / "new").mkdir()
     new_log = tmp_path / "new" / "log.sqlite"
-    newer = Manifest.model_construct(log_position=40, dim=DIM, metric="l2",
+    newer = Manifest.model_construct(log_position=40, dim=DIM, metric="l2", index_factory="IVF8,Flat",
                                      dataset=DatasetInfo.model_construct(metadata_kinds=KINDS))
     reads = iter(range(100))
 
@@ -861,3 +862,18 @@ def test_the_limits_get_v1_index_shows_are_the_ones_enforced() -> None:
     limits = Limits(10, 10, 10, 10)
     assert (limits.max_metadata_bytes, limits.max_string_bytes, limits.max_write_backlog_bytes) == (
         MAX_METADATA_BYTES, MAX_STRING_BYTES, MAX_BACKLOG_BYTES)
+
+
+def test_an_index_kind_compaction_cannot_fold_writes_into_is_501_before_anything_is_written(
+        tmp_path: Path) -> None:
+    """`IVF64,PQ16+8` (a refine step keeping its codes by id) cannot be compacted: its writes were
+    accepted and held until the backlog refused every upsert with a 503. Now a 501 naming the kind,
+    upserts and deletes alike, and the log holds nothing."""
+    front, manifest = _front(tmp_path)
+    refused = manifest.model_copy(update={"index_factory": "IVF64,PQ2+4"})
+    for upsert_it, body in ((True, _body(1)), (False, b'{"ids": [1]}')):
+        with pytest.raises(ApiError) as answer:
+            asyncio.run(front.accept(body, upsert_it, refused))
+        assert answer.value.status == 501 and "IVF64,PQ2+4" in answer.value.message
+    assert not Path(front.path).exists() or open_log(front.path).last_position() == 0
+    _upsert(front, manifest, 1, 1)  # the same front, an index of a kind that compacts: taken

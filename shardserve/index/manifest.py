@@ -90,10 +90,13 @@ class Manifest(_Strict):
 
     @staticmethod
     def content_version(shards: list[ShardEntry], factory: str, metric: str,
-                        metadata: Sequence[ShardEntry] | None = None) -> str:
+                        metadata: Sequence[ShardEntry] | None = None, log_position: int = 0) -> str:
         """Index version = hash of what the index answers with: shard contents + how they are read
-        (+ the metadata it returns)."""
+        (+ the metadata it returns, + where in the write log it starts when not at its beginning:
+        the same shards at another position answer with other writes)."""
         digest = hashlib.sha256(f"{factory}|{metric}".encode())
+        if log_position:
+            digest.update(f"|log {log_position}".encode())
         for shard in [*shards, *(metadata or [])]:
             digest.update(shard.sha256.encode())
         return digest.hexdigest()[:16]

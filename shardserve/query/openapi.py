@@ -32,7 +32,8 @@ def _describe() -> FastAPI:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`)."""
         raise NotImplementedError
 
-    writes = {**_ERRORS, 501: {"description": "the index is on remote storage: no write log"},
+    writes = {**_ERRORS, 501: {"description": "the index is on remote storage (no write log), or its "
+                                                "index kind takes no writes"},
               503: {"description": "write backlog full: compact (Retry-After)"}}
 
     @app.post("/v1/upsert", response_model=WriteResponse, responses=writes)

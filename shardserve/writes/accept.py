@@ -30,6 +30,7 @@ import orjson
 import pyarrow as pa
 
 from shardserve.index.manifest import Manifest
+from shardserve.index.removal import writes_refused
 from shardserve.query.api import ApiError
 from shardserve.query.parse_writes import parse_delete, parse_delete_npy, parse_upsert, parse_upsert_npy
 from shardserve.writes.delta import MAX_DELTA_ROWS
@@ -197,6 +198,7 @@ class WriteFront:
         slower disk would stall every search in the router."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
+        writable(manifest)  # a kind compaction cannot fold writes into: never taken, never a 503
         path = self.path if log is SAME else log
         if upsert and self._known_full(path, manifest.log_position):  # at once: no parse, no hand-off
             raise self._backlog_full()
@@ -419,6 +421,7 @@ class WriteFront:
                                        "(max_filter_delete_points): narrow it, or delete in parts")
 
     def _parse(self, body: bytes, upsert: bool, manifest: Manifest, npy: bool = False) -> list[Op]:
+        writable(manifest)  # again for a request parsed anew against the version a swap brought
         if npy:
             return list(parse_upsert_npy(body, manifest.dim, manifest.metric, self.max_points) if upsert
                         else parse_delete_npy(body, self.max_points))
@@ -428,11 +431,13 @@ class WriteFront:
         return list(parse_delete(body, self.max_points))
 
     def upsert(self, body: bytes, manifest: Manifest, log: LogAddress | None | Same = SAME) -> dict:
+        writable(manifest)
         ops = parse_upsert(body, manifest.dim, manifest.metric, manifest.dataset.metadata_kinds,
                            self.max_points)
         return {"position": self._append(ops, manifest, log), "upserted": len(ops)}
 
     def delete(self, body: bytes, manifest: Manifest, log: LogAddress | None | Same = SAME) -> dict:
+        writable(manifest)
         ops = parse_delete(body, self.max_points)
         return {"position": self._append(ops, manifest, log), "deleted": len(ops)}
 
@@ -516,3 +521,12 @@ def upsert_bytes(op: Upsert) -> int:
     """What an upsert takes in the log and in a delta: its float32 vector and its metadata's JSON
     (the backlog's byte bound; the logs count it the same way)."""
     return 4 * len(op.vector) + (0 if op.metadata is None else len(orjson.dumps(op.metadata)))
+
+
+def writable(manifest: Manifest) -> None:
+    """A 501 naming the kind when `manifest`'s index is of a kind compaction cannot fold writes
+    into (shardserve.index.removal.writes_refused, cached per factory): such a write would be held
+    in every replica's memory for good, and the backlog would then refuse every upsert."""
+    refused = writes_refused(manifest.index_factory, manifest.dim, manifest.metric)
+    if refused is not None:
+        raise ApiError(501, None, refused)
