@@ -149,6 +149,18 @@ async def _matching(router: "Router", active: IndexSet, where: str) -> Matches:
                        router.args.retry_after_s) from None
 
 
+async def _included(router: "Router", index_set: IndexSet, query: ParsedQuery,
+                    result: QueryResult) -> list[list[dict]] | None:
+    """`include`'s metadata of the hits; a shard that cannot answer it (gone, late, its log
+    unreadable or being re-read) is a 503, as for a delete by filter's matches."""
+    try:
+        return await index_set.metadata(query, result, router.args.shard_timeout_s)
+    except (TimeoutError, RayActorError, ActorUnavailableError, RayServeException, LogUnavailable,
+            LogBehind) as exc:
+        raise ApiError(503, None, f"the shards did not all answer `include`: {type(exc).__name__}",
+                       router.args.retry_after_s) from None
+
+
 def _shape_batches(batcher: AdaptiveBatcher, args: AppArgs, manifest: Manifest) -> None:
     """The batch fill and the batches in flight for the index served (AppArgs.fill_for, batching):
     where a batch shares each shard's scan, batches fill and run one per shard replica."""
@@ -245,7 +257,7 @@ class Router(ReportsCoresWanted):
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
                 raise error
-            extra = await index_set.metadata(query, result, self.args.shard_timeout_s)  # `include`
+            extra = await _included(self, index_set, query, result)
             total_ms = (time.perf_counter() - started) * 1000.0
             return Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra))
         except ApiError as error:

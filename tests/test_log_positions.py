@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import orjson
 import pytest
@@ -26,6 +27,7 @@ from shardserve.index.storage import Location
 from shardserve.query.filters import check_filter
 from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.ports import free_port
+from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes import follow, redis_log
 from shardserve.writes import log as sqlite_log
 from shardserve.writes.follow import LogGap, ShardWrites
@@ -500,5 +502,44 @@ def test_an_append_that_timed_out_after_it_was_sent_says_it_may_have_been_writte
         time.sleep(0.05)
     assert [p for p, _ in log.read(0)] == [1, 2]  # the 503 wrote: hence "may have been"
     assert log.append(upsert(3, "three")) == 3
+    # the writer moved to a new epoch: had a failover lost request 2 (held under the old one), the
+    # next request at position 2 would not pass for it with a replica that applied it
+    epochs = [entry.epoch for entry in log.entries(0)]
+    assert epochs[0] == epochs[1] != epochs[2], epochs
     log.close()
     admin.close()
+
+
+def test_a_search_that_finds_its_view_dropped_after_catching_up_answers_log_behind(
+        tmp_path: Path, index, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view dropped (the log found behind, by another thread) between a search's catch-up and
+    its read of the view, and rebuilt before the search looked again: the search read no view and
+    answered from the base alone, a base id deleted by a request the log still holds back in the
+    answer. Now it answers LogBehind (a 503), as `lookup` and `ids_matching` do."""
+    engine = _sqlite_engine(tmp_path / "log.sqlite")
+    writer = engine.writer()
+    location, manifest = index
+    searcher = ShardSearcher.load(location, manifest, 0, mmap=True)
+    base_ids = searcher.index.id_map  # an IndexIDMap2 over a flat index: its ids in row order
+    doomed = int(faiss.vector_to_array(base_ids)[3])
+    writer.append([Delete(doomed)])
+    running = replica(index, engine.address)
+    assert running.catch_up() == 1
+    query = ShardQuery(searcher._vectors(np.array([doomed]))[None, 0], 5, {})
+    assert doomed not in running.answer(query)[1][0].tolist()
+    def dropped_after(catch_up: Callable[..., int]) -> Callable[..., int]:
+        def caught_up(*args: object) -> int:
+            position = catch_up(*args)
+            running._resets += 1  # what _behind does; the search then reads the view mid-drop
+            running._view = None
+            return position
+        return caught_up
+
+    monkeypatch.setattr(running, "catch_up", dropped_after(running.catch_up))
+    monkeypatch.setattr(running, "_catch_up", dropped_after(running._catch_up))
+    for call in (lambda: running.answer(query), lambda: running.lookup([doomed], ["caption"]),
+                 lambda: running.ids_matching(check_filter({"caption": "x"}, manifest.dataset.metadata_kinds),
+                                              10)):
+        with pytest.raises(follow.LogBehind):
+            call()
+    writer.close()

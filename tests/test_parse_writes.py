@@ -295,7 +295,11 @@ def test_a_float32_column_refuses_what_float32_cannot_hold() -> None:
         parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"f": 1e39}]}), DIM, "l2",
                      {"f": "float32"}, 10)
     assert refused.value.field == "metadata" and "float32" in refused.value.message
-    for kind, value in (("float32", -3.0e38), ("number", 1e39)):
+    with pytest.raises(ApiError) as refused:  # a float16 column: 70000 was stored as inf too
+        parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"h": 70000.0}]}), DIM, "l2",
+                     {"h": "float16"}, 10)
+    assert refused.value.field == "metadata" and "float16" in refused.value.message
+    for kind, value in (("float32", -3.0e38), ("number", 1e39), ("float16", 65504.0)):
         ops = parse_upsert(orjson.dumps({"ids": [1], "vectors": [V], "metadata": [{"f": value}]}), DIM,
                            "l2", {"f": kind}, 10)
         assert ops[0].metadata == {"f": value}

@@ -143,6 +143,10 @@ def test_wire_round_trip() -> None:
     got_d, got_i, ms, matched, position = decode_answer(encode_answer(distances, ids, 1.5, 42, 1 << 40))
     assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids)
     assert (ms, matched, position) == (1.5, 42, 1 << 40)
+    old = struct.pack("<4sIIdq", b"SSA2", *ids.shape, 1.5, 42) + distances.tobytes() + ids.tobytes()
+    got_d, got_i, ms, matched, position = decode_answer(old)  # a shard of the release before
+    assert np.array_equal(got_d, distances) and np.array_equal(got_i, ids) and (ms, matched, position) == (
+        1.5, 42, 0)
     with pytest.raises(ValueError, match="magic"):
         ShardQuery.decode(b"XXXX" + blob[4:], BOUNDS)
     with pytest.raises(ValueError, match="bytes"):

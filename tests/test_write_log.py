@@ -266,7 +266,7 @@ def test_a_log_whose_redis_is_down_refuses_writes_with_a_503_and_followers_serve
 
 
 class _Manifest:
-    log_position = 0
+    log_position, index_factory, dim, metric = 0, "IVF8,Flat", 4, "l2"
 
 
 def test_requests_appended_together_are_all_there_or_none(tmp_path: Path) -> None:

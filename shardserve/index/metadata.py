@@ -32,8 +32,9 @@ ID = "id"
 INTEGER_KINDS = {f"int{bits}": (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) for bits in (8, 16, 32, 64)} | {
     f"uint{bits}": (0, (1 << bits) - 1) for bits in (8, 16, 32, 64)}
 EXACT_FLOAT = 2**53  # float64 holds every integer up to here, and not all beyond
-FLOAT_KINDS = ("number", "float32")  # the kinds of float columns (column_kinds)
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # past it a float32 column would store infinity
+FLOAT_KINDS = ("number", "float32", "float16")  # the kinds of float columns (column_kinds)
+# Past these a narrow float column would store infinity.
+FLOAT_MAX = {"float32": float(np.finfo(np.float32).max), "float16": float(np.finfo(np.float16).max)}
 POSTING_VALUES = 4096  # a column with more distinct values than this is scanned, not inverted
 
 
@@ -131,8 +132,8 @@ class Postings:
 
 def column_kinds(schema: pa.Schema) -> dict[str, str]:
     """What a filter value must be, per metadata column: "bool", "string", "number" (a float64
-    column), "float32" (a float32 or float16 column: a written value must fit float32's range, or it
-    would be stored as infinity), or the integer column's type ("int64", "uint8", ... in
+    column), "float32" or "float16" (a written value must fit the column's range, or it would be
+    stored as infinity), or the integer column's type ("int64", "uint8", ... in
     INTEGER_KINDS)."""
     kinds = {}
     for field in schema:
@@ -141,7 +142,7 @@ def column_kinds(schema: pa.Schema) -> dict[str, str]:
         elif pa.types.is_integer(field.type):
             kinds[field.name] = str(field.type)
         elif pa.types.is_floating(field.type):
-            kinds[field.name] = "number" if pa.types.is_float64(field.type) else "float32"
+            kinds[field.name] = {16: "float16", 32: "float32"}.get(field.type.bit_width, "number")
         elif pa.types.is_string(field.type) or pa.types.is_large_string(field.type):
             kinds[field.name] = "string"
     return kinds

@@ -39,11 +39,15 @@ def plan_filter(index: faiss.Index, plain_ivf: bool, query: ShardQuery, params: 
     ranking (CoarseAssigner.query ranks as many as any shard may take): the quantizer runs
     once per batch, in the router, as unfiltered; without one it runs its own (the same lists)."""
     params = dict(params)
-    if share <= EXACT_SHARE:  # compare with each matching row: no probe or graph walk misses one
-        return FilterPlan("exact", params)
     ivf = faiss.try_extract_index_ivf(unwrap_id_map(index))
+    packed = _reconstructs_packed(index, ivf)
+    if share <= EXACT_SHARE and not packed:  # compare with each matching row: none is missed
+        return FilterPlan("exact", params)
     if ivf is not None:
-        probe = filtered_nprobe(params.get("nprobe", int(ivf.nprobe)), share, int(ivf.nlist))
+        # fast-scan lists hold their codes packed in blocks, and FAISS's reconstruct of a loaded
+        # one crashes the process (1.15): its matching rows are found by probing every list instead
+        probe = (int(ivf.nlist) if packed and share <= EXACT_SHARE
+                 else filtered_nprobe(params.get("nprobe", int(ivf.nprobe)), share, int(ivf.nlist)))
         params["nprobe"] = probe
         if (plain_ivf and query.assign is not None and query.coarse is not None
                 and query.assign.shape[1] >= probe):
@@ -60,3 +64,11 @@ def both_selected(first: faiss.IDSelector, second: faiss.IDSelector) -> faiss.ID
     both = faiss.IDSelectorAnd(first, second)
     both.referenced_objects = [first, second]  # type: ignore[attr-defined]
     return both
+
+
+def _reconstructs_packed(index: faiss.Index, ivf: faiss.IndexIVF | None) -> bool:
+    """Would reading a row's vector back (reconstruct) decode fast-scan lists? A refine step reads
+    its own stored vectors instead; any other index holding fast-scan lists decodes them."""
+    if ivf is None or not isinstance(faiss.downcast_index(ivf), faiss.IndexIVFFastScan):
+        return False
+    return not isinstance(faiss.downcast_index(unwrap_id_map(index)), faiss.IndexRefine)

@@ -29,7 +29,7 @@ import numpy as np
 import orjson
 
 from shardserve.index.indexes import prepare_vectors
-from shardserve.index.metadata import EXACT_FLOAT, FLOAT32_MAX, FLOAT_KINDS, INTEGER_KINDS
+from shardserve.index.metadata import EXACT_FLOAT, FLOAT_KINDS, FLOAT_MAX, INTEGER_KINDS
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import _checked, _matrix, _npy_header, _npy_matrix
@@ -96,9 +96,9 @@ def _value(value: object, kind: str, where: str) -> object:
                                             f"[{low}, {high}]")
         return value
     if kind in FLOAT_KINDS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if kind == "float32" and math.isfinite(value) and abs(value) > FLOAT32_MAX:
-            raise ApiError(422, "metadata", f"{where} = {value:g} is outside the float32 column's range "
-                                            f"(|x| <= {FLOAT32_MAX:.7g})")
+        if kind in FLOAT_MAX and math.isfinite(value) and abs(value) > FLOAT_MAX[kind]:
+            raise ApiError(422, "metadata", f"{where} = {value:g} is outside the {kind} column's range "
+                                            f"(|x| <= {FLOAT_MAX[kind]:.7g})")
         if math.isfinite(value) and abs(value) < 1e308:
             return float(value)
     elif kind == "string" and isinstance(value, str):

@@ -25,6 +25,7 @@ _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment
 # magic, n, k, search milliseconds, rows a filter matched, the write-log position answered at
 _ANSWER = struct.Struct("<4sIIdqq")
 _QUERY_MAGIC, _ANSWER_MAGIC = b"SSQ1", b"SSA3"
+_ANSWER_V2, _ANSWER_V2_MAGIC = struct.Struct("<4sIIdq"), b"SSA2"  # without the position
 MAX_FILTER_BYTES = 256 * 1024  # a filter's JSON: 8 levels, $in lists of 4,096 values
 MAX_PARAMS_BYTES = MAX_FILTER_BYTES + 1024
 MAX_EF_SEARCH = 65536
@@ -145,9 +146,14 @@ def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float, matc
 def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float, int, int]:
     """(distances, ids, search ms, rows a filter matched, log position) from a shard's answer bytes
     (views, no copy)."""
-    magic, n, k, search_ms, matched, position = _ANSWER.unpack_from(blob)
-    if magic != _ANSWER_MAGIC:
+    if blob[:4] == _ANSWER_V2_MAGIC:  # a shard of the release before (a rolling update): no position
+        magic, n, k, search_ms, matched = _ANSWER_V2.unpack_from(blob)
+        position, header = 0, _ANSWER_V2.size
+    else:
+        magic, n, k, search_ms, matched, position = _ANSWER.unpack_from(blob)
+        header = _ANSWER.size
+    if magic not in (_ANSWER_MAGIC, _ANSWER_V2_MAGIC):
         raise ValueError(f"not a shard answer (magic {magic!r})")
-    distances = np.frombuffer(blob, np.float32, n * k, _ANSWER.size).reshape(n, k)
-    ids = np.frombuffer(blob, np.int64, n * k, _ANSWER.size + 4 * n * k).reshape(n, k)
+    distances = np.frombuffer(blob, np.float32, n * k, header).reshape(n, k)
+    ids = np.frombuffer(blob, np.int64, n * k, header + 4 * n * k).reshape(n, k)
     return distances, ids, search_ms, matched, position

@@ -114,6 +114,7 @@ class ShardDelta:
         self.shard, self.route, self.max_rows = shard, route, max_rows
         self.dim, self.metric = base.dim, base.metric
         self.ivf_delta = base.ivf is not None and not isinstance(base.index, faiss.IndexIDMap)
+        self._packed = False
         if self.ivf_delta:
             if trained is None:
                 raise ValueError("an IVF shard's delta copies the trained empty index: pass `trained`")
@@ -121,7 +122,11 @@ class ShardDelta:
             self._ivf = faiss.extract_index_ivf(self.index)
             if self.index.ntotal or self._ivf.nlist != base.ivf.nlist:  # type: ignore[union-attr]
                 raise ValueError("`trained` is not the empty index this shard was built from")
-            self._ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
+            # fast-scan lists (blocks of packed codes) take no removal through the hash map: such a
+            # delta's lists are made again from its live rows when a request kills one of them
+            self._packed = isinstance(faiss.downcast_index(self._ivf), faiss.IndexIVFFastScan)
+            if not self._packed:
+                self._ivf.set_direct_map_type(faiss.DirectMap.Hashtable)  # type: ignore[attr-defined]
         else:  # its rows are the arrays' rows below: dead ones left out by a bitmap (`_live`)
             self.index = faiss.IndexFlat(self.dim, base.index.metric_type)
         self.schema = None if base.metadata is None else base.metadata.table.schema
@@ -206,7 +211,10 @@ class ShardDelta:
             if self._used > first:
                 self.index.add(self._vectors[first:self._used])
             return
-        if gone:  # found through the lists' hash map: no other row moves
+        if gone and self._packed:  # O(delta rows), for the requests that kill a delta row only
+            self.index.reset()
+            first = 0
+        elif gone:  # found through the lists' hash map: no other row moves
             dropped = np.array(gone, np.int64)  # the selector reads it: alive through the call
             self.index.remove_ids(faiss.IDSelectorArray(dropped))
         now = first + np.flatnonzero(self._live.mask[first:self._used])
@@ -287,6 +295,8 @@ class ShardDelta:
         assert matched is not None
         ids = self._ids[matched]
         if plan.kind == "exact":  # the matching rows' stored vectors (decoded, as the base's are)
+            if self._packed:  # FAISS's reconstruct of loaded fast-scan lists crashes (query.filter_plan)
+                raise ValueError("a fast-scan delta has no exact filter plan")
             return self._exact(matrix, k, self._ivf.reconstruct_batch(ids), ids)
         sel = faiss.IDSelectorBatch(ids)  # alive until FAISS returns: a local
         if plan.kind == "routed":

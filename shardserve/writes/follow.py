@@ -81,6 +81,8 @@ class ShardWrites:
         # one tuple replaced whole: a search's check reads both without the lock
         self._applied: tuple[int, int | None] = (base_position, None)
         self._lost: str | None = None  # the log lost what was applied; the view not rebuilt yet
+        # views dropped so far: a search that read no view checks it did not read it mid-drop
+        self._resets = 0
         self._rebuilding: threading.Thread | None = None
         self._rebuild_failed: str | None = None  # why the last rebuild stopped, if it did
         self._rebuild_after = 0.0  # a rebuild that failed is tried again from then on
@@ -153,7 +155,11 @@ class ShardWrites:
                 raise self._behind(log, self._why(position, tip.position))
             view = self._view or self._start_delta()
             for entry in entries:  # acknowledged: held whatever the bound
-                view.delta.apply(entry.position, entry.ops, bounded=False)
+                try:
+                    view.delta.apply(entry.position, entry.ops, bounded=False)
+                except Exception as exc:  # the delta may be half-changed: never served as it is
+                    raise self._behind(log, f"shard {self.shard}: applying request {entry.position} "
+                                            f"failed ({type(exc).__name__}: {exc})") from exc
                 self._applied = (entry.position, entry.epoch)
         return self.position
 
@@ -169,6 +175,7 @@ class ShardWrites:
         it. The LogBehind to raise meanwhile."""
         if self._lost is None:
             logger.warning("%s: rebuilding its view from position %d", why, self.base_position)
+            self._resets += 1  # before the view goes: a reader that finds none then finds this
             self._lost, self._view, self._applied = why, None, (self.base_position, None)
         running = self._rebuilding is not None and self._rebuilding.is_alive()
         if not running and time.monotonic() >= self._rebuild_after:
@@ -221,8 +228,9 @@ class ShardWrites:
         ms, rows a filter matched, the log position the answer is the state at). The router keeps
         an id's copy from the newest position when two shards of one search answered at different
         ones (an overwrite moved it between them: shardserve.query.merge)."""
+        resets = self._resets
         position = self.catch_up()
-        view = self._view
+        view = self._current(resets)
         if view is None or (not view.delta.rows and not len(view.delta.tombstones)):
             # nothing written here (yet): the base alone, the state at any position up to now
             found = self.searcher.answer(query)
@@ -231,9 +239,11 @@ class ShardWrites:
 
     def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """`include`'s metadata of `ids`: the latest, None for ids this shard does not hold."""
+        resets = self._resets
         self.catch_up()
-        if self._view is not None:
-            return self._view.lookup(ids, columns)
+        view = self._current(resets)
+        if view is not None:
+            return view.lookup(ids, columns)
         if self.searcher.metadata is None:
             return [None] * len(ids)
         return self.searcher.metadata.lookup(ids, columns)
@@ -243,11 +253,22 @@ class ShardWrites:
         were found at) once every committed request is applied (LogUnavailable if the log cannot
         be read): a delete by filter deletes these, if the log is still there. More than `limit`:
         no ids, the count only."""
+        resets = self._resets
         self._catch_up()
-        position, view = self.position, self._view
+        position, view = self.position, self._current(resets)
         found, position = view.ids_matching(where) if view is not None else (self.searcher.selected(where),
                                                                               position)
         return (found if len(found) <= limit else found[:0]), len(found), position
+
+    def _current(self, resets: int) -> ShardWithDelta | None:
+        """The view to answer with, read after a catch-up that began with `resets` views dropped:
+        LogBehind when one was dropped since (a rebuild that ended meanwhile included: without its
+        check, a search that read no view mid-drop would answer from the base alone, deleted ids
+        back)."""
+        view = self._view
+        if self._resets != resets or self._lost is not None:
+            raise self._refusal()
+        return view
 
     def live_rows(self) -> int:
         delta = self.delta

@@ -212,7 +212,7 @@ class WriteLog:
                     cursor.execute("ROLLBACK")
                 raise
             self._high = max(self._high, positions[-1])
-            if epochs[-1] == self._fresh:  # the log had lost requests this writer wrote: a new epoch
+            if self._fresh in epochs:  # the log had lost requests this writer wrote: a new epoch
                 self._epoch, self._fresh = self._fresh, new_epoch()
         return positions
 

@@ -240,9 +240,15 @@ class RedisWriteLog:
         size = len(vectors) + (len(metadata) - len(metas) - 1 - 4 * metas.count(None) if metas else 0)
         condition = -1 if unless_past is None else unless_past
         with self._lock:
-            position, epoch = self._run_append([ids.tobytes(), kinds.tobytes(), vectors, metadata, len(ops),
-                                                len(upserts), after, condition, self._high, self._epoch,
-                                                self._fresh, size])
+            try:
+                position, epoch = self._run_append([ids.tobytes(), kinds.tobytes(), vectors, metadata,
+                                                    len(ops), len(upserts), after, condition, self._high,
+                                                    self._epoch, self._fresh, size])
+            except OutcomeUnknown:
+                # Redis may hold it under this epoch and lose it in a failover: the next request
+                # must not be taken, at that same position, for the one a replica applied
+                self._epoch, self._fresh = self._fresh, new_epoch()
+                raise
             if position < 0:
                 raise LogMoved(f"the log holds requests past {unless_past}")
             self._high = max(self._high, int(position))
