@@ -8,7 +8,7 @@ FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data vegeta haproxy redis ssh-tools demo serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data text vegeta haproxy redis ssh-tools demo serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -24,6 +24,13 @@ $(FMNIST):
 	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist \
 	  || { echo "error: could not apt-get install dataset-fashion-mnist (need root or sudo)" >&2; exit 1; }
+
+# Real text for the embedding tests (shardserve/embed/text_data.py): Debian's fortunes.
+text:
+	@if ! [ -d /usr/share/games/fortunes ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fortunes \
+	  || { echo "error: could not apt-get install fortunes (need root or sudo)" >&2; exit 1; }; fi
 
 # The shedding edge (serving/edge.py: `shardserve serve` runs one by default) uses Debian's haproxy.
 haproxy:
@@ -61,7 +68,7 @@ demo: install data haproxy $(INDEX)/manifest.json
 	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
 	$(BIN)/shardserve serve $(INDEX) --port 8000
 
-test: install data vegeta haproxy redis
+test: install data text vegeta haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster and not ha"

@@ -1,0 +1,43 @@
+"""The checks a text must pass before it reaches a model: a 422 naming the field, never a 500.
+
+Bounds by characters and by texts per request, so one request's embedding work is bounded before a
+token is computed: the model reads at most its token limit of a text, but the tokenizer reads it all.
+"""
+
+from __future__ import annotations
+
+from shardserve.query.api import ApiError
+
+# A text's characters: well past what all-MiniLM-L6-v2 reads (256 tokens, ~1,000 characters of
+# English), short enough that tokenizing it costs little next to the model run.
+MAX_TEXT_CHARS = 2000
+# Texts in one request: each costs a model's share of a run (milliseconds of CPU), so a request of
+# more is better split by the client than queued behind.
+MAX_TEXTS = 256
+
+
+def check_text(value: object, *, field: str = "text", max_chars: int = MAX_TEXT_CHARS) -> str:
+    """`value` when it is a string holding a non-space character, at most `max_chars` long; else
+    ApiError(422, field, ...)."""
+    return _text(value, field, field, max_chars)
+
+
+def check_texts(value: object, *, field: str = "texts", max_texts: int = MAX_TEXTS,
+                max_chars: int = MAX_TEXT_CHARS) -> list[str]:
+    """`value` when it is a non-empty list of at most `max_texts` texts that each pass `check_text`;
+    else ApiError(422, field, ...) whose message names the first text at fault by its position."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(422, field, f"{field} must be a non-empty list of strings")
+    if len(value) > max_texts:
+        raise ApiError(422, field, f"too many texts: {len(value)} > max {max_texts}")
+    return [_text(item, field, f"{field}[{i}]", max_chars) for i, item in enumerate(value)]
+
+
+def _text(value: object, field: str, where: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise ApiError(422, field, f"{where} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ApiError(422, field, f"{where} is empty (or only white space): there is nothing to embed")
+    if len(value) > max_chars:
+        raise ApiError(422, field, f"{where} has {len(value)} characters > max {max_chars}")
+    return value
