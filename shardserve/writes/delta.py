@@ -48,7 +48,7 @@ from shardserve.writes.ops import Op, Upsert
 from shardserve.writes.route import WriteRoute
 from shardserve.writes.tombstones import LiveRows, Tombstones
 
-MAX_DELTA_ROWS = 200_000  # per shard replica: 200,000 x 784 float32 is 627 MB of vectors (twice: codes)
+MAX_DELTA_ROWS = 200_000  # per shard replica (and its bytes: writes.accept.MAX_BACKLOG_BYTES)
 # Each filter's matching rows (8 bytes a row), kept for its next batches: bounded as the base's are
 # (shardserve.query.searcher.SELECTED_BYTES).
 MATCHED_BYTES = 64 << 20
