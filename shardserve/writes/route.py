@@ -1,12 +1,14 @@
 """Which shard's delta holds an upserted point: a deterministic rule every shard applies to every
 request of the log, so each knows, without asking, whether a point is its own.
 
-The rule follows the build's dealing (shardserve.index.partition): an index dealt by whole IVF
-lists sends a point to the shard owning its vector's nearest list, as the build would have placed
-it (a shard keeps whole lists, deltas included); an index dealt by row sends it by a hash of its id
-(splitmix64: spreads sequential ids evenly). An overwrite whose new home differs from the old one
-moves the point: the old shard hides its copy (a tombstone, or drops its delta row), the new one
-holds it. Either way the rule depends only on the request, never on what a shard holds.
+The replicas and compaction route every upsert by a hash of its id (splitmix64: spreads sequential
+ids evenly), whatever the build's dealing: the manifest does not keep the build's partition. The
+rule can also follow a dealing by whole IVF lists (a point to the shard owning its vector's nearest
+list, as the build would have placed it) when given the quantizer; nothing uses that yet. An
+overwrite whose new home differs from the old one moves the point: the old shard hides its copy (a
+tombstone, or drops its delta row), the new one holds it, and a search's shards may answer on
+either side of the move (the router keeps the newest copy: shardserve.query.merge). The rule
+depends only on the request, never on what a shard holds.
 """
 
 from __future__ import annotations
