@@ -32,7 +32,6 @@ from shardserve.query.fanout import search_grouped
 from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import is_npy, parse_query, receive_body
-from shardserve.query.parse_writes import delete_filter
 from shardserve.query.render import coverage_error, index_summary, render_search
 from shardserve.query.scan_choice import shares_scan
 from shardserve.runtime.heap import give_back, settled
@@ -45,6 +44,7 @@ from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.follow import LogBehind
 from shardserve.writes.locate import LogAddress
 from shardserve.writes.log import LogMoved
+from shardserve.writes.parse import delete_filter
 from shardserve.writes.redis_log import LogUnavailable
 
 logger = logging.getLogger("ray.serve")
@@ -95,7 +95,7 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     started, status = time.perf_counter(), 200
     try:
         active = router.active  # one version: its manifest checks the body, its log takes it
-        npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (parse_writes)
+        npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (writes.parse)
         if not upsert and not npy and _filter(active, request.body) is not None:  # deleted by id once found
             return _json(await delete_matching(router.writes, lambda: _evaluate(router, request.body),
                                                served=lambda: _served(router)))

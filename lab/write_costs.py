@@ -25,11 +25,11 @@ import orjson
 from loadtests.record import header, save
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
 from shardserve.index.storage import Location
-from shardserve.query.parse_writes import parse_upsert
 from shardserve.query.searcher import ShardSearcher
 from shardserve.writes.follow import ShardWrites
 from shardserve.writes.log import WriteLog
 from shardserve.writes.ops import Op
+from shardserve.writes.parse import parse_upsert
 
 
 def _cpu_ms(calls: list[Callable[[], object]]) -> float:

@@ -92,3 +92,22 @@ def test_serve_app_builders_take_exactly_one_argument() -> None:
     from deployments.app import build_app, build_index_app
 
     assert [len(inspect.signature(f).parameters) for f in (build_app, build_index_app)] == [1, 1]
+
+
+# Inside `shardserve`, by concern, lowest first: a package may import those before it, never after.
+INNER = ["shardserve.errors", "shardserve.runtime", "shardserve.transport", "shardserve.index",
+         "shardserve.query", "shardserve.writes"]
+
+
+def test_inside_shardserve_no_package_imports_one_above_it() -> None:
+    """The write path stands on the query path (it searches with it), never the other way round:
+    write parsing lives in shardserve.writes, not in shardserve.query."""
+    offenders = {}
+    for number, package in enumerate(INNER):
+        folder = ROOT / Path(*package.split("."))
+        for path in sorted(folder.rglob("*.py")) if folder.is_dir() else [folder.with_suffix(".py")]:
+            above = sorted(name for name in _imported_packages(path)
+                           if any(name == up or name.startswith(up + ".") for up in INNER[number + 1:]))
+            if above:
+                offenders[str(path.relative_to(ROOT))] = above
+    assert offenders == {}

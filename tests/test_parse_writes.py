@@ -18,7 +18,12 @@ from shardserve.index.manifest import DatasetInfo, Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import parse_npy_request
-from shardserve.query.parse_writes import (
+from shardserve.writes.accept import WriteFront, delete_matching
+from shardserve.writes.follow import READ_REQUESTS
+from shardserve.writes.locate import open_log
+from shardserve.writes.log import LogMoved, WriteLog
+from shardserve.writes.ops import MAX_ID, Delete, Upsert
+from shardserve.writes.parse import (
     MAX_METADATA_BYTES,
     MAX_STRING_BYTES,
     delete_filter,
@@ -27,11 +32,6 @@ from shardserve.query.parse_writes import (
     parse_upsert,
     parse_upsert_npy,
 )
-from shardserve.writes.accept import WriteFront, delete_matching
-from shardserve.writes.follow import READ_REQUESTS
-from shardserve.writes.locate import open_log
-from shardserve.writes.log import LogMoved, WriteLog
-from shardserve.writes.ops import MAX_ID, Delete, Upsert
 from shardserve.writes.roll import Carried, gathered, metadata_schema
 
 DIM = 4

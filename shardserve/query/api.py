@@ -68,7 +68,7 @@ class SearchResponse(BaseModel):
 
 
 class UpsertRequest(BaseModel):
-    """Points to insert or replace (the schema /docs shows; query.parse_writes checks bodies)."""
+    """Points to insert or replace (the schema /docs shows; writes.parse checks bodies)."""
 
     model_config = ConfigDict(extra="forbid")
     ids: list[int] = Field(..., description="int64 >= 0, each once, at most max_write_points")
@@ -127,5 +127,5 @@ class Limits:
     max_write_backlog: int = 200_000  # upserts not yet compacted (shardserve.writes.delta.MAX_DELTA_ROWS)
     max_filter_delete_points: int = 10_000  # shardserve.writes.accept.MAX_FILTER_DELETE
     max_write_backlog_bytes: int = 1 << 30  # shardserve.writes.accept.MAX_BACKLOG_BYTES
-    max_metadata_bytes: int = 16 * 1024  # a point's (shardserve.query.parse_writes.MAX_METADATA_BYTES)
-    max_string_bytes: int = 8 * 1024  # a string value's (shardserve.query.parse_writes.MAX_STRING_BYTES)
+    max_metadata_bytes: int = 16 * 1024  # a point's (shardserve.writes.parse.MAX_METADATA_BYTES)
+    max_string_bytes: int = 8 * 1024  # a string value's (shardserve.writes.parse.MAX_STRING_BYTES)

@@ -68,7 +68,7 @@ _NPY_QUERY = [("k", "integer", "neighbours to return (default 10)"),
 def openapi_document() -> dict:
     """The pydantic-generated document, plus the .npy bodies that /v1/search (its other fields in
     the query string: shardserve.query.parse.parse_npy_request), /v1/upsert and /v1/delete also
-    take (shardserve.query.parse_writes)."""
+    take (shardserve.writes.parse)."""
     document = _describe().openapi()
     search = document["paths"]["/v1/search"]["post"]
     search["requestBody"]["content"][NPY_CONTENT_TYPE] = {"schema": {

@@ -1,5 +1,5 @@
 """The router's write path, plain Python: a write request's body checked against the served index
-(shardserve.query.parse_writes), the backlog bounded, the request appended to the log, the answer.
+(shardserve.writes.parse), the backlog bounded, the request appended to the log, the answer.
 
 A 200 is sent only once `WriteLog.append` returned: the request is committed and fsynced, so it
 survives a SIGKILL of any process (loadtests/crash_writes.py kills each; a power cut is what
@@ -32,12 +32,12 @@ import pyarrow as pa
 from shardserve.index.manifest import Manifest
 from shardserve.index.removal import writes_refused
 from shardserve.query.api import ApiError
-from shardserve.query.parse_writes import parse_delete, parse_delete_npy, parse_upsert, parse_upsert_npy
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import Log, LogAddress, open_log
 from shardserve.writes.log import LogMoved, WriteLog
 from shardserve.writes.ops import Delete, Op, Upsert
+from shardserve.writes.parse import parse_delete, parse_delete_npy, parse_upsert, parse_upsert_npy
 from shardserve.writes.redis_log import LogUnavailable, OutcomeUnknown
 from shardserve.writes.roll import Carried, Found, metadata_schema
 
@@ -50,7 +50,7 @@ MAX_WRITE_POINTS = 1000  # ids per write request (GET /v1/index: max_write_point
 MAX_FILTER_DELETE = 10_000
 # Bytes of vectors and metadata (as the log stores them) the upserts not yet compacted may hold (GET
 # /v1/index: max_write_backlog_bytes): 200,000 points of 784 float32 dims are 627 MB; a point's
-# metadata is bounded (parse_writes.MAX_METADATA_BYTES), and this bounds their sum.
+# metadata is bounded (writes.parse.MAX_METADATA_BYTES), and this bounds their sum.
 MAX_BACKLOG_BYTES = 1 << 30
 
 
