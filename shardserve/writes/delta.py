@@ -39,6 +39,7 @@ import faiss
 import numpy as np
 import pyarrow as pa
 
+from shardserve.errors import ShardserveError
 from shardserve.index.indexes import index_from_bytes, search_params
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filters import matching
@@ -56,7 +57,7 @@ REPACK_MIN = 1024  # dead rows a delta may hold whatever its size
 REPACK_SHARE = 0.5  # and dead rows up to this share of its live ones: a flat delta scans them too
 
 
-class DeltaFull(Exception):
+class DeltaFull(ShardserveError):
     """A request would put more rows in a shard's delta than its bound: nothing was applied."""
 
     def __init__(self, rows: int, adding: int, max_rows: int):

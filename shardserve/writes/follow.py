@@ -53,7 +53,7 @@ READ_BYTES = LOG_READ_BYTES
 LOG_DOWN_BACKOFF_S = 1.0  # after the log failed to answer, searches skip it this long
 
 
-class LogGap(RuntimeError):
+class LogGap(ShardserveError, RuntimeError):
     """The log no longer holds requests this replica needs: its version is older than what the log
     was truncated to, and only a newer version can serve."""
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from shardserve.errors import ShardserveError
 from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
@@ -103,7 +104,7 @@ def new_epoch() -> int:
     return 1 + secrets.randbelow((1 << 63) - 1)
 
 
-class LogMoved(RuntimeError):
+class LogMoved(ShardserveError, RuntimeError):
     """A conditional append found requests past the position it was conditioned on: nothing written."""
 
 
