@@ -83,7 +83,7 @@ test-cluster: install data ssh-tools
 test-ha: install data vegeta redis
 	$(BIN)/python -m pytest -q -ra -m ha
 
-# Pure tests only (no Ray, dataset, haproxy or notebook kernel): under a minute, no root needed.
+# Pure tests only (no Ray, dataset, haproxy or notebook kernel): ~2.5 minutes on 2 cores, no root needed.
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook"
 
