@@ -89,8 +89,8 @@ def test_batches_share_lists_where_ivf_flat_lists_outgrow_the_cache() -> None:
 
 def test_the_4m_lists_outgrow_a_1_or_2_mib_l2_and_60k_s_fit_in_either() -> None:
     """The rule was a list against the whole L2: at 4M x 128 over 1024 lists (1.95 MB a list) a
-    host with a 2 MiB L2 engaged nothing, and measured 1.07x the monolith against 1.41-1.46x where
-    a 1 MiB L2 engaged it. A list must fit in half the L2 to stay in it."""
+    host with a 2 MiB L2 engaged nothing of what a 1 MiB L2 engages. A list must fit in half the L2
+    to stay in it."""
     mib = 1 << 20
     four_m, sixty_k = 4_000_000 * 128 * 4 / 1024, 60_000 * 784 * 4 / 1024
     for cache in (mib, 2 * mib, int(1.25 * mib)):

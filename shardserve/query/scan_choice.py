@@ -29,12 +29,10 @@ from shardserve.index.manifest import Manifest
 _L2_FALLBACK = 1 << 20  # where sysfs does not say (1 MiB: a common server core's L2)
 # A list still in the core's L2 when the batch's next query reads it must fit in this share of it:
 # its own scan also streams ids, queries and heaps through the cache, the core runs the router and
-# the other shards between two reads, and L2 is no perfect LRU. Decided against every host recorded:
-# 60K x 784's lists (180 KB) stayed in a 1 MiB L2 (0.18 of it: query by query cost least); 4M x
-# 128's (1.95 MiB) were evicted from a 1 MiB L2 (1.9 of it: list by list and the half-precision copy
-# paid, bench-scale-served.json); and on a host with a 2 MiB L2 (0.95 of it), where a rule of the
-# whole L2 engaged neither, shardserve answered 1.07x the monolith against 1.41-1.46x, the scan
-# bound by memory reads all the same.
+# the other shards between two reads, and L2 is no perfect LRU. It keeps what the records show: lists
+# of 0.18 of the L2 stay in it (60K x 784 on a 1 MiB L2: query by query cost least), lists of 1.9 of
+# it do not (4M x 128: list by list and the half-precision copy paid). A list of 0.95 of the L2 (4M
+# on a 2 MiB L2) is counted as evicted; no host of that kind has been recorded here.
 RESIDENT_SHARE = 0.5
 
 
