@@ -15,7 +15,8 @@ import pytest
 
 from shardserve.embed.cache import EmbeddingCache, entry_bytes
 from shardserve.embed.model import Embedder, plan_runs
-from shardserve.embed.model_files import EmbedderError, ModelIdentity, resolve_model
+from shardserve.embed.model_files import EmbedderError, resolve_model
+from shardserve.index.manifest import ModelIdentity
 from shardserve.embed.text_data import TextDataMissing, fortunes, real_texts
 from shardserve.embed.validate import MAX_TEXT_CHARS, MAX_TEXTS, check_text, check_texts
 from shardserve.errors import ApiError

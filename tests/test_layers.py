@@ -96,7 +96,7 @@ def test_serve_app_builders_take_exactly_one_argument() -> None:
 
 # Inside `shardserve`, by concern, lowest first: a package may import those before it, never after.
 INNER = ["shardserve.errors", "shardserve.runtime", "shardserve.transport", "shardserve.index",
-         "shardserve.query", "shardserve.writes"]
+         "shardserve.query", "shardserve.embed", "shardserve.writes"]
 
 
 def test_inside_shardserve_no_package_imports_one_above_it() -> None:

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardserve.errors import ShardserveError
+from shardserve.index.manifest import ModelIdentity
 
 MODEL_FILE = "model.onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -44,20 +45,6 @@ class PoolingConfig(BaseModel):
     normalize: bool = Field(True, description="L2-normalise the pooled vector")
     max_tokens: int = Field(..., ge=2, description="the model's token limit: longer texts are truncated "
                                                    "to it ([CLS] and [SEP] included)")
-
-
-class ModelIdentity(BaseModel):
-    """What an index built with an embedder records, and what a server checks before it embeds."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$",
-                        description="over model.onnx, tokenizer.json and the pooling settings")
-    dim: int = Field(ge=1)
-    metric: Literal["cosine"] = "cosine"
-    pooling: Literal["mean"] = "mean"
-    normalize: bool = True
-    max_tokens: int = Field(ge=2)
 
 
 @dataclass(frozen=True, kw_only=True)

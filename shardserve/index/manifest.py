@@ -6,7 +6,7 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -61,6 +61,21 @@ class DatasetInfo(_Strict):
         return {"vector_column": self.vector_column, "id_column": self.id_column}
 
 
+class ModelIdentity(BaseModel):
+    """The embedding model an index was built with (shardserve.embed.model_files): what a server
+    checks before it embeds a text for this index."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$",
+                        description="over model.onnx, tokenizer.json and the pooling settings")
+    dim: int = Field(ge=1)
+    metric: Literal["cosine"] = "cosine"
+    pooling: Literal["mean"] = "mean"
+    normalize: bool = True
+    max_tokens: int = Field(ge=2)
+
+
 class BuildInfo(_Strict):
     params: dict
     seconds: float
@@ -84,19 +99,25 @@ class Manifest(_Strict):
     # The last write-log position this version includes (shardserve.writes.log): 0 for a build from
     # data; a compacted version folds the log up to here, and its shards apply what follows.
     log_position: int = Field(0, ge=0)
+    # The model its vectors were embedded with, when it was built from text (`build --embedder`):
+    # the server embeds text requests with exactly that model; None: vectors only.
+    embedder: ModelIdentity | None = None
     dataset: DatasetInfo
     build: BuildInfo
     created_at: str
 
     @staticmethod
     def content_version(shards: list[ShardEntry], factory: str, metric: str,
-                        metadata: Sequence[ShardEntry] | None = None, log_position: int = 0) -> str:
+                        metadata: Sequence[ShardEntry] | None = None, log_position: int = 0,
+                        embedder: ModelIdentity | None = None) -> str:
         """Index version = hash of what the index answers with: shard contents + how they are read
         (+ the metadata it returns, + where in the write log it starts when not at its beginning:
         the same shards at another position answer with other writes)."""
         digest = hashlib.sha256(f"{factory}|{metric}".encode())
         if log_position:
             digest.update(f"|log {log_position}".encode())
+        if embedder is not None:  # the same vectors answer a text through another model otherwise
+            digest.update(f"|embedder {embedder.sha256}".encode())
         for shard in [*shards, *(metadata or [])]:
             digest.update(shard.sha256.encode())
         return digest.hexdigest()[:16]
