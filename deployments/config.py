@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.autoscaling import autoscaling_config
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
@@ -128,6 +129,37 @@ class AppArgs(BaseModel):
                                "(Serve routes it by queue length, so with >= 2 replicas usually to "
                                "another one); the first answer wins, the other call is cancelled")
 
+    embedder: str | None = Field(
+        None, description="where the embedder replicas of an index built from text find its model: a "
+                          "known model's name or a model folder on every node (default: the manifest's "
+                          "model name, which must then be a known one); its files must be the ones the "
+                          "index was built with (checked by hash)")
+    embedder_replicas: int = Field(1, ge=1, description="fixed embedder replicas (an index built from "
+                                                        "text), when embedder_autoscaling is null")
+    embedder_autoscaling: dict | None = Field(
+        default_factory=lambda: default_embedder_autoscaling(),
+        description="Serve autoscaling_config of the embedder deployment, on its own queue and knee "
+                    "(deployments.autoscaling.autoscaling_config; `shardserve tune` writes one from a "
+                    "text sweep); null: embedder_replicas")
+    embedder_num_cpus: float = Field(
+        0.5, gt=0, description="Ray CPUs reserved per embedder replica (each runs one model thread)")
+    embedder_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each embedder replica needs, e.g. "
+                                          "{embed_host: 0.01} to keep them on nodes of their own")
+    embedder_max_batch: int = Field(64, ge=1, description="texts per model batch in an embedder replica")
+    embedding_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="each router replica's cache of embeddings by (model, exact "
+                                            "text); 0: none")
+    max_texts_in_flight: int = Field(
+        64, ge=1, description="text admission: texts a router replica may have waiting for the "
+                              "embedder; a request whose cache misses would pass it gets an immediate "
+                              "503 (vector searches are not counted, nor are cache hits)")
+    max_texts: int = Field(256, ge=1, description="texts per request (search, embed)")
+    max_text_chars: int = Field(2000, ge=1, description="characters per text (the model reads at most "
+                                                        "its token limit of it: the rest is truncated, "
+                                                        "and the answer says which texts were)")
+    embed_timeout_s: float = Field(10.0, gt=0, description="a request's wait for the embedder, then 503")
+
     def fill_for(self, shared_scan: bool) -> float:
         """`batch_fill`, or its default for an index whose batches do or do not share each shard's
         scan (query.scan_choice.shares_scan; see its description)."""
@@ -147,6 +179,18 @@ class AppArgs(BaseModel):
         return self.replicas_per_shard + 1, self.replicas_per_shard, OVERLAP_MIN_ROWS
 
 
+# An embedder replica batches what is queued; past about this many calls waiting per replica a
+# batch no longer gets cheaper per text and latency is queueing (`shardserve tune` measures it).
+EMBEDDER_KNEE_DEPTH = 8.0
+EMBEDDER_MAX_REPLICAS = 2
+
+
+def default_embedder_autoscaling() -> dict:
+    """The embedder's own knee policy (deployments.autoscaling.knee_policy) on its own queue."""
+    return autoscaling_config(EMBEDDER_KNEE_DEPTH, 1, EMBEDDER_MAX_REPLICAS, knee_policy=True)
+
+
+EMBEDDER = "Embedder"  # an index version's embedder deployment (an index built from text)
 INDEX_INGRESS = "IndexVersion"  # the index version app's ingress: readiness, gate, link directory
 
 

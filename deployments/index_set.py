@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import INDEX_INGRESS
+from deployments.config import EMBEDDER, INDEX_INGRESS
 from deployments.metrics import RouterMetrics
 from deployments.shard_calls import call_shard, shard_handle
 from shardserve.index.assigner import CoarseAssigner, FilterShares
@@ -53,6 +53,7 @@ class IndexSet:
     directory: DeploymentHandle  # the version's ingress: where each shard replica listens
     filter_shares: FilterShares  # each filter's share of every shard's rows: the lists to rank
     log: LogAddress | None  # its index's write log: writes go where this version's shards read
+    embedder: DeploymentHandle | None  # an index built from text: its model's replicas
 
     @classmethod
     async def load(cls, generation: int, index: str, app: str, use_links: bool) -> IndexSet:
@@ -62,9 +63,10 @@ class IndexSet:
         flat_search_with_blas_from(BLAS_MIN_ROWS, manifest.dim)  # the quantizer's 16-25 row batches
         shards = [shard_handle(deployment_handle_unchecked(s.name, app)) for s in manifest.shards]
         directory = deployment_handle_unchecked(INDEX_INGRESS, app)
+        embedder = None if manifest.embedder is None else deployment_handle_unchecked(EMBEDDER, app)
         loaded = cls(generation, app, manifest, shards, supported, assigner,
                      ShardLinks(len(shards)) if use_links else None, directory,
-                     FilterShares([shard.num_vectors for shard in manifest.shards]), log)
+                     FilterShares([shard.num_vectors for shard in manifest.shards]), log, embedder)
         await loaded.refresh_links(timeout_s=2.0)
         return loaded
 

@@ -18,12 +18,13 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from deployments.autoscaling import with_link_policy
-from deployments.config import AppArgs
+from deployments.config import EMBEDDER, AppArgs
+from deployments.embedder import EmbedderDeployment
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
 from shardserve.index.assigner import CoarseAssigner
 from shardserve.index.indexes import prepare_vectors
-from shardserve.index.manifest import pinned_location, read_manifest
+from shardserve.index.manifest import Manifest, pinned_location, read_manifest
 from shardserve.index.storage import Location
 from shardserve.query.api import ParsedQuery
 from shardserve.query.fanout import plain_query, search_batch
@@ -38,7 +39,7 @@ class IndexVersion:
     query path: routers read the directory once a second)."""
 
     def __init__(self, shards: list[DeploymentHandle], index: str, shard_timeout_s: float,
-                 link_secret: str | None = None):
+                 link_secret: str | None = None, embedder: DeploymentHandle | None = None):
         location = Location.parse(index)
         self.manifest = read_manifest(location)
         self.shards = shards
@@ -47,6 +48,7 @@ class IndexVersion:
         self.shard_timeout_s = shard_timeout_s
         self.directory = EndpointDirectory(len(shards))
         self.link_secret = link_secret
+        self.embedder = embedder  # an index built from text: routers call it by name
 
     def announce(self, shard: int, replica: str, host: str, port: int) -> None:
         self.directory.announce(shard, replica, host, port)
@@ -124,4 +126,24 @@ def index_app(args: dict, shard_class: type | None = None) -> Application:
                max_k=app_args.max_k, max_frame=app_args.max_body_bytes)
         for position, entry in enumerate(manifest.shards)
     ]
-    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret)  # type: ignore[attr-defined]
+    embedder = None if manifest.embedder is None else embedder_deployment(app_args, manifest)
+    return IndexVersion.bind(shards, app_args.index, app_args.shard_timeout_s, secret,  # type: ignore[attr-defined]
+                             embedder)
+
+
+def embedder_deployment(args: AppArgs, manifest: Manifest) -> Application:
+    """The embedder of an index built from text: its own replicas (or autoscaling on its own
+    queue), its own resources; the model found where `args.embedder` says, else by the name the
+    manifest records (a known model), and refused unless its files hash to the manifest's identity."""
+    assert manifest.embedder is not None
+    model = args.embedder or manifest.embedder.name
+    scaling = ({"autoscaling_config": args.embedder_autoscaling} if args.embedder_autoscaling
+               else {"num_replicas": args.embedder_replicas})
+    actor_options: dict = {"num_cpus": args.embedder_num_cpus}
+    if args.embedder_resources:
+        actor_options["resources"] = dict(args.embedder_resources)
+    return EmbedderDeployment.options(  # type: ignore[attr-defined]
+        name=EMBEDDER, **scaling, ray_actor_options=actor_options,
+        logging_config={"enable_access_log": False},
+    ).bind(model, manifest.embedder.model_dump(), max_batch_texts=args.embedder_max_batch,
+           max_texts=args.max_texts, max_text_chars=args.max_text_chars, nice=args.serving_nice)

@@ -61,6 +61,14 @@ class ExportedHistogram:
                     gauge.set(sample.value, tags=sample.labels)
 
 
+async def export_every(histograms: Sequence[ExportedHistogram]) -> None:
+    """Runs for a replica's life: its histograms' totals to Ray every EXPORT_EVERY_S."""
+    while True:
+        await asyncio.sleep(EXPORT_EVERY_S)
+        for histogram in histograms:
+            histogram.export()
+
+
 class RouterMetrics:
     """Created inside the router replica (metrics must be created in a Ray worker or driver). Every
     series carries the Serve `application` it serves, so two deployments on a cluster stay apart."""
@@ -82,8 +90,14 @@ class RouterMetrics:
         self.write_group = ExportedHistogram(
             "shardserve_write_group_requests", "Write requests per commit to the write log (requests that "
             "wait behind each other's fsync share one)", BATCH_BOUNDARIES, default_tags=app)
+        self.embed_ms = ExportedHistogram(
+            "shardserve_embed_ms", "Router time to turn a request's texts into vectors (cache, then the "
+            "embedder for the misses)", LATENCY_MS_BOUNDARIES, default_tags=app)
         self.histograms = (self.request_ms, self.shard_search_ms, self.fanout_ms, self.batch_size,
-                           self.write_group)
+                           self.write_group, self.embed_ms)
+        self.embed_cache = metrics.Counter(
+            "shardserve_embed_cache_lookups", "Texts looked up in the router's embedding cache, by result "
+            "(hit / miss)", tag_keys=(*by_app, "result"))
         self.in_flight = metrics.Gauge(
             "shardserve_in_flight_requests", "Requests inside the router replica", tag_keys=by_app)
         self.deadline_misses = metrics.Counter(
@@ -105,7 +119,7 @@ class RouterMetrics:
             "shardserve_shard_links", "Shard replicas this router reaches over a shard link "
             "(fewer than the replicas: those shards are called through Serve)", tag_keys=by_app)
         for metric in (self.in_flight, self.deadline_misses, self.shed, self.coverage, self.hedged,
-                       self.index_generation, self.shard_links):
+                       self.index_generation, self.shard_links, self.embed_cache):
             metric.set_default_tags(app)
         self.shard_names: list[str] = []
 
@@ -114,15 +128,19 @@ class RouterMetrics:
         self.shard_names = [s.name for s in manifest.shards]
         self.index_generation.set(generation)
 
+    def embed_lookups(self, hits: int, misses: int) -> None:
+        """A request's texts looked up in the embedding cache."""
+        if hits:
+            self.embed_cache.inc(hits, tags={"result": "hit"})
+        if misses:
+            self.embed_cache.inc(misses, tags={"result": "miss"})
+
     def observe_request(self, started: float, status: int, route: str = "search") -> None:
         self.request_ms.observe((time.perf_counter() - started) * 1000.0, route, str(status))
 
     async def export_histograms(self) -> None:
         """Runs for the replica's life: the histograms' totals to Ray every EXPORT_EVERY_S."""
-        while True:
-            await asyncio.sleep(EXPORT_EVERY_S)
-            for histogram in self.histograms:
-                histogram.export()
+        await export_every(self.histograms)
 
     def observe_batch(self, items: list, results: list, in_flight: int) -> None:
         """Per batch, not per request: its size, the fan-out time, the in-flight gauge (sampled) and

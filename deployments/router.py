@@ -9,9 +9,11 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
+import numpy as np
 import orjson
 import ray
 from ray import serve
@@ -25,6 +27,15 @@ from deployments.autoscaling import ReportsCoresWanted
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
+from shardserve.embed.front import (
+    Embedded,
+    TextFront,
+    embed_request,
+    needs_embedder,
+    text_search,
+    text_upsert,
+    upsert_body,
+)
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.batcher import AdaptiveBatcher
@@ -39,7 +50,14 @@ from shardserve.runtime.procfs import lower_priority
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
-from shardserve.writes.accept import MAX_FILTER_DELETE, Evaluated, Matches, WriteFront, delete_matching
+from shardserve.writes.accept import (
+    MAX_FILTER_DELETE,
+    Evaluated,
+    Matches,
+    WriteFront,
+    delete_matching,
+    writable,
+)
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.follow import LogBehind
 from shardserve.writes.locate import LogAddress
@@ -92,24 +110,104 @@ def _write_front(log: LogAddress | None, a: AppArgs, metrics: RouterMetrics) -> 
 
 async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
-    started, status = time.perf_counter(), 200
-    try:
+    async def answer() -> Reply:
         active = router.active  # one version: its manifest checks the body, its log takes it
         npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (writes.parse)
-        if not upsert and not npy and _filter(active, request.body) is not None:  # deleted by id once found
-            return _json(await delete_matching(router.writes, lambda: _evaluate(router, request.body),
+        body = request.body
+        if upsert and not npy and (texts := text_upsert(body, router.args.max_write_points,
+                                                         router.args.max_text_chars)) is not None:
+            # embedded before the log append: the log holds vectors, and a replay never embeds again
+            writable(active.manifest)  # refused before the model's work, as after it
+            embedded = await _embed(router, active, texts[1], "texts")
+            body = upsert_body(texts[0], embedded.vectors)
+        if not upsert and not npy and _filter(active, body) is not None:  # deleted by id once found
+            return _json(await delete_matching(router.writes, lambda: _evaluate(router, body),
                                                served=lambda: _served(router)))
         return _json(await router.writes.accept(
-            request.body, upsert, active.manifest, active.log,
+            body, upsert, active.manifest, active.log,
             served=lambda: _served(router), npy=npy))  # `served` read again once its turn comes
+
+    return await _counted(router, "upsert" if upsert else "delete", answer)
+
+
+async def _embed(router: "Router", active: IndexSet, texts: list[str], field: str = "text") -> Embedded:
+    """`texts` as vectors of `active`'s model: the router's cache, then its embedder (a 503 when the
+    embedder is gone, late, or the text admission is full)."""
+    needs_embedder(active.manifest, field)
+    embedder = active.embedder
+    assert embedder is not None  # a manifest with an embedder has one
+
+    async def call(missing: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
+        return await embedder.embed.remote(missing)
+
+    hits, misses = router.text.cache.hits, router.text.cache.misses
+    try:
+        embedded = await router.text.embed(active.manifest, texts, call)
+    except (RayActorError, ActorUnavailableError, RayServeException) as exc:
+        raise ApiError(503, None, f"the embedder did not answer: {type(exc).__name__}",
+                       router.args.retry_after_s) from None
+    finally:
+        router.metrics.embed_lookups(router.text.cache.hits - hits, router.text.cache.misses - misses)
+    router.metrics.embed_ms.observe(embedded.ms)
+    return embedded
+
+
+async def _embed_route(router: "Router", request: HttpRequest) -> Reply:
+    """POST /v1/embed: the vectors of `texts` under the served index's model."""
+    async def answer() -> Reply:
+        active = router.active
+        texts = embed_request(request.body, router.args.max_texts, router.args.max_text_chars)
+        embedded = await _embed(router, active, texts, "texts")
+        return Reply(200, orjson.dumps({"vectors": embedded.vectors, **embedded.describe(active.manifest),
+                                        "dim": embedded.vectors.shape[1]},
+                                       option=orjson.OPT_SERIALIZE_NUMPY))
+
+    return await _counted(router, "embed", answer)
+
+
+def _text_front(a: AppArgs) -> TextFront:
+    """The replica's texts: its embedding cache, its text admission and its text limits."""
+    return TextFront(a.embedding_cache_bytes, a.max_texts_in_flight, a.embed_timeout_s, a.retry_after_s,
+                     a.max_texts, a.max_text_chars)
+
+
+def _summary(router: "Router") -> Reply:
+    """GET /v1/index: the version served, its limits, and those of text requests."""
+    active = router.active
+    return _json(index_summary(active.manifest, active.supported, router.limits, router.text.limits))
+
+
+def _described(embedded: Embedded | None, index_set: IndexSet) -> dict | None:
+    return None if embedded is None else embedded.describe(index_set.manifest)
+
+
+async def _counted(router: "Router", route: str, answer: Callable[[], Awaitable[Reply]]) -> Reply:
+    """`answer()`, its ApiError as the error reply, and the request counted by the status the
+    client gets (500 for anything else raised)."""
+    started, status = time.perf_counter(), 500
+    try:
+        reply = await answer()
+        status = reply.status
+        return reply
     except ApiError as error:
         status = error.status
         return _error(error)
-    except BaseException:
-        status = 500  # counted as what the client gets
-        raise
     finally:
-        router.metrics.observe_request(started, status, "upsert" if upsert else "delete")
+        router.metrics.observe_request(started, status, route)
+
+
+async def _parsed(router: "Router", index_set: IndexSet,
+                  request: HttpRequest) -> tuple[ParsedQuery, Embedded | None]:
+    """A search request as a query of `index_set`: by vector, or by text ({"text": ...} or
+    {"texts": [...]}), embedded first, then checked as a vector search is."""
+    text = None if is_npy(request.content_type) else text_search(request.body, router.args.max_texts,
+                                                                  router.args.max_text_chars)
+    if text is None:
+        return parse_query(request, index_set.manifest, index_set.supported, router.limits), None
+    payload, texts, single = text
+    embedded = await _embed(router, index_set, texts, "text" if single else "texts")
+    payload["vector" if single else "vectors"] = embedded.vectors
+    return parse_query(request, index_set.manifest, index_set.supported, router.limits, payload), embedded
 
 
 async def _evaluate(router: "Router", body: bytes) -> Evaluated:
@@ -204,6 +302,7 @@ class Router(ReportsCoresWanted):
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         self.writes = _write_front(self.active.log, a, self.metrics)
+        self.text = _text_front(a)
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
                                        size_of=lambda item: len(item[1].matrix))
         _shape_batches(self.batcher, a, self.active.manifest)
@@ -230,12 +329,11 @@ class Router(ReportsCoresWanted):
         method, route = request.method, request.path.rstrip("/") or "/"
         if route == "/v1/search" and method == "POST":
             return await self.search(request)
-        if route in ("/v1/upsert", "/v1/delete") and method == "POST":
-            return await _write(self, request, route == "/v1/upsert")
-        if method == "GET" and route == "/v1/health":
-            return await self.health()
-        if method == "GET" and route == "/v1/index":
-            return _json(index_summary(self.active.manifest, self.active.supported, self.limits))
+        if method == "POST" and route in ("/v1/upsert", "/v1/delete", "/v1/embed"):
+            return await (_embed_route(self, request) if route == "/v1/embed"
+                          else _write(self, request, route == "/v1/upsert"))
+        if method == "GET" and route in ("/v1/health", "/v1/index"):
+            return await self.health() if route == "/v1/health" else _summary(self)
         if method == "GET" and (docs := docs_reply(route, root)) is not None:
             return docs
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
@@ -251,7 +349,7 @@ class Router(ReportsCoresWanted):
             self.in_flight += 1
             index_set = self.active  # answered by this version only, even mid-swap
             self.in_flight_by_generation[index_set.generation] += 1
-            query = parse_query(request, index_set.manifest, index_set.supported, self.limits)
+            query, embedded = await _parsed(self, index_set, request)
             result: QueryResult = await self.batcher.submit((index_set, query))
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)
@@ -259,7 +357,8 @@ class Router(ReportsCoresWanted):
                 raise error
             extra = await _included(self, index_set, query, result)
             total_ms = (time.perf_counter() - started) * 1000.0
-            return Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra))
+            return Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra,
+                                            _described(embedded, index_set)))
         except ApiError as error:
             status = error.status
             return _error(error)

@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 
-from deployments.config import AppArgs
+from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
 from deployments.run import APP_NAME, deploy, undeploy
 from serving.compactor import COMPACT_AT, AutoCompactor
 from serving.edge import Admission, EdgeProcess, haproxy_binary
@@ -75,7 +75,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     compactor: AutoCompactor | None = None
     compact_at = COMPACT_AT if compact_at is None else compact_at
     if num_cpus is None and not joining:
-        num_cpus = room_for_two_versions(len(manifest.shards), replicas_per_shard)
+        num_cpus = room_for_two_versions(len(manifest.shards), replicas_per_shard,
+                                         manifest.embedder is not None)
     try:
         started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True, address=address,
                              join_local=False)
@@ -128,14 +129,16 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         _stop(front, joining, mark)
 
 
-def room_for_two_versions(shards: int, replicas_per_shard: int) -> int:
+def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool = False) -> int:
     """Logical CPUs for the Ray `serve` starts: its cores, or, if more, room for the router and two
-    index versions' shard replicas at their default reservations. A swap (by hand or by automatic
-    compaction) runs the new version beside the old until the switch; with only the cores counted,
-    four shards on two cores had no room for the second. Fixed replicas: the count only places
-    them, it starts nothing."""
+    index versions' shard replicas (and, for an index built from text, their embedders at their
+    most replicas) at their default reservations. A swap (by hand or by automatic compaction) runs
+    the new version beside the old until the switch; with only the cores counted, four shards on
+    two cores had no room for the second. Fixed replicas: the count only places them, it starts
+    nothing."""
     defaults = AppArgs.model_fields
-    need = (2 * shards * replicas_per_shard * defaults["shard_num_cpus"].default
+    embedders = EMBEDDER_MAX_REPLICAS * defaults["embedder_num_cpus"].default if embedder else 0.0
+    need = (2 * (shards * replicas_per_shard * defaults["shard_num_cpus"].default + embedders)
             + defaults["router_num_cpus"].default)
     return max(cores(), math.ceil(need))
 

@@ -116,6 +116,16 @@ class ParsedQuery:
 
 
 @dataclass(frozen=True)
+class TextLimits:
+    """What one text request may ask for (AppArgs' text fields), shown by GET /v1/index."""
+
+    max_texts: int
+    max_text_chars: int
+    max_texts_in_flight: int
+    embedding_cache_bytes: int
+
+
+@dataclass(frozen=True)
 class Limits:
     """What one request may ask for (AppArgs' max_* fields)."""
 

@@ -58,11 +58,16 @@ async def receive_body(chunks: AsyncIterator[bytes], declared: str | None, limit
 
 
 def parse_query(request: Request, manifest: Manifest, supported: Collection[str],
-                limits: Limits) -> ParsedQuery:
+                limits: Limits, payload: dict | None = None) -> ParsedQuery:
     """A /v1/search request checked against the served index: its dim, the params its type takes,
     the work limit; vectors normalised for cosine. JSON unless the body is .npy (`is_npy`); a JSON
-    body carries every field, so the query string is not read then."""
-    if is_npy(request.content_type):
+    body carries every field, so the query string is not read then. `payload`: the JSON body
+    already decoded, its vectors possibly a float32 array (a text request, embedded)."""
+    if payload is not None:
+        query = parse_search_request(request.body, manifest.dim, limits.max_k, limits.max_vectors,
+                                     manifest.metric, manifest.dataset.metadata_kinds,
+                                     max(shard.num_vectors for shard in manifest.shards), payload)
+    elif is_npy(request.content_type):
         query = parse_npy_request(request.body, request.query, manifest.dim, limits.max_k,
                                   limits.max_vectors, manifest.metric)
     else:
@@ -86,12 +91,13 @@ def parse_query(request: Request, manifest: Manifest, supported: Collection[str]
 
 def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
                          metric: str = "l2", kinds: dict[str, str] | None = None,
-                         shard_rows: int = 0) -> ParsedQuery:
+                         shard_rows: int = 0, payload: dict | None = None) -> ParsedQuery:
     """Parse and validate a /v1/search body; raise ApiError(422) naming the field at fault.
     `kinds`: the index's filterable metadata columns (query.filters), for a `filter`; `shard_rows`:
-    the largest shard's rows, what each comparison of a filter passes over."""
+    the largest shard's rows, what each comparison of a filter passes over; `payload`: the body
+    already decoded (its vectors may be a float32 array then)."""
     try:
-        payload = orjson.loads(body)
+        payload = orjson.loads(body) if payload is None else payload
     except orjson.JSONDecodeError as exc:
         if b"NaN" in body or b"Infinity" in body:
             field = "vectors" if b'"vectors"' in body else "vector"
@@ -277,6 +283,8 @@ def _numbers_only(rows: list, may_hold_booleans: bool) -> np.ndarray | None:
 
 def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int,
             metric: str, may_hold_booleans: bool = True) -> np.ndarray:
+    if isinstance(value, np.ndarray):  # computed by the server (embedded text), checked all the same
+        return _checked(value.reshape(1, -1) if single else value, field, dim, metric)
     if not isinstance(value, list) or not value:
         raise ApiError(422, field, f"{field} must be a non-empty list")
     if not single and len(value) > max_vectors:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import numpy as np
 import orjson
 
 from shardserve.index.manifest import Manifest
-from shardserve.query.api import ApiError, Limits, ParsedQuery
+from shardserve.query.api import ApiError, Limits, ParsedQuery, TextLimits
 from shardserve.query.merge import QueryResult
 
 
@@ -37,9 +38,10 @@ def _matched(query: ParsedQuery, result: QueryResult) -> dict:
 
 
 def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, index_version: str,
-                  metadata: list[list[dict]] | None = None) -> bytes:
+                  metadata: list[list[dict]] | None = None, embedded: dict | None = None) -> bytes:
     """The /v1/search response body (SearchResponse's fields), numpy arrays written by orjson.
-    `metadata`: per query, per real hit (`real_ids`), the `include` columns."""
+    `metadata`: per query, per real hit (`real_ids`), the `include` columns; `embedded`: a text
+    request's `embedding` (the model, the texts truncated, the cache's hits) and its time."""
     answers = [hits(i, d) for i, d in zip(result.ids, result.distances, strict=True)]
     for answer, rows in zip(answers, metadata or [], strict=False):
         answer["metadata"] = rows
@@ -51,14 +53,19 @@ def render_search(query: ParsedQuery, result: QueryResult, total_ms: float, inde
     payload["coverage"] = {"shards": result.shards, "answered": result.answered}
     payload["timing_ms"] = {"total": round(total_ms, 3), "compute": round(result.compute_ms, 3),
                             "queue": round(max(total_ms - result.compute_ms, 0.0), 3)}
+    if embedded is not None:
+        payload["timing_ms"]["embed"] = round(embedded.pop("ms"), 3)
+        payload["embedding"] = embedded
     payload["index"] = index_version
     payload["batch"] = result.batch_size
     payload.update(_matched(query, result))
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits) -> dict:
-    """GET /v1/index: the manifest being served and the request limits."""
+def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits,
+                  text: TextLimits | None = None) -> dict:
+    """GET /v1/index: the manifest being served and the request limits (`text`: those of text
+    requests, shown for an index built from text)."""
     return {
         "index_version": manifest.index_version, "index_factory": manifest.index_factory,
         "dim": manifest.dim, "metric": manifest.metric, "num_vectors": manifest.num_vectors,
@@ -72,6 +79,10 @@ def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits
         "max_metadata_bytes": limits.max_metadata_bytes, "max_string_bytes": limits.max_string_bytes,
         "log_position": manifest.log_position,
         "metadata_kinds": manifest.dataset.metadata_kinds,
+        "embedder": None if manifest.embedder is None else manifest.embedder.model_dump(),
+        **({"text": {**dataclasses.asdict(text), "max_tokens": manifest.embedder.max_tokens,
+                     "past_max_tokens": "truncated (the answer's embedding.truncated lists the texts)"}}
+           if text is not None and manifest.embedder is not None else {}),
     }
 
 

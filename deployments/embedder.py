@@ -1,0 +1,91 @@
+"""Embedder deployment: one Serve deployment per index version built from text, each replica holding
+the model that index was built with (checked by content: shardserve.embed.model.Embedder.check).
+
+Routers call `embed` with the texts their cache does not hold. Whatever calls are queued when the
+replica's one model run frees are one batch (shardserve.query.batcher.AdaptiveBatcher, the router's
+own batcher): one text alone at low load, everything waiting under load, sorted by token length and
+cut into runs that pad little inside `Embedder.embed_batch`. One run at a time, on one ONNX thread:
+replicas, not threads, share the cores, and the deployment scales on its own queue (Serve's handle
+counters) with the knee policy (deployments.autoscaling), apart from the shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from ray import serve
+
+from deployments.metrics import BATCH_BOUNDARIES, LATENCY_MS_BOUNDARIES, ExportedHistogram, export_every
+from shardserve.embed.model_files import EmbedderError
+from shardserve.index.manifest import ModelIdentity
+from shardserve.query.batcher import AdaptiveBatcher
+from shardserve.runtime.heap import settled
+from shardserve.runtime.procfs import lower_priority
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
+class EmbedderDeployment:
+    """Thin: loads an Embedder (its identity checked against the manifest's), answers `embed`."""
+
+    async def __init__(self, model: str, identity: dict, *, max_batch_texts: int = 64,  # type: ignore[misc]
+                       max_texts: int = 256, max_text_chars: int = 2000, nice: int = 0):
+        """`model`: where this replica finds the model (a known name or a folder, AppArgs.embedder);
+        `identity`: the manifest's (ModelIdentity), which it must match byte for byte.
+        `max_batch_texts`: texts per batch (calls are never split); `max_texts`, `max_text_chars`:
+        what one call may carry (the router checked already; refused here again, since only Ray
+        callers reach this and the router is not the only one)."""
+        from shardserve.embed.model import Embedder  # ONNX Runtime: in this replica only, not in the
+        # other deployments of the app, which import this module too
+
+        expected = ModelIdentity.model_validate(identity)
+        self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1)
+        self.embedder.check(expected)
+        self.max_texts, self.max_text_chars = max_texts, max_text_chars
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx")
+        self.batcher: AdaptiveBatcher[list[str], tuple[np.ndarray, tuple[int, ...]]] = AdaptiveBatcher(
+            self._run, max_batch_texts, 1, size_of=len)
+        app = {"application": serve.get_replica_context().app_name}
+        self.batch_texts = ExportedHistogram(
+            "shardserve_embed_batch_texts", "Texts per model batch in an embedder replica", BATCH_BOUNDARIES,
+            default_tags=app)
+        self.batch_ms = ExportedHistogram(
+            "shardserve_embed_batch_ms", "Model time per batch in an embedder replica",
+            LATENCY_MS_BOUNDARIES, default_tags=app)
+        self._exporter = asyncio.get_running_loop().create_task(
+            export_every((self.batch_texts, self.batch_ms)))
+        lower_priority(nice)
+        self.pauses = settled(logger)
+
+    async def embed(self, texts: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
+        """float32 (len(texts), dim) and the positions of the texts cut at the model's token limit."""
+        if not isinstance(texts, list) or not 0 < len(texts) <= self.max_texts or not all(
+                isinstance(text, str) and 0 < len(text) <= self.max_text_chars for text in texts):
+            raise EmbedderError(f"embed takes 1 to {self.max_texts} strings of 1 to {self.max_text_chars} "
+                                f"characters")
+        return await self.batcher.submit(texts)
+
+    def identity(self) -> dict:
+        return self.embedder.identity.model_dump()
+
+    async def _run(self, calls: list[list[str]]) -> list[tuple[np.ndarray, tuple[int, ...]]]:
+        """One model batch for every call queued: the texts of all, embedded once, split back."""
+        texts = [text for call in calls for text in call]
+        started = time.perf_counter()
+        embedded = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.embedder.embed_batch, texts)
+        self.batch_ms.observe((time.perf_counter() - started) * 1000.0)
+        self.batch_texts.observe(float(len(texts)))
+        answers, start = [], 0
+        cut = np.asarray(embedded.truncated, np.int64)
+        for call in calls:
+            end = start + len(call)
+            inside = cut[(cut >= start) & (cut < end)] - start
+            answers.append((embedded.vectors[start:end], tuple(int(i) for i in inside)))
+            start = end
+        return answers
