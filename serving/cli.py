@@ -21,9 +21,13 @@ def _build(args: argparse.Namespace) -> None:
                            train_size=args.train_size, seed=args.seed,
                            vector_column=args.vector_column, id_column=args.id_column,
                            metadata_columns=args.metadata_columns, memory_budget=args.memory_budget,
-                           discard_writes=args.discard_writes)
+                           discard_writes=args.discard_writes, text_column=args.text_column,
+                           embedder=args.embedder)
     print(f"built {manifest.index_factory} index {manifest.index_version}: {manifest.num_vectors} "
           f"vectors in {len(manifest.shards)} shards at {args.out} ({manifest.build.seconds:.1f} s)")
+    if manifest.embedder is not None:
+        print(f"embedded with {manifest.embedder.name} (dim {manifest.embedder.dim}, cosine); the vectors "
+              f"are kept at {manifest.dataset.name} (eval and the swap gate read them)")
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -71,7 +75,8 @@ def _serve(args: argparse.Namespace) -> None:
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
                    edge=not args.no_edge, admission=admission, api_key=api_key,
-                   access_log=args.access_log, address=args.address, compact_at=args.compact_at)
+                   access_log=args.access_log, address=args.address, compact_at=args.compact_at,
+                   app_args=_serve_app_args(args.arg))
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -122,6 +127,14 @@ def _connect(address: str | None) -> None:
         except (OSError, ValueError) as exc:
             raise ShardserveError(f"no Ray cluster at {address} ({exc})") from None
     ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+
+
+def _serve_app_args(pairs: list[str]) -> dict:
+    """`serve`'s `--arg`s: any AppArgs field but the router's door, which `serve` places itself."""
+    overrides = _app_args(pairs)
+    if placed := sorted({"front_port", "front_host"} & set(overrides)):
+        raise ShardserveError(f"--arg {placed[0]}: `serve` sets it (its edge reaches the router there)")
+    return overrides
 
 
 def _app_args(pairs: list[str]) -> dict:
@@ -339,7 +352,8 @@ def parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="build a sharded FAISS index with a Ray Data job")
     build.add_argument("--dataset", required=True,
                        help="fashion-mnist | synthetic:NxD | glove-50 | a file | a directory or glob "
-                            "of parquet files")
+                            "of parquet files; with --embedder, a text corpus: parquet, JSON lines "
+                            "(.jsonl, .json) or .txt files (a text a line)")
     build.add_argument("--shards", type=_POSITIVE, required=True)
     build.add_argument("--index", required=True, help="FAISS factory string, e.g. IVF1024,Flat, or `auto`: "
                                                        "picked from the data's size and --memory-budget")
@@ -351,11 +365,15 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--train-size", type=_at_least(0), default=0, help="training sample size (0 = auto)")
     build.add_argument("--seed", type=int, default=1234)
     build.add_argument("--vector-column", help="parquet: the list<float> column (default: the first one)")
-    build.add_argument("--id-column", help="parquet: int64 ids returned in answers instead of row numbers "
-                                           "(unique, >= 0)")
+    build.add_argument("--id-column", help="parquet (or JSON lines with --embedder): int64 ids returned "
+                                           "in answers instead of row numbers (unique, >= 0)")
     build.add_argument("--metadata-columns", type=lambda text: [c for c in text.split(",") if c],
-                       help="parquet: columns a,b stored per shard and returned on request "
-                            "(`include` in /v1/search)")
+                       help="parquet (or JSON lines with --embedder): columns a,b stored per shard and "
+                            "returned on request (`include` in /v1/search)")
+    build.add_argument("--text-column", help="with --embedder: the column of the texts to embed (a .txt "
+                                             "dataset's is `text`)")
+    build.add_argument("--embedder", metavar="MODEL", help="build from text: embed --text-column with this "
+                       "model (all-MiniLM-L6-v2, or a model folder) on a Ray Data actor pool; cosine")
     build.add_argument("--backend", choices=["ray", "local"], default="ray",
                        help="ray: Ray Data job (default); local: single-process reference")
     build.add_argument("--force", action="store_true", help="replace an index already at --out")
@@ -391,7 +409,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "serve":
             cmd.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else a Ray of "
                              "its own, even beside another `shardserve serve` on this machine)")
-        if name in ("deploy", "serve-config"):
+        if name in ("deploy", "serve-config", "serve"):
             cmd.add_argument("--arg", action="append", metavar="KEY=JSON",
                              help="an application setting (deployments/config.py AppArgs), repeatable")
         if name == "serve":

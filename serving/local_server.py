@@ -38,7 +38,8 @@ _stopping = False
 def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
                    num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
                    api_key: str | None = None, access_log: str | None = None,
-                   address: str | None = None, compact_at: int | None = COMPACT_AT) -> None:
+                   address: str | None = None, compact_at: int | None = COMPACT_AT,
+                   app_args: dict | None = None) -> None:
     """Start Ray (or join the one at `address` / RAY_ADDRESS) with the fast ingress, deploy, print
     how to query, serve until Ctrl-C or SIGTERM.
 
@@ -51,6 +52,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         compact_at: once this many write operations wait past the newest index version, compact
             and swap to it (serving.compactor; None: its default); 0: only by hand. Only on a Ray
             this command starts.
+        app_args: application settings (deployments.config.AppArgs fields), as `--arg KEY=JSON`.
         address: a Ray cluster to join. Without it (and without RAY_ADDRESS) this command starts a
             Ray of its own even when another runs on this machine: a second `serve` runs beside
             the first, never inside it (ensure_ray).
@@ -86,7 +88,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         use_edge = edge and started and haproxy_binary() is not None
         if use_edge:
             front_port = free_port()  # the router's door; Serve runs no HTTP proxy of its own here
-            deploy(index, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port)
+            deploy(index, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port,
+                   **(app_args or {}))
             a = admission or Admission()
             # held before it starts: a stop inside start() still finds it (and start() ends its
             # HAProxy itself when interrupted)
@@ -100,7 +103,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
                         f"once (router door 127.0.0.1:{front_port})"
                         + ("; API key required" if api_key else ""))
         else:
-            url = deploy(index, host, port, replicas_per_shard=replicas_per_shard)
+            url = deploy(index, host, port, replicas_per_shard=replicas_per_shard, **(app_args or {}))
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
                                       else "haproxy not installed") + "): the router sheds"
         if started and compact_at:  # from the first write the server takes, not after the warm-up:

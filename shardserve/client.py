@@ -4,6 +4,9 @@
     hits = client.search(vector, k=10, params={"nprobe": 16}, include=["caption"])
     hits.ids, hits.distances, hits.metadata
     many = client.search_batch(matrix, k=10)        # one Hits per row
+    hits = client.search(text="a fool and his money")   # an index built from text (--embedder)
+    client.upsert([70003], texts=["soon parted"])    # embedded by the server, then logged
+    vectors = client.embed(["a fool and his money"])  # float32 (1, dim), the index's model
     client.upsert([70001, 70002], matrix[:2], metadata=[{"label": 3}, None])  # {"position": ...}
     client.delete([70001])                           # a 200: durable, and seen by any later search
 
@@ -45,9 +48,15 @@ class Hits:
     extra: dict[str, Any] = field(default_factory=dict)  # coverage, timing_ms, index, matched
 
 
-def _body(vectors: np.ndarray, key: str, k: int, params: dict | None, include: list[str] | None,
-          options: dict[str, Any]) -> bytes:
-    body: dict[str, Any] = {key: np.asarray(vectors, np.float32), "k": k, **options}
+def _body(vectors: np.ndarray | None, text: Any, single: bool, k: int, params: dict | None,
+          include: list[str] | None, options: dict[str, Any]) -> bytes:
+    """A search body by vector(s) or by text(s), one of the two."""
+    if (vectors is None) == (text is None):
+        raise ValueError("search: give a vector or a text, one of the two" if single else
+                         "search_batch: give vectors or texts, one of the two")
+    key = ("vector" if single else "vectors") if text is None else ("text" if single else "texts")
+    value = np.asarray(vectors, np.float32) if text is None else (text if single else list(text))
+    body: dict[str, Any] = {key: value, "k": k, **options}
     if params:
         body["params"] = params
     if include:
@@ -111,9 +120,15 @@ class _Edges(Generic[Http]):
         return following
 
 
-def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None) -> tuple[bytes, dict]:
+def _upsert_body(ids: Any, vectors: np.ndarray | None, metadata: list[dict | None] | None,
+                 texts: Sequence[str] | None = None) -> tuple[bytes, dict]:
     """Without metadata: the ids then the vectors as two .npy arrays (no JSON numbers to write or
-    parse); with it, JSON."""
+    parse); with it, or with texts in place of vectors, JSON."""
+    if (vectors is None) == (texts is None):
+        raise ValueError("upsert: give vectors or texts, one of the two")
+    if texts is not None:
+        return orjson.dumps({"ids": [int(i) for i in ids], "texts": list(texts),
+                             **({"metadata": metadata} if metadata is not None else {})}), _JSON
     if metadata is None:
         try:
             id_array = np.asarray([int(i) for i in ids], np.int64)
@@ -125,6 +140,16 @@ def _upsert_body(ids: Any, vectors: np.ndarray, metadata: list[dict | None] | No
     if metadata is not None:
         body["metadata"] = metadata
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), _JSON
+
+
+def _embed_body(texts: Sequence[str]) -> bytes:
+    if isinstance(texts, str):
+        raise ValueError("embed: give a list of texts")
+    return orjson.dumps({"texts": list(texts)})
+
+
+def _vectors(payload: dict) -> np.ndarray:
+    return np.asarray(payload["vectors"], np.float32).reshape(-1, payload["dim"])
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -166,22 +191,31 @@ class Client:
                     raise
                 edge, tried = following, tried + 1
 
-    def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
-               include: list[str] | None = None, **options: Any) -> Hits:
-        """The k nearest neighbours of one vector (`options`: other request fields, e.g. require_full)."""
-        body = _body(vector, "vector", k, params, include, options)
+    def search(self, vector: np.ndarray | None = None, k: int = 10, params: dict | None = None,
+               include: list[str] | None = None, *, text: str | None = None, **options: Any) -> Hits:
+        """The k nearest neighbours of one vector, or of one text (an index built from text: the
+        server embeds it with the index's model; `extra["embedding"]` says if it was truncated).
+        `options`: other request fields, e.g. require_full, filter."""
+        body = _body(vector, text, True, k, params, include, options)
         return _single(_answer(self._send("POST", "/v1/search", body)))
 
-    def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
-                     include: list[str] | None = None, **options: Any) -> list[Hits]:
-        """The k nearest neighbours of every row of `vectors`, in one request."""
-        body = _body(vectors, "vectors", k, params, include, options)
+    def search_batch(self, vectors: np.ndarray | None = None, k: int = 10, params: dict | None = None,
+                     include: list[str] | None = None, *, texts: Sequence[str] | None = None,
+                     **options: Any) -> list[Hits]:
+        """The k nearest neighbours of every row of `vectors`, or of every text, in one request."""
+        body = _body(vectors, texts, False, k, params, include, options)
         return _batch(_answer(self._send("POST", "/v1/search", body)))
 
-    def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
-        """Insert or replace points (ids int64 >= 0, one vector row each, metadata aligned or None).
-        Returns {"position", "upserted"} once the write is durable and visible to every later search."""
-        return _answer(self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata)))
+    def upsert(self, ids: Any, vectors: np.ndarray | None = None, metadata: list[dict | None] | None = None,
+               *, texts: Sequence[str] | None = None) -> dict:
+        """Insert or replace points (ids int64 >= 0, one vector row or one text each, metadata
+        aligned or None). Texts are embedded by the server before the write is logged. Returns
+        {"position", "upserted"} once the write is durable and visible to every later search."""
+        return _answer(self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata, texts)))
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """float32 (len(texts), dim): the texts embedded by the served index's model (its cache first)."""
+        return _vectors(_answer(self._send("POST", "/v1/embed", _embed_body(texts))))
 
     def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         """Delete points by id (an unknown id is no error), or every point a search's `filter` matches
@@ -230,18 +264,24 @@ class AsyncClient:
                     raise
                 edge, tried = following, tried + 1
 
-    async def search(self, vector: np.ndarray, k: int = 10, params: dict | None = None,
-                     include: list[str] | None = None, **options: Any) -> Hits:
-        body = _body(vector, "vector", k, params, include, options)
+    async def search(self, vector: np.ndarray | None = None, k: int = 10, params: dict | None = None,
+                     include: list[str] | None = None, *, text: str | None = None, **options: Any) -> Hits:
+        body = _body(vector, text, True, k, params, include, options)
         return _single(_answer(await self._send("POST", "/v1/search", body)))
 
-    async def search_batch(self, vectors: np.ndarray, k: int = 10, params: dict | None = None,
-                           include: list[str] | None = None, **options: Any) -> list[Hits]:
-        body = _body(vectors, "vectors", k, params, include, options)
+    async def search_batch(self, vectors: np.ndarray | None = None, k: int = 10, params: dict | None = None,
+                           include: list[str] | None = None, *, texts: Sequence[str] | None = None,
+                           **options: Any) -> list[Hits]:
+        body = _body(vectors, texts, False, k, params, include, options)
         return _batch(_answer(await self._send("POST", "/v1/search", body)))
 
-    async def upsert(self, ids: Any, vectors: np.ndarray, metadata: list[dict | None] | None = None) -> dict:
-        return _answer(await self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata)))
+    async def upsert(self, ids: Any, vectors: np.ndarray | None = None,
+                     metadata: list[dict | None] | None = None, *,
+                     texts: Sequence[str] | None = None) -> dict:
+        return _answer(await self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata, texts)))
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return _vectors(_answer(await self._send("POST", "/v1/embed", _embed_body(texts))))
 
     async def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         return _answer(await self._send("POST", "/v1/delete", _delete_body(ids, filter)))
