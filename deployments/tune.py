@@ -64,6 +64,24 @@ def settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
     }
 
 
+def embedder_settings_from_knee(knee: dict, max_replicas: int = 4) -> dict:
+    """AppArgs overrides from the knee of a text sweep (loadtests/sweep.sh with TEXT=1) taken with one
+    embedder replica (`--arg embedder_autoscaling=null`): every closed-loop client whose text the
+    cache misses holds one call in the embedder, so the knee concurrency C* is the embedder's knee
+    depth per replica. The embedder autoscales on it (its own queue, the knee policy); the text
+    admission lets each router replica have 2 x C* x max_replicas texts waiting, twice what the
+    replicas hold at their knees. The edge and the shards keep their own settings: a text's knee
+    is not the vector searches'."""
+    if knee.get("mode", "concurrency") != "concurrency":
+        raise ShardserveError("tune needs a closed-loop (concurrency) sweep: "
+                              "TEXT=1 loadtests/sweep.sh -c ...")
+    depth = max(1, int(knee["value"]))
+    return {"embedder_autoscaling": autoscaling_config(knee_depth=depth, max_replicas=max_replicas,
+                                                       upscale_delay_s=3, downscale_delay_s=60,
+                                                       knee_policy=True),
+            "max_texts_in_flight": 2 * depth * max_replicas}
+
+
 def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
     try:
         record = json.loads(Path(record_path).read_text())
@@ -75,6 +93,12 @@ def tune_from_record(record_path: str, index_dir: str | None = None) -> str:
     index = index_dir or (record.get("index") or {}).get("path")
     if not index:
         raise ShardserveError("pass --index-dir: the record does not name its index directory")
+    if record.get("queries") == "text":
+        overrides = embedder_settings_from_knee(knee)
+        return (f"# Tuned by `shardserve tune {record_path}`: a text sweep's knee at {knee['mode']} "
+                f"{knee['value']} ({knee['qps']} QPS, p50 {knee['p50_ms']} ms, p99 {knee['p99_ms']} ms; "
+                f"peak {knee['peak_qps']} QPS): the embedder's knee depth, per replica\n"
+                + serve_config_yaml(index, **overrides))
     overrides = settings_from_knee(knee)
     edge = edge_from_knee(knee)
     flags = (f"--edge-in-flight {edge['max_in_flight']} --edge-burst {edge['max_burst']} "

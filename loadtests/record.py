@@ -156,11 +156,13 @@ def main() -> None:
     cli.add_argument("--url", required=True)
     cli.add_argument("--out", default=str(RECORDS))
     cli.add_argument("--vegeta-version", default="unknown")
+    cli.add_argument("--queries", choices=("vector", "text"), default="vector",
+                     help="what the requests asked by (a text sweep's knee is the embedder's)")
     cli.add_argument("levels", nargs="+", help="level JSON files written by loadtests.report")
     args = cli.parse_args()
     levels = [json.loads(Path(p).read_text()) for p in args.levels]
     record = new_record(args.name, levels, index_info(args.url),
-                        {"name": "vegeta", "version": args.vegeta_version})
+                        {"name": "vegeta", "version": args.vegeta_version}, queries=args.queries)
     path = save(record, Path(args.out))
     knee = record.get("knee")
     for lv in sorted(levels, key=lambda lv: lv["value"]):

@@ -6,14 +6,15 @@
 #   loadtests/sweep.sh -r "100 200 400 800"    # open-loop rates
 # Writes loadtests/records/NAME.json (levels, + the knee for 3 or more), NAME.png, and a vegeta HTML
 # plot per level. Env: URL (http://127.0.0.1:8000) DATASET K NPROBE BATCH (vectors per request,
-# 0 = single) DURATION OUT NAME.
+# 0 = single) DURATION OUT NAME; TEXT=1: distinct real texts instead of vectors (an index built from
+# text: the knee found is the embedder's, and `shardserve tune` sizes the embedder from it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VEGETA="${VEGETA:-$ROOT/.bin/vegeta}"
 PY="${PY:-$ROOT/.venv/bin/python}"
 URL="${URL:-http://127.0.0.1:8000}"
 DATASET="${DATASET:-fashion-mnist}"
-K="${K:-10}"; NPROBE="${NPROBE:-16}"; BATCH="${BATCH:-0}"; DURATION="${DURATION:-10}"
+K="${K:-10}"; NPROBE="${NPROBE:-16}"; BATCH="${BATCH:-0}"; DURATION="${DURATION:-10}"; TEXT="${TEXT:-0}"
 MODE=concurrency; VALUES="1 2 4 8 16 32 64"
 while getopts "c:r:d:n:" opt; do
   case "$opt" in
@@ -34,8 +35,13 @@ WORK="$(mktemp -d)"; trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$OUT"
 
 # targets from real query vectors; the attack flags from loadtests/vegeta_run.py (spelled once)
-"$PY" -m loadtests.vegeta_run targets --dataset "$DATASET" --url "$URL" --k "$K" --nprobe "$NPROBE" \
-  --batch "$BATCH" --count 2000 --out "$WORK/targets.jsonl" >/dev/null
+if [[ "$TEXT" == 1 ]]; then  # every fortune once: a text repeats (a cache hit) only past ~15,000 requests
+  "$PY" -m loadtests.vegeta_run targets --text --url "$URL" --k "$K" --nprobe "$NPROBE" \
+    --count 20000 --out "$WORK/targets.jsonl" >/dev/null
+else
+  "$PY" -m loadtests.vegeta_run targets --dataset "$DATASET" --url "$URL" --k "$K" --nprobe "$NPROBE" \
+    --batch "$BATCH" --count 2000 --out "$WORK/targets.jsonl" >/dev/null
+fi
 for value in $VALUES; do
   echo "level $MODE=$value (${DURATION}s)" >&2
   bin="$WORK/$MODE-$value.bin"
@@ -47,5 +53,5 @@ for value in $VALUES; do
     --duration "$DURATION" --queries-per-request "$(( BATCH > 0 ? BATCH : 1 ))" > "$WORK/level-$MODE-$value.json"
   rm -f "$bin"
 done
-"$PY" -m loadtests.record --name "$NAME" --url "$URL" --out "$OUT" \
+"$PY" -m loadtests.record --name "$NAME" --url "$URL" --out "$OUT" --queries "$([[ "$TEXT" == 1 ]] && echo text || echo vector)" \
   --vegeta-version "$("$VEGETA" -version | sed -n 's/^Version: //p')" "$WORK"/level-*.json

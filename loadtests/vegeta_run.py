@@ -87,6 +87,19 @@ def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None
     return lines
 
 
+def text_targets(texts: list[str], url: str, k: int = 10, params: dict | None = None) -> list[bytes]:
+    """One vegeta JSON target per text (`{"text": ..., "k": ...}`), each text once: vegeta cycles
+    through its targets, so a run sends a text twice (a cache hit) only past len(texts) requests."""
+    endpoint = url.rstrip("/") + "/v1/search"
+    lines = []
+    for text in texts:
+        body = orjson.dumps({"text": text, "k": k, **({"params": params} if params else {})})
+        lines.append(orjson.dumps({"method": "POST", "url": endpoint,
+                                   "header": {"Content-Type": ["application/json"]},
+                                   "body": base64.b64encode(body).decode()}))
+    return lines
+
+
 def write_targets(path: Path, lines: list[bytes]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -177,6 +190,8 @@ def main() -> None:
     targets.add_argument("--batch", type=int, default=0, help="vectors per request (0 = single `vector`)")
     targets.add_argument("--count", type=int, default=1000, help="distinct bodies")
     targets.add_argument("--npy", action="store_true", help=".npy bodies (k, params in the query string)")
+    targets.add_argument("--text", action="store_true", help="text bodies: `count` distinct real texts "
+                         "(shardserve.embed.text_data), for an index built from text")
     targets.add_argument("--out", required=True)
     flags = sub.add_parser("flags")
     flags.add_argument("--targets", type=Path, required=True)
@@ -186,6 +201,12 @@ def main() -> None:
     args = cli.parse_args()
     if args.what == "targets":
         params = {k: v for k, v in (("nprobe", args.nprobe), ("efSearch", args.ef_search)) if v}
+        if args.text:
+            from shardserve.embed.text_data import real_texts
+
+            texts = real_texts(args.count)
+            print(write_targets(Path(args.out), text_targets(texts, args.url, args.k, params)))
+            return
         queries = load_dataset(args.dataset).queries
         print(write_targets(Path(args.out), make_targets(queries, args.url, args.k, params, args.batch,
                                                           args.count, args.npy)))

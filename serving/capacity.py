@@ -148,6 +148,36 @@ def faiss_ms_per_query(index_dir: str, params: dict, batch: int = 32) -> float:
     return best
 
 
+def embed_ms_per_text(model: str, texts: int = 200) -> float:
+    """Measured here, in-process: the model's CPU milliseconds per text, one text at a time on one
+    thread (as an embedder replica runs it), over real texts (shardserve.embed.text_data), after a
+    warm-up. CPU time, not wall time, so a busy machine does not inflate it."""
+    import time
+
+    from shardserve.embed.model import Embedder
+    from shardserve.embed.text_data import real_texts
+
+    embedder = Embedder(model, max_batch=1)
+    sample = real_texts(texts + 20)
+    embedder.embed(sample[:20])
+    started = time.thread_time()
+    for text in sample[20:]:
+        embedder.embed([text])
+    return (time.thread_time() - started) * 1000.0 / texts
+
+
+def embedding_stage(embed_ms: float, target_qps: float, text_share: float, cores_per_node: float,
+                    headroom: float = 0.8) -> dict:
+    """The embedder replicas `target_qps` needs when `text_share` of the requests are texts the
+    cache misses, each costing `embed_ms` of one core (a replica runs one model thread), at
+    `headroom` of their capacity; and the nodes of their own they fill (configs/cluster.yaml's
+    embedding node type)."""
+    cores = target_qps * text_share * embed_ms / 1000.0 / headroom
+    replicas = max(1, int(np.ceil(cores)))
+    return {"embed_ms_per_text": round(embed_ms, 3), "text_share": text_share, "cores": round(cores, 1),
+            "replicas": replicas, "nodes": int(np.ceil(replicas / cores_per_node))}
+
+
 @dataclass
 class CapacityPlan:
     """`shardserve plan`'s answer: the model fitted on a layouts record, its check against every

