@@ -151,9 +151,11 @@ class AppArgs(BaseModel):
         64 * 1024 * 1024, ge=0, description="each router replica's cache of embeddings by (model, exact "
                                             "text); 0: none")
     max_texts_in_flight: int = Field(
-        64, ge=1, description="text admission: texts a router replica may have waiting for the "
-                              "embedder; a request whose cache misses would pass it gets an immediate "
-                              "503 (vector searches are not counted, nor are cache hits)")
+        256, ge=1, description="text admission: texts a router replica may have waiting for the "
+                               "embedder (a few seconds of one replica's work); a request whose cache "
+                               "misses would pass it gets an immediate 503 (vector searches are not "
+                               "counted, nor are cache hits, nor a request that finds none waiting). "
+                               "The edge's text lane (serving.edge) bounds text requests first")
     max_texts: int = Field(256, ge=1, description="texts per request (search, embed)")
     max_text_chars: int = Field(2000, ge=1, description="characters per text (the model reads at most "
                                                         "its token limit of it: the rest is truncated, "

@@ -106,6 +106,9 @@ class RouterMetrics:
         self.shed = metrics.Counter(
             "shardserve_shed_requests", "Requests refused with 503 by admission control",
             tag_keys=by_app)
+        self.text_shed = metrics.Counter(
+            "shardserve_text_shed_requests", "Text requests refused with 503 by the text admission or a "
+            "late embedder", tag_keys=by_app)
         self.coverage = metrics.Counter(
             "shardserve_answers", "Answers by coverage (full / partial / none)",
             tag_keys=(*by_app, "coverage"))
@@ -119,7 +122,7 @@ class RouterMetrics:
             "shardserve_shard_links", "Shard replicas this router reaches over a shard link "
             "(fewer than the replicas: those shards are called through Serve)", tag_keys=by_app)
         for metric in (self.in_flight, self.deadline_misses, self.shed, self.coverage, self.hedged,
-                       self.index_generation, self.shard_links, self.embed_cache):
+                       self.index_generation, self.shard_links, self.embed_cache, self.text_shed):
             metric.set_default_tags(app)
         self.shard_names: list[str] = []
 

@@ -143,7 +143,12 @@ async def _embed(router: "Router", active: IndexSet, texts: list[str], field: st
     hits, misses = router.text.cache.hits, router.text.cache.misses
     try:
         embedded = await router.text.embed(active.manifest, texts, call)
+    except ApiError as error:
+        if error.status == 503:
+            router.metrics.text_shed.inc()
+        raise
     except (RayActorError, ActorUnavailableError, RayServeException) as exc:
+        router.metrics.text_shed.inc()
         raise ApiError(503, None, f"the embedder did not answer: {type(exc).__name__}",
                        router.args.retry_after_s) from None
     finally:

@@ -268,7 +268,8 @@ def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-
         burst = max((base or Admission()).max_burst, args.edge_queue)
     given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
              "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms,
-             "burst_ms": args.edge_burst_ms}
+             "burst_ms": args.edge_burst_ms, "text_in_flight": args.edge_text_in_flight,
+             "text_queue": args.edge_text_queue}
     try:
         return replace(base or Admission(), **{key: value for key, value in given.items()
                                                if value is not None})
@@ -292,6 +293,8 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
         DEFAULT_IN_FLIGHT,
         DEFAULT_QUEUE,
         DEFAULT_QUEUE_TIMEOUT_MS,
+        DEFAULT_TEXT_IN_FLIGHT,
+        DEFAULT_TEXT_QUEUE,
         SHARED_SCAN_DELAY_MS,
         SHARED_SCAN_IN_FLIGHT,
     )
@@ -314,6 +317,10 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
                      "more inside (router + queue) than the router answers in this long, and more than "
                      f"--edge-queue, gets 503 at once (default {DEFAULT_DELAY_MS}, {SHARED_SCAN_DELAY_MS} "
                      "where a batch shares the shards' scan; 0: the counts alone)")
+    cmd.add_argument("--edge-text-in-flight", type=_POSITIVE, help="requests carrying text inside the "
+                     f"router at once, in a lane of their own (default {DEFAULT_TEXT_IN_FLIGHT})")
+    cmd.add_argument("--edge-text-queue", type=_at_least(0), help="text requests that may wait at the "
+                     f"edge; one more gets 503 at once (default {DEFAULT_TEXT_QUEUE})")
 
 
 def _tune(args: argparse.Namespace) -> None:

@@ -84,6 +84,18 @@ DEFAULT_BURST_MS = 250
 SHARED_SCAN_IN_FLIGHT = 128
 SHARED_SCAN_DELAY_MS = 0
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
+# The text lane (requests that carry text: a search, an embed or an upsert by text). A text the
+# cache misses costs a model run, ~15x a vector search here, so text requests have slots of their
+# own: K_t inside the router, at most Q_t more waiting at the edge (one more gets a 503 at once).
+# A flood of texts then fills its own lane and queue, never the K slots vector searches use, and
+# K_t + Q_t closed-loop text clients (128, as K + B for vectors) are never refused.
+DEFAULT_TEXT_IN_FLIGHT = 32
+DEFAULT_TEXT_QUEUE = 96
+# A body asking by text: a field named "text" or "texts" (in a search, an embed or an upsert by
+# text). A vector body matches only if it also names a metadata column so: it then takes the text
+# lane, which admits it all the same.
+TEXT_BODY = """'"texts?"[[:space:]]*:'"""  # single-quoted for HAProxy: its quotes are literal
+
 # Health checks one client address may send per second: a load balancer checks a few times a second
 # at most, so past this a source is flooding, and gets 429 at the edge; the checks of every other
 # source (the load balancer's) still reach the router's HEALTH_IN_FLIGHT slots.
@@ -110,6 +122,9 @@ class Admission:
         this (but at least max_queue) get 503 too (D); 0: the counts alone.
     burst_ms: while not shedding, up to the router's answer rate x this may wait (D_B), when that
         is more than max_burst; 0: max_burst alone.
+    text_in_flight: requests carrying text inside the router at once (K_t), in a lane of their own
+        (see DEFAULT_TEXT_IN_FLIGHT).
+    text_queue: text requests that may wait at the edge (Q_t); the next one gets 503 at once.
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
@@ -118,12 +133,14 @@ class Admission:
     queue_timeout_ms: int = DEFAULT_QUEUE_TIMEOUT_MS
     delay_ms: int = DEFAULT_DELAY_MS
     burst_ms: int = DEFAULT_BURST_MS
+    text_in_flight: int = DEFAULT_TEXT_IN_FLIGHT
+    text_queue: int = DEFAULT_TEXT_QUEUE
 
     def __post_init__(self) -> None:
-        if min(self.max_in_flight, self.queue_timeout_ms) < 1 or min(self.max_queue, self.delay_ms,
-                                                                      self.burst_ms) < 0:
-            raise ValueError("max_in_flight and queue_timeout_ms must be >= 1, max_queue, delay_ms and "
-                             "burst_ms >= 0")
+        if min(self.max_in_flight, self.queue_timeout_ms, self.text_in_flight) < 1 or min(
+                self.max_queue, self.delay_ms, self.burst_ms, self.text_queue) < 0:
+            raise ValueError("max_in_flight, text_in_flight and queue_timeout_ms must be >= 1, max_queue, "
+                             "text_queue, delay_ms and burst_ms >= 0")
         if self.max_burst < self.max_queue:
             raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
@@ -163,8 +180,8 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     `access_log`: one line per request on HAProxy's stdout, in its standard HTTP log format
     (`parse_access_line` reads its timers)."""
     a = admission or Admission()
-    shed_when = "!health overflow || !health standing shedding" + (
-        " || !health shedding crowded late" if a.delay_ms else "")
+    shed_when = "!health !text overflow || !health !text standing shedding" + (
+        " || !health !text shedding crowded late" if a.delay_ms else "")
     health_path = route_prefix.rstrip("/") + "/v1/health"
     log_global, log_defaults = "", ""
     if access_log:  # a write per request on the edge's thread: off by default (it costs goodput)
@@ -221,6 +238,11 @@ defaults
     {_returns(429, _HEALTH_FLOOD, "Retry-After 1")} if health {{ sc_http_req_rate(1) gt {health_rate} }}
 {key_rules}    # the router sees a request only once its body is here: a trickled upload holds no router slot
     http-request wait-for-body time 10s
+    # Text requests take a lane of their own: {a.text_in_flight} inside the router, {a.text_queue} waiting,
+    # the next one refused at once; the vector lane's rules below never see them.
+    acl text req.body -m reg {TEXT_BODY}
+    acl text_full queue(shardserve_text) ge {a.text_queue}
+    {_returns(503, _OVERLOADED, "Retry-After 1")} if !health text text_full
     # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past
     # capacity; while the edge has shed in the last second, more than {a.max_queue} waiting is a
     # standing queue: shed it.
@@ -233,6 +255,7 @@ defaults
 {_answer_rules(a)}    # a load balancer's health check is never queued behind searches nor shed with them: an
     # overloaded node that a health check saw as down would push its load onto the others
     use_backend shardserve_health if health
+    use_backend shardserve_text if text
     default_backend shardserve
 backend shed_meter
     # one counter: the requests the edge shed, as a rate over the last second
@@ -244,6 +267,10 @@ backend shardserve_health
     http-reuse always
     errorfile 503 {errorfile}
     server router {backend} maxconn {HEALTH_IN_FLIGHT}
+backend shardserve_text
+    http-reuse always
+    errorfile 503 {errorfile}
+    server router {backend} maxconn {a.text_in_flight}
 backend shardserve
     http-reuse always
     errorfile 503 {errorfile}
@@ -312,7 +339,7 @@ def _answer_rules(a: Admission) -> str:
     run at the overload's rate, and D_B of them would be a wait of D_B x the overload."""
     if not a.burst_ms:
         return ""
-    return """    http-request track-sc2 int(0) table answer_meter if !health
+    return """    http-request track-sc2 int(0) table answer_meter if !health !text
     http-response sc-inc-gpc0(2) if { sc2_tracked }
 """
 

@@ -27,10 +27,17 @@ pytestmark = pytest.mark.slow
 DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "shardserve.json"
 
 
-def _queried_metrics() -> set[str]:
+def _queried_metrics(text: bool = False) -> set[str]:
+    """The metrics the dashboard's panels query: those of text requests (the embedder's, exported
+    only where an index built from text is served: tests/test_text_served.py) or the others."""
     dashboard = json.loads(DASHBOARD.read_text())
-    return {name for panel in dashboard["panels"] for target in panel["targets"]
-            for name in re.findall(r"\bray_[a-z_]+", target["expr"])}
+    names = {name for panel in dashboard["panels"] for target in panel["targets"]
+             for name in re.findall(r"\bray_[a-z_]+", target["expr"])}
+    return {name for name in names if is_text_metric(name) == text}
+
+
+def is_text_metric(name: str) -> bool:
+    return name.startswith(("ray_shardserve_embed", "ray_shardserve_text_"))
 
 
 def _exported_samples() -> list:

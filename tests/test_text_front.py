@@ -142,6 +142,10 @@ def test_text_admission_refuses_at_once_past_its_bound_but_never_a_hit(embedder:
 
         front = TextFront(16 << 20, 4, 30.0, 2)
         gate.set()
+        alone = await front.embed(manifest, texts[10:16], slow)  # 6 > 4, but nothing else waits
+        assert len(alone.vectors) == 6 and front.shed == 0
+        gate.clear()
+        gate.set()
         await front.embed(manifest, [texts[0]], slow)  # in the cache from now on
         gate.clear()
         held = asyncio.create_task(front.embed(manifest, texts[1:4], slow))

@@ -9,7 +9,8 @@ Why text has an admission of its own: a text the cache misses costs a model run 
 ~15x a vector search here), so a bound counted in requests lets a text flood fill every slot and
 starve vector searches, or lets vector searches starve texts. Texts waiting for the embedder are
 counted (`max_texts_in_flight`, per router replica); a request whose misses would pass it gets a
-503 with Retry-After at once, before any model work, and a cache hit is never refused.
+503 with Retry-After at once, before any model work. A cache hit is never refused, nor a request
+that finds no text waiting (however many it carries: `max_texts` bounds it).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ class TextFront:
         fresh: np.ndarray | None = None
         cut: tuple[int, ...] = ()
         if missing:
-            if self.in_flight + len(missing) > self.max_texts_in_flight:
+            if self.in_flight and self.in_flight + len(missing) > self.max_texts_in_flight:
                 self.shed += 1
                 raise ApiError(503, None, f"overloaded: {self.in_flight} texts waiting for the embedder",
                                self.retry_after_s)
