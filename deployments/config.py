@@ -147,6 +147,10 @@ class AppArgs(BaseModel):
         default_factory=dict, description="custom Ray resources each embedder replica needs, e.g. "
                                           "{embed_host: 0.01} to keep them on nodes of their own")
     embedder_max_batch: int = Field(64, ge=1, description="texts per model batch in an embedder replica")
+    embedder_providers: list[str] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"],
+        description="ONNX Runtime execution providers of the embedder replicas, by preference (a GPU's "
+                    "needs onnxruntime-gpu on its nodes: untested here)")
     embedding_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="each router replica's cache of embeddings by (model, exact "
                                             "text); 0: none")

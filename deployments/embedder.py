@@ -34,7 +34,8 @@ class EmbedderDeployment:
     """Thin: loads an Embedder (its identity checked against the manifest's), answers `embed`."""
 
     async def __init__(self, model: str, identity: dict, *, max_batch_texts: int = 64,  # type: ignore[misc]
-                       max_texts: int = 256, max_text_chars: int = 2000, nice: int = 0):
+                       max_texts: int = 256, max_text_chars: int = 2000, nice: int = 0,
+                       providers: tuple[str, ...] = ("CPUExecutionProvider",)):
         """`model`: where this replica finds the model (a known name or a folder, AppArgs.embedder);
         `identity`: the manifest's (ModelIdentity), which it must match byte for byte.
         `max_batch_texts`: texts per batch (calls are never split); `max_texts`, `max_text_chars`:
@@ -44,7 +45,7 @@ class EmbedderDeployment:
         # other deployments of the app, which import this module too
 
         expected = ModelIdentity.model_validate(identity)
-        self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1)
+        self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1, providers=providers)
         self.embedder.check(expected)
         self.max_texts, self.max_text_chars = max_texts, max_text_chars
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx")

@@ -146,4 +146,5 @@ def embedder_deployment(args: AppArgs, manifest: Manifest) -> Application:
         name=EMBEDDER, **scaling, ray_actor_options=actor_options,
         logging_config={"enable_access_log": False},
     ).bind(model, manifest.embedder.model_dump(), max_batch_texts=args.embedder_max_batch,
-           max_texts=args.max_texts, max_text_chars=args.max_text_chars, nice=args.serving_nice)
+           max_texts=args.max_texts, max_text_chars=args.max_text_chars, nice=args.serving_nice,
+           providers=tuple(args.embedder_providers))

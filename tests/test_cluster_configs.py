@@ -54,3 +54,18 @@ def test_cloud_head_keeps_its_state_in_redis_runs_no_replica_and_workers_wait_fo
     assert 'SHARDSERVE_WRITE_LOG_PASSWORD_FILE="$HOME/shardserve-redis-password"' in workers
     serving = [t for t in config["available_node_types"].values() if "serving" in t["resources"]]
     assert serving and all(t["min_workers"] >= 2 for t in serving)  # routers on >= 2 nodes
+
+
+def test_cloud_embedders_have_nodes_of_their_own() -> None:
+    """An embedding node type (resource embed_host) that the deploy example sends embedder replicas
+    to, and a GPU type marked untested; the embedder's resources are an AppArgs field."""
+    from deployments.config import AppArgs
+
+    text = (CONFIGS / "cluster.yaml").read_text()
+    config = yaml.safe_load(text)
+    types = config["available_node_types"]
+    assert types["embedding_worker"]["resources"] == {"embed_host": 8}
+    assert "UNTESTED" in text and "onnxruntime-gpu" in text
+    assert "embed_gpu" in types["embedding_gpu_worker"]["resources"]
+    assert 'embedder_resources={"embed_host":1}' in text
+    assert AppArgs(index="x", embedder_resources={"embed_host": 1}).embedder_resources == {"embed_host": 1}

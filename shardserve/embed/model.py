@@ -45,17 +45,19 @@ class Embedder:
             than alone.
         intra_op_threads: ONNX Runtime's threads inside one run (inter-op is always 1): one per replica
             lets replicas, not threads, share the cores.
+        providers: ONNX Runtime's execution providers, in order of preference (a GPU's needs the
+            onnxruntime-gpu package: untested here).
     """
 
     def __init__(self, model: str | Path | ModelFiles, *, max_batch: int = 16, max_batch_tokens: int = 1024,
-                 intra_op_threads: int = 1):
+                 intra_op_threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",)):
         if min(max_batch, max_batch_tokens, intra_op_threads) < 1:
             raise ValueError(f"max_batch, max_batch_tokens and intra_op_threads must be >= 1, got "
                              f"{max_batch}, {max_batch_tokens}, {intra_op_threads}")
         self.files = model if isinstance(model, ModelFiles) else resolve_model(model)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self._tokenizer = _tokenizer(self.files)
-        self._session = _session(self.files.model, intra_op_threads)
+        self._session = _session(self.files.model, intra_op_threads, providers)
         inputs = [node.name for node in self._session.get_inputs()]
         if not {"input_ids", "attention_mask"} <= set(inputs) <= set(_INPUTS):
             raise EmbedderError(f"{self.files.model}: inputs {inputs} are not a BERT-style encoder's "
@@ -143,7 +145,7 @@ def _tokenizer(files: ModelFiles) -> Tokenizer:
     return tokenizer
 
 
-def _session(path: Path, intra_op_threads: int) -> ort.InferenceSession:
+def _session(path: Path, intra_op_threads: int, providers: Sequence[str]) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1
@@ -154,6 +156,6 @@ def _session(path: Path, intra_op_threads: int) -> ort.InferenceSession:
     # cores need.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own Exception subclasses for unreadable models
         raise EmbedderError(f"{path}: ONNX Runtime cannot load it ({str(exc).splitlines()[0]})") from None
