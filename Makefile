@@ -6,9 +6,10 @@ BIN := $(VENV)/bin
 VEGETA := .bin/vegeta
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
+TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta haproxy redis ssh-tools demo serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove clean
+.PHONY: install data text vegeta haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -68,6 +69,16 @@ demo: install data haproxy $(INDEX)/manifest.json
 	$(BIN)/shardserve eval $(INDEX) --dataset fashion-mnist --k 10 --nprobe 16
 	$(BIN)/shardserve serve $(INDEX) --port 8000
 
+# Text in: Debian's fortunes (~15,000 texts, one a line) embedded by Ray Data with all-MiniLM-L6-v2
+# (ONNX Runtime, no PyTorch) into a 2-shard index, then served on 127.0.0.1:8000 with its embedder.
+$(TEXT_INDEX)/manifest.json: | install text
+	mkdir -p indexes && $(BIN)/python -m shardserve.embed.text_data > indexes/fortunes.txt
+	$(BIN)/shardserve build --dataset indexes/fortunes.txt --text-column text --embedder all-MiniLM-L6-v2 \
+	  --shards 2 --index IVF64,Flat --out $(TEXT_INDEX) --force
+
+demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
+	$(BIN)/shardserve serve $(TEXT_INDEX) --port 8000
+
 test: install data text vegeta haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -113,6 +124,12 @@ bench-glove: install vegeta
 # and without, alternating rounds, 15 s a level; the record is bench-text in loadtests/records.
 bench-text: install text vegeta haproxy
 	$(BIN)/python -m loadtests.bench_text
+
+# Text autoscaling: the default `shardserve serve` on 8,000 fortunes (built as bench-text builds them),
+# an open-loop ramp of unique texts (10, 30, 60, 100/s, then 2x the most answered) beside 20 vector
+# searches/s, 20 s a step, the replicas sampled every second: loadtests/records/autoscale-text.json.
+bench-autoscale-text: install text vegeta haproxy
+	$(BIN)/python -m loadtests.autoscale_text
 
 # Admission on the default `shardserve serve`: closed loop at 8/32/128 clients, open loop at 2x
 # capacity, Ctrl-C: loadtests/records/admission.json.

@@ -103,3 +103,16 @@ def _distinct(texts: Iterable[str]) -> Iterator[str]:
         if text not in seen:
             seen.add(text)
             yield text
+
+
+def main() -> None:
+    """`python -m shardserve.embed.text_data [LIMIT]`: the texts, one a line (a `.txt` corpus for
+    `shardserve build --text-column text --embedder ...`; make demo-text writes one so)."""
+    import sys
+
+    limit = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    sys.stdout.writelines(text + "\n" for text in real_texts(limit))
+
+
+if __name__ == "__main__":
+    main()
