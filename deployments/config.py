@@ -151,6 +151,11 @@ class AppArgs(BaseModel):
         default_factory=lambda: ["CPUExecutionProvider"],
         description="ONNX Runtime execution providers of the embedder replicas, by preference (a GPU's "
                     "needs onnxruntime-gpu on its nodes: untested here)")
+    embedder_idle_priority: bool = Field(
+        True, description="run the model at Linux's idle scheduling class (SCHED_IDLE): on a node it "
+                          "shares with shards and routers, it takes only the CPU they leave, so vector "
+                          "searches keep their latency under a text flood, and texts wait instead; on "
+                          "nodes of its own it changes nothing. false: the replicas' nice value")
     embedding_cache_bytes: int = Field(
         64 * 1024 * 1024, ge=0, description="each router replica's cache of embeddings by (model, exact "
                                             "text); 0: none")

@@ -24,7 +24,7 @@ from shardserve.embed.model_files import EmbedderError
 from shardserve.index.manifest import ModelIdentity
 from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.runtime.heap import settled
-from shardserve.runtime.procfs import lower_priority
+from shardserve.runtime.procfs import idle_priority, lower_priority
 
 logger = logging.getLogger("ray.serve")
 
@@ -35,12 +35,13 @@ class EmbedderDeployment:
 
     async def __init__(self, model: str, identity: dict, *, max_batch_texts: int = 64,  # type: ignore[misc]
                        max_texts: int = 256, max_text_chars: int = 2000, nice: int = 0,
-                       providers: tuple[str, ...] = ("CPUExecutionProvider",)):
+                       providers: tuple[str, ...] = ("CPUExecutionProvider",), idle: bool = True):
         """`model`: where this replica finds the model (a known name or a folder, AppArgs.embedder);
         `identity`: the manifest's (ModelIdentity), which it must match byte for byte.
         `max_batch_texts`: texts per batch (calls are never split); `max_texts`, `max_text_chars`:
         what one call may carry (the router checked already; refused here again, since only Ray
-        callers reach this and the router is not the only one)."""
+        callers reach this and the router is not the only one). `idle`: the model runs at the
+        idle scheduling class (AppArgs.embedder_idle_priority)."""
         from shardserve.embed.model import Embedder  # ONNX Runtime: in this replica only, not in the
         # other deployments of the app, which import this module too
 
@@ -48,7 +49,10 @@ class EmbedderDeployment:
         self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1, providers=providers)
         self.embedder.check(expected)
         self.max_texts, self.max_text_chars = max_texts, max_text_chars
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx")
+        # The model's thread (ONNX Runtime runs a one-thread session on its caller) takes only the
+        # CPU nothing else on the node wants: beside shards and routers, vector searches preempt it.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx",
+                                           initializer=idle_priority if idle else None)
         self.batcher: AdaptiveBatcher[list[str], tuple[np.ndarray, tuple[int, ...]]] = AdaptiveBatcher(
             self._run, max_batch_texts, 1, size_of=len)
         app = {"application": serve.get_replica_context().app_name}

@@ -147,4 +147,4 @@ def embedder_deployment(args: AppArgs, manifest: Manifest) -> Application:
         logging_config={"enable_access_log": False},
     ).bind(model, manifest.embedder.model_dump(), max_batch_texts=args.embedder_max_batch,
            max_texts=args.max_texts, max_text_chars=args.max_text_chars, nice=args.serving_nice,
-           providers=tuple(args.embedder_providers))
+           providers=tuple(args.embedder_providers), idle=args.embedder_idle_priority)

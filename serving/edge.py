@@ -91,6 +91,7 @@ HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K se
 # K_t + Q_t closed-loop text clients (128, as K + B for vectors) are never refused.
 DEFAULT_TEXT_IN_FLIGHT = 32
 DEFAULT_TEXT_QUEUE = 96
+TEXT_QUEUE_TIMEOUT_MS = 10_000  # the text lane's backstop (capacity dropped), as embed_timeout_s
 # A body asking by text: a field named "text" or "texts" (in a search, an embed or an upsert by
 # text). A vector body matches only if it also names a metadata column so: it then takes the text
 # lane, which admits it all the same.
@@ -270,6 +271,9 @@ backend shardserve_health
 backend shardserve_text
     http-reuse always
     errorfile 503 {errorfile}
+    # a full text queue is a fast 503 above; an admitted text waits about (K_t + Q_t) / the texts
+    # answered a second (seconds, where a text costs a model run): the backstop waits longer
+    timeout queue {TEXT_QUEUE_TIMEOUT_MS}ms
     server router {backend} maxconn {a.text_in_flight}
 backend shardserve
     http-reuse always

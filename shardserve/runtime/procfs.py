@@ -49,6 +49,19 @@ def lower_priority(nice: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def idle_priority() -> bool:
+    """Move the calling thread to Linux's idle scheduling class (SCHED_IDLE): it runs only on CPU
+    no other thread of the node wants, and any of them preempts it at once. No privilege is needed.
+    Returns whether it took (False on a system without the class)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+    except OSError:
+        return False
+    return True
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie waiting for its parent's wait() is not)."""
     try:
