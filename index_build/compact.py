@@ -25,6 +25,7 @@ truncate further.
 from __future__ import annotations
 
 import datetime as dt
+import posixpath
 import secrets
 import time
 
@@ -37,6 +38,7 @@ from index_build.publish import TRAINED_FILE, write_file, write_shard
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import index_from_bytes
 from shardserve.index.manifest import (
+    EMBEDDED_DIR,
     MANIFEST,
     VERSIONS_DIR,
     BuildInfo,
@@ -115,10 +117,11 @@ def compact(index: str) -> Manifest:
                    if current.trained else None)
         meta = metadata or None
         manifest = Manifest(
-            index_version=Manifest.content_version(entries, current.index_factory, current.metric, meta),
+            index_version=Manifest.content_version(entries, current.index_factory, current.metric, meta,
+                                                   embedder=current.embedder),
             dim=current.dim, metric=current.metric, index_factory=current.index_factory,
             num_vectors=sum(e.num_vectors for e in entries), shards=entries, trained=trained,
-            metadata=meta, log_position=upto, dataset=current.dataset,
+            metadata=meta, log_position=upto, dataset=current.dataset, embedder=current.embedder,
             build=BuildInfo(params={**current.build.params, "compacted_from": current.index_version,
                                     "dataset_rows": _dataset_rows(current),
                                     "log_from": current.log_position, "log_position": upto},
@@ -156,7 +159,8 @@ def truncate_log(index: str) -> int:
 def prune_versions(index: str, keep: set[str]) -> list[str]:
     """Delete the complete versions under `versions/` whose index_version is not in `keep`, then
     truncate the log below what the kept ones include; the directories deleted. A directory
-    without a manifest (a compaction or build in progress) is left alone."""
+    without a manifest (a compaction or build in progress) is left alone. A build from text's
+    embedded vectors (`embedded/<build id>/`) go once no version left refers to them."""
     location = Location.parse(index)
     versions = location.child(VERSIONS_DIR)
     gone = []
@@ -166,8 +170,33 @@ def prune_versions(index: str, keep: set[str]) -> list[str]:
                 and read_manifest(folder).index_version not in keep):
             folder.delete_dir()
             gone.append(info.base_name)
+    _prune_embedded(location)
     truncate_log(index)
     return sorted(gone)
+
+
+def _prune_embedded(location: Location) -> None:
+    """Delete each `embedded/<build id>/` that no manifest on disk names as its dataset and whose
+    build is not in progress (its `versions/<build id>/` gone: a build from text makes that directory
+    before it embeds, index_build.embed_corpus)."""
+    embedded = location.child(EMBEDDED_DIR)
+    folders = [info.base_name for info in embedded.fs.get_file_info(
+        pafs.FileSelector(embedded.root, allow_not_found=True)) if info.type == pafs.FileType.Directory]
+    if not folders:
+        return
+    versions = location.child(VERSIONS_DIR)
+    present = {info.base_name for info in versions.fs.get_file_info(
+        pafs.FileSelector(versions.root, allow_not_found=True)) if info.type == pafs.FileType.Directory}
+    manifests = [read_manifest(versions.child(name)) for name in present
+                 if versions.child(name).exists(MANIFEST)]
+    if location.exists(MANIFEST):
+        manifests.append(read_manifest(location))
+    named = {posixpath.basename(m.dataset.name.partition("?")[0].rstrip("/")) for m in manifests
+             if m.dataset.text_column is not None}
+    for name in folders:
+        if name not in named and name not in present:
+            embedded.child(name).delete_dir()
+    embedded.delete_dir(only_if_empty=True)
 
 
 def _dataset_rows(manifest: Manifest) -> int:

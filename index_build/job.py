@@ -40,7 +40,8 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
                 limit: int | None = None, backend: Backend = "ray", force: bool = False,
                 train_size: int = 0, seed: int = 1234, vector_column: str | None = None,
                 id_column: str | None = None, metadata_columns: list[str] | None = None,
-                memory_budget: int = DEFAULT_MEMORY_BUDGET, discard_writes: bool = False) -> Manifest:
+                memory_budget: int = DEFAULT_MEMORY_BUDGET, discard_writes: bool = False,
+                text_column: str | None = None, embedder: str | None = None) -> Manifest:
     """Build a sharded index of `dataset_spec` at `out`; return its manifest (published last, atomically).
 
     Arguments:
@@ -62,23 +63,37 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         vector_column, id_column, metadata_columns: parquet columns of the vectors, of the user's
             int64 ids, and of the metadata stored per shard.
         memory_budget: bytes the index may take, for `factory="auto"`.
+        text_column, embedder: build from text (index_build.embed_corpus): `dataset_spec` is then a
+            corpus of parquet, JSON lines or .txt files, `text_column` its texts' column (a .txt
+            file's is `text`), and `embedder` the model that embeds them (a known name or a model
+            folder: shardserve.embed.model_files); the metric is cosine.
     """
     if shards < 1:
         raise ShardserveError(f"--shards must be >= 1, got {shards}")
+    _check_text_flags(dataset_spec, text_column, embedder, metric, vector_column)
     location = Location.parse(out)
     location.ensure_writable()
     if location.exists(MANIFEST) and not force:
         raise ShardserveError(f"{out} already holds an index (manifest.json); pass --force to replace it")
     writes_start(location, discard_writes)  # refused here, before any work, if it took writes
+
+    def factory_for(rows: int, dim: int) -> tuple[str, str | None]:
+        if factory != "auto":
+            return factory, None
+        chosen, reason = choose_factory(rows, dim, memory_budget)
+        log.info("--index auto: %s (%s)", chosen, reason)
+        return chosen, reason
+
+    if embedder is not None:  # from text: embedded into parquet files, then streamed like them
+        from index_build.embed_corpus import build_text_index
+
+        return build_text_index(dataset_spec, text_column=text_column, model=embedder,
+                                params=BuildParams(factory, shards, "cosine", train_size, seed),
+                                location=location, backend=backend, id_column=id_column,
+                                metadata_columns=metadata_columns, limit=limit, factory_for=factory_for,
+                                discard_writes=discard_writes)
     if is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec):  # streamed: no process holds the base
         from index_build.streaming import build_streaming
-
-        def factory_for(rows: int, dim: int) -> tuple[str, str | None]:
-            if factory != "auto":
-                return factory, None
-            chosen, reason = choose_factory(rows, dim, memory_budget)
-            log.info("--index auto: %s (%s)", chosen, reason)
-            return chosen, reason
 
         params = BuildParams(factory, shards, metric or BASE_ONLY_METRIC, train_size, seed)
         return build_streaming(dataset_spec, params=params, location=location, backend=backend,
@@ -101,6 +116,35 @@ def build_index(dataset_spec: str, shards: int, factory: str, out: str, metric: 
         ensure_ray(serving_node=False)
     return build_from_dataset(dataset, params, location, backend, vector_column, id_column, auto,
                               discard_writes)
+
+
+def _check_text_flags(dataset_spec: str, text_column: str | None, embedder: str | None, metric: str | None,
+                      vector_column: str | None) -> None:
+    """A build from text takes --embedder and --text-column together (a .txt corpus's column is
+    implied), no vector column, and no metric but cosine (the model's)."""
+    if text_column is not None and embedder is None:
+        raise ShardserveError("--text-column needs --embedder: the model that turns the texts into vectors "
+                              "(e.g. --embedder all-MiniLM-L6-v2)")
+    if embedder is None:
+        return
+    if text_column is None and not _txt_only(dataset_spec):
+        raise ShardserveError("--embedder needs --text-column: the column of the dataset holding the texts "
+                              "(a .txt dataset's is `text`, one a line)")
+    if vector_column is not None:
+        raise ShardserveError("--vector-column: a build with --embedder makes its vectors from --text-column")
+    if metric not in (None, "cosine"):
+        raise ShardserveError(f"--metric {metric}: an index built with --embedder is searched by cosine "
+                              "similarity, the model's metric")
+
+
+def _txt_only(spec: str) -> bool:
+    """A directory or glob whose files are .txt (the corpus's own check says more when not)."""
+    from shardserve.data.text import corpus_files
+
+    try:
+        return corpus_files(spec)[1] == "text"
+    except ShardserveError:
+        return False
 
 
 def build_from_dataset(dataset: Dataset, params: BuildParams, location: Location,

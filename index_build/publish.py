@@ -32,6 +32,7 @@ from shardserve.index.manifest import (
     DatasetInfo,
     Manifest,
     MetadataEntry,
+    ModelIdentity,
     ShardEntry,
     published,
     write_manifest,
@@ -68,16 +69,22 @@ AddShards = Callable[[bytes, Partition, Location, dict],
 
 def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
                   sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None,
-                  discard_writes: bool = False) -> Manifest:
+                  discard_writes: bool = False, embedder: ModelIdentity | None = None,
+                  version_id: str | None = None, started: float | None = None) -> Manifest:
     """What every build shares: its own version directory, train ONCE, `add` the shards (and their
     metadata), the trained file, the version's manifest, then publish with one atomic replace of
     manifest.json. A failure deletes this build's directory and leaves the published version as it was.
     The version's log position is read just before it is published (`writes_start`): a write that
-    arrives during the build is refused with the build, or left out with the others."""
+    arrives during the build is refused with the build, or left out with the others.
+
+    `embedder`: the model the vectors were embedded with (a build from text): the manifest records
+    it and the index version covers it. `version_id`: the version directory's name, when the caller
+    chose it before (`new_version_id`; a build from text keeps its embedded vectors under the same
+    name). `started`: when the build began (time.perf_counter()), when before this call."""
     timings: dict[str, float] = {}
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     created = dt.datetime.now(dt.UTC)
-    version_dir = f"{VERSIONS_DIR}/{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+    version_dir = f"{VERSIONS_DIR}/{version_id or new_version_id(created)}"
     index_location, location = location, location.child(version_dir)
     try:
         location.fs.create_dir(location.root, recursive=True)
@@ -95,7 +102,7 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
             extra = {**extra, "discarded_writes_to": log_position}
         manifest = Manifest(
             index_version=Manifest.content_version(entries, params.factory, params.metric, metadata,
-                                                   log_position),
+                                                   log_position, embedder),
             dim=dim, metric=params.metric, index_factory=params.factory, num_vectors=num_vectors,
             shards=entries, trained=trained, metadata=metadata, dataset=dataset,
             build=BuildInfo(params={**_public(params), **extra, "partition": partition.describe(),
@@ -103,7 +110,7 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
                                     **({"auto": auto} if auto else {})},
                             seconds=round(time.perf_counter() - started, 3),
                             ray_version=_ray_version(), faiss_version=faiss.__version__),
-            created_at=created.isoformat(timespec="seconds"), log_position=log_position,
+            created_at=created.isoformat(timespec="seconds"), log_position=log_position, embedder=embedder,
         )
         write_manifest(location, manifest)  # the version's own manifest: what deployments bind to
         # Published only now, after every shard was checked: one atomic replace of manifest.json.
@@ -113,6 +120,12 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
         index_location.child(VERSIONS_DIR).delete_dir(only_if_empty=True)
         raise
     return published(manifest, version_dir)
+
+
+def new_version_id(created: dt.datetime | None = None) -> str:
+    """A version directory's name: its build's start time (UTC) and 8 random hex digits."""
+    created = created or dt.datetime.now(dt.UTC)
+    return f"{created:%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
 
 
 def writes_start(location: Location, discard_writes: bool) -> int:

@@ -48,7 +48,7 @@ from shardserve.data.datasets import (
 )
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import make_empty_index, prepare_vectors
-from shardserve.index.manifest import Manifest, MetadataEntry
+from shardserve.index.manifest import Manifest, MetadataEntry, ModelIdentity
 from shardserve.index.metadata import write_metadata
 from shardserve.index.partition import BY_LISTS, Partition, assigner_of
 from shardserve.index.storage import Location
@@ -307,13 +307,18 @@ def add_shard_streaming(source: Source, empty: bytes, metric: str, shard: int, p
 def build_streaming(spec: str, *, params, location: Location, backend: str, vector_column: str | None,
                     id_column: str | None, metadata_columns: list[str] | None, limit: int | None,
                     factory_for: Callable[[int, int], tuple[str, str | None]],
-                    discard_writes: bool = False) -> Manifest:
+                    discard_writes: bool = False, embedder: ModelIdentity | None = None,
+                    name: str | None = None, text_column: str | None = None, extra: dict | None = None,
+                    version_id: str | None = None, started: float | None = None) -> Manifest:
     """Build `spec` (parquet or .npy files) without holding its base set anywhere.
 
     Arguments (as `index_build.job.build_index` documents them): params, the build's; location,
     where the version is published; backend, "ray" or "local"; vector_column, id_column,
     metadata_columns, limit, as for `load_dataset`; factory_for(rows, dim), the factory and why,
-    resolved once the size is known (`--index auto`); discard_writes, as for `publish_build`."""
+    resolved once the size is known (`--index auto`); discard_writes, embedder, version_id and
+    started, as for `publish_build`. A build from text (index_build.embed_corpus) also gives the
+    dataset's `name` (where its embedded vectors are), its `text_column`, and `extra` build
+    parameters."""
     from index_build.publish import BuildParams, publish_build, training_rows
     from shardserve.index.manifest import DatasetInfo
     from shardserve.index.metadata import column_kinds
@@ -335,9 +340,9 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
     scanned = scan(source, params.metric, rows, limit)
     kinds = (column_kinds(first_table.schema)  # type: ignore[attr-defined]  # a pyarrow Table
              if source.metadata_columns and first_table is not None else {})
-    info = DatasetInfo(name=source.name, fingerprint=scanned.fingerprint, vector_column=vector_column,
+    info = DatasetInfo(name=name or source.name, fingerprint=scanned.fingerprint, vector_column=vector_column,
                        id_column=id_column, metadata_columns=list(source.metadata_columns),
-                       metadata_kinds=kinds)
+                       metadata_kinds=kinds, text_column=text_column)
 
     def add(empty: bytes, partition: Partition, at: Location, timings: dict):
         from shardserve.index.manifest import ShardEntry
@@ -360,9 +365,9 @@ def build_streaming(spec: str, *, params, location: Location, backend: str, vect
         ensure_ray(serving_node=False)
     extra = {"backend": backend, "streaming": {"row_groups": len(source.row_groups),
                                                "train_rows": len(scanned.train),
-                                               "train_max_bytes": TRAIN_MAX_BYTES}}
+                                               "train_max_bytes": TRAIN_MAX_BYTES}, **(extra or {})}
     return publish_build(location, params, info, dim, base_rows, lambda: scanned.train, add, extra, auto,
-                         discard_writes)
+                         discard_writes, embedder, version_id, started)
 
 
 def _add_shards_ray(source: Source, empty: bytes, metric: str, partition: Partition, base_rows: int,

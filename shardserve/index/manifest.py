@@ -55,6 +55,10 @@ class DatasetInfo(_Strict):
     # the filterable ones and what a filter value must be: "number" (floats), "string", "bool" or an
     # integer type ("int64", "uint8", ...: metadata.INTEGER_KINDS; an older build wrote "number")
     metadata_kinds: dict[str, str] = {}
+    # built from text (`build --embedder`): the corpus's column the texts came from. `name` is then
+    # the parquet files of their vectors the build wrote (`embedding`, `id` and the metadata
+    # columns: index_build.embed_corpus), which eval and the swap gate read like any parquet data.
+    text_column: str | None = None
 
     def columns(self) -> dict[str, Any]:
         """`load_dataset` keywords that read the data the way this index's build did."""
@@ -124,6 +128,9 @@ class Manifest(_Strict):
 
 
 VERSIONS_DIR = "versions"  # versions/<build id>/: one published index version, never changed again
+# embedded/<build id>/: the vectors a build from text embedded (parquet), read again by eval, the swap
+# gate and every version compacted from that build; kept while a version refers to them
+EMBEDDED_DIR = "embedded"
 
 
 def published(manifest: Manifest, version_dir: str) -> Manifest:
