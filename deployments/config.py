@@ -165,7 +165,7 @@ class AppArgs(BaseModel):
                                "misses would pass it gets an immediate 503 (vector searches are not "
                                "counted, nor are cache hits, nor a request that finds none waiting). "
                                "The edge's text lane (serving.edge) bounds text requests first")
-    max_texts: int = Field(256, ge=1, description="texts per request (search, embed)")
+    max_texts: int = Field(64, ge=1, description="texts per request (search, embed, upsert)")
     max_text_chars: int = Field(2000, ge=1, description="characters per text (the model reads at most "
                                                         "its token limit of it: the rest is truncated, "
                                                         "and the answer says which texts were)")

@@ -15,18 +15,22 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import numpy as np
 from ray import serve
 
 from deployments.metrics import BATCH_BOUNDARIES, LATENCY_MS_BOUNDARIES, ExportedHistogram, export_every
+from shardserve.data.text import encodable
 from shardserve.embed.model_files import EmbedderError
 from shardserve.index.manifest import ModelIdentity
 from shardserve.query.batcher import AdaptiveBatcher
 from shardserve.runtime.heap import settled
-from shardserve.runtime.procfs import idle_priority, lower_priority
+from shardserve.runtime.procfs import idle_while, lower_priority
 
 logger = logging.getLogger("ray.serve")
+# A call's answer: its vectors and truncated positions, or the error its own texts met
+Answer = tuple[np.ndarray, tuple[int, ...]] | Exception
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5)
@@ -46,15 +50,15 @@ class EmbedderDeployment:
         # other deployments of the app, which import this module too
 
         expected = ModelIdentity.model_validate(identity)
-        self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1, providers=providers)
+        # Each model run (ONNX Runtime runs a one-thread session on its caller, without the GIL)
+        # takes only the CPU nothing else on the node wants: vector searches preempt it.
+        self.embedder = await asyncio.to_thread(Embedder, model, intra_op_threads=1, providers=providers,
+                                                around_run=idle_while if idle else nullcontext)
         self.embedder.check(expected)
         self.max_texts, self.max_text_chars = max_texts, max_text_chars
-        # The model's thread (ONNX Runtime runs a one-thread session on its caller) takes only the
-        # CPU nothing else on the node wants: beside shards and routers, vector searches preempt it.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx",
-                                           initializer=idle_priority if idle else None)
-        self.batcher: AdaptiveBatcher[list[str], tuple[np.ndarray, tuple[int, ...]]] = AdaptiveBatcher(
-            self._run, max_batch_texts, 1, size_of=len)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnx")
+        self.batcher: AdaptiveBatcher[list[str], Answer] = AdaptiveBatcher(self._run, max_batch_texts, 1,
+                                                                           size_of=len)
         app = {"application": serve.get_replica_context().app_name}
         self.batch_texts = ExportedHistogram(
             "shardserve_embed_batch_texts", "Texts per model batch in an embedder replica", BATCH_BOUNDARIES,
@@ -70,23 +74,40 @@ class EmbedderDeployment:
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
         """float32 (len(texts), dim) and the positions of the texts cut at the model's token limit."""
         if not isinstance(texts, list) or not 0 < len(texts) <= self.max_texts or not all(
-                isinstance(text, str) and 0 < len(text) <= self.max_text_chars for text in texts):
+                isinstance(text, str) and 0 < len(text) <= self.max_text_chars and encodable(text)
+                for text in texts):
             raise EmbedderError(f"embed takes 1 to {self.max_texts} strings of 1 to {self.max_text_chars} "
                                 f"characters")
-        return await self.batcher.submit(texts)
+        answer = await self.batcher.submit(texts)
+        if isinstance(answer, Exception):  # its own texts failed, run apart from the batch's others
+            raise answer
+        return answer
 
     def identity(self) -> dict:
         return self.embedder.identity.model_dump()
 
-    async def _run(self, calls: list[list[str]]) -> list[tuple[np.ndarray, tuple[int, ...]]]:
+    async def _run(self, calls: list[list[str]]) -> list[Answer]:
         """One model batch for every call queued: the texts of all, embedded once, split back."""
         texts = [text for call in calls for text in call]
         started = time.perf_counter()
-        embedded = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.embedder.embed_batch, texts)
+        loop = asyncio.get_running_loop()
+        try:
+            embedded = await loop.run_in_executor(self.executor, self.embedder.embed_batch, texts)
+        except Exception:
+            if len(calls) == 1:
+                raise
+            # one call's texts failed the model: each call again on its own, so only it fails
+            alone: list[Answer] = []
+            for call in calls:
+                try:
+                    alone.extend(await self._run([call]))
+                except Exception as exc:
+                    alone.append(exc)
+            return alone
         self.batch_ms.observe((time.perf_counter() - started) * 1000.0)
         self.batch_texts.observe(float(len(texts)))
-        answers, start = [], 0
+        answers: list[Answer] = []
+        start = 0
         cut = np.asarray(embedded.truncated, np.int64)
         for call in calls:
             end = start + len(call)
@@ -94,3 +115,4 @@ class EmbedderDeployment:
             answers.append((embedded.vectors[start:end], tuple(int(i) for i in inside)))
             start = end
         return answers
+

@@ -56,7 +56,6 @@ from shardserve.writes.accept import (
     Matches,
     WriteFront,
     delete_matching,
-    writable,
 )
 from shardserve.writes.delta import MAX_DELTA_ROWS
 from shardserve.writes.follow import LogBehind
@@ -86,8 +85,9 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
         body = await receive_body(request.stream(), request.headers.get("content-length"),
                                   args.max_body_bytes, args.body_timeout_s)
     route = request.scope.get("path", "")[len(root):]
-    return HttpRequest(request.method, route, body, request.url.query,
-                       request.headers.get("content-type", "")), root
+    headers = request.headers
+    return HttpRequest(request.method, route, body, request.url.query, headers.get("content-type", ""),
+                       headers.get("x-shardserve-lane", "")), root
 
 
 async def _first_index(control: DeploymentHandle, replica_id: str, args: AppArgs, app_name: str,
@@ -113,21 +113,37 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     async def answer() -> Reply:
         active = router.active  # one version: its manifest checks the body, its log takes it
         npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (writes.parse)
-        body = request.body
-        if upsert and not npy and (texts := text_upsert(body, router.args.max_write_points,
-                                                         router.args.max_text_chars)) is not None:
-            # embedded before the log append: the log holds vectors, and a replay never embeds again
-            writable(active.manifest)  # refused before the model's work, as after it
-            embedded = await _embed(router, active, texts[1], "texts")
-            body = upsert_body(texts[0], embedded.vectors)
+        body, served = request.body, lambda: _served(router)
+        limit = min(router.args.max_write_points, router.args.max_texts)
+        if upsert and not npy and (texts := text_upsert(body, limit, router.args.max_text_chars)) is not None:
+            # embedded before the log append: the log holds vectors, and a replay never embeds again;
+            # the rest of the body, and whether the write can be taken now, checked before the model
+            _text_lane(request, router)
+            payload, texts_ = texts
+            router.writes.check_upsert(upsert_body(payload, np.ones((len(texts_), active.manifest.dim),
+                                                                    np.float32)), active.manifest, active.log)
+            embedded = await _embed(router, active, texts_, "texts")
+            body, served = upsert_body(payload, embedded.vectors), _same_model(router, active.manifest)
         if not upsert and not npy and _filter(active, body) is not None:  # deleted by id once found
             return _json(await delete_matching(router.writes, lambda: _evaluate(router, body),
                                                served=lambda: _served(router)))
         return _json(await router.writes.accept(
             body, upsert, active.manifest, active.log,
-            served=lambda: _served(router), npy=npy))  # `served` read again once its turn comes
+            served=served, npy=npy))  # `served` read again once its turn comes
 
     return await _counted(router, "upsert" if upsert else "delete", answer)
+
+
+def _same_model(router: "Router", embedded_for: Manifest) -> Callable[[], tuple]:
+    """`_served` for a text upsert embedded with `embedded_for`'s model: a 503 (nothing written)
+    if a swap has brought an index of another model, or none, before its append."""
+    def served() -> tuple:
+        now = _served(router)
+        if now[0] is not embedded_for and now[0].embedder != embedded_for.embedder:
+            raise ApiError(503, None, "the index served changed its embedding model while the write "
+                                      "waited: send it again", router.args.retry_after_s)
+        return now
+    return served
 
 
 async def _embed(router: "Router", active: IndexSet, texts: list[str], field: str = "text") -> Embedded:
@@ -147,8 +163,9 @@ async def _embed(router: "Router", active: IndexSet, texts: list[str], field: st
         if error.status == 503:
             router.metrics.text_shed.inc()
         raise
-    except (RayActorError, ActorUnavailableError, RayServeException) as exc:
+    except Exception as exc:  # the replica gone, restarting, or failed on this call: nothing written
         router.metrics.text_shed.inc()
+        logger.warning("embedder call failed: %s", exc)
         raise ApiError(503, None, f"the embedder did not answer: {type(exc).__name__}",
                        router.args.retry_after_s) from None
     finally:
@@ -204,15 +221,29 @@ async def _counted(router: "Router", route: str, answer: Callable[[], Awaitable[
 async def _parsed(router: "Router", index_set: IndexSet,
                   request: HttpRequest) -> tuple[ParsedQuery, Embedded | None]:
     """A search request as a query of `index_set`: by vector, or by text ({"text": ...} or
-    {"texts": [...]}), embedded first, then checked as a vector search is."""
+    {"texts": [...]}): every other field checked first (against stand-in vectors), so a request
+    that would be refused costs no model run; then embedded, then checked as a vector search is."""
     text = None if is_npy(request.content_type) else text_search(request.body, router.args.max_texts,
                                                                   router.args.max_text_chars)
     if text is None:
         return parse_query(request, index_set.manifest, index_set.supported, router.limits), None
     payload, texts, single = text
+    _text_lane(request, router)
+    field = "vector" if single else "vectors"
+    stand_in = np.ones((len(texts), index_set.manifest.dim), np.float32)
+    parse_query(request, index_set.manifest, index_set.supported, router.limits, {**payload, field: stand_in})
     embedded = await _embed(router, index_set, texts, "text" if single else "texts")
-    payload["vector" if single else "vectors"] = embedded.vectors
+    payload[field] = embedded.vectors
     return parse_query(request, index_set.manifest, index_set.supported, router.limits, payload), embedded
+
+
+def _text_lane(request: HttpRequest, router: "Router") -> None:
+    """A text request the edge sent down its vector lane (it names text where the edge's look at
+    the body did not find it: an escaped key, or past the edge's buffer) would hold a vector slot
+    for a model run: a 422 instead, saying how to send it."""
+    if request.lane == "vector":
+        raise ApiError(422, "text", "a text request must name \"text\" or \"texts\" as a plain key "
+                                    "within the body's first 64 KiB (the edge routes it by that)")
 
 
 async def _evaluate(router: "Router", body: bytes) -> Evaluated:

@@ -93,8 +93,10 @@ DEFAULT_TEXT_IN_FLIGHT = 32
 DEFAULT_TEXT_QUEUE = 96
 TEXT_QUEUE_TIMEOUT_MS = 10_000  # the text lane's backstop (capacity dropped), as embed_timeout_s
 # A body asking by text: a field named "text" or "texts" (in a search, an embed or an upsert by
-# text). A vector body matches only if it also names a metadata column so: it then takes the text
-# lane, which admits it all the same.
+# text) within the body's first tune.bufsize bytes. A vector body matches too if it names a
+# metadata column so (it then takes the text lane, and its limits); a text request that does not
+# match (an escaped key, a key past the buffer) is refused by the router with a 422 (the lane
+# header the edge sets on every request says which lane it came by).
 TEXT_BODY = """'"texts?"[[:space:]]*:'"""  # single-quoted for HAProxy: its quotes are literal
 
 # Health checks one client address may send per second: a load balancer checks a few times a second
@@ -242,6 +244,10 @@ defaults
     # Text requests take a lane of their own: {a.text_in_flight} inside the router, {a.text_queue} waiting,
     # the next one refused at once; the vector lane's rules below never see them.
     acl text req.body -m reg {TEXT_BODY}
+    # which lane it took, for the router (a text request in the vector lane is refused there)
+    http-request del-header x-shardserve-lane
+    http-request set-header x-shardserve-lane text if text
+    http-request set-header x-shardserve-lane vector if !text
     acl text_full queue(shardserve_text) ge {a.text_queue}
     {_returns(503, _OVERLOADED, "Retry-After 1")} if !health text text_full
     # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past

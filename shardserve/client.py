@@ -54,6 +54,8 @@ def _body(vectors: np.ndarray | None, text: Any, single: bool, k: int, params: d
     if (vectors is None) == (text is None):
         raise ValueError("search: give a vector or a text, one of the two" if single else
                          "search_batch: give vectors or texts, one of the two")
+    if text is not None and not single and isinstance(text, str):
+        raise ValueError("search_batch: texts must be a list of strings, not one string")
     key = ("vector" if single else "vectors") if text is None else ("text" if single else "texts")
     value = np.asarray(vectors, np.float32) if text is None else (text if single else list(text))
     body: dict[str, Any] = {key: value, "k": k, **options}
@@ -126,6 +128,8 @@ def _upsert_body(ids: Any, vectors: np.ndarray | None, metadata: list[dict | Non
     parse); with it, or with texts in place of vectors, JSON."""
     if (vectors is None) == (texts is None):
         raise ValueError("upsert: give vectors or texts, one of the two")
+    if isinstance(texts, str):
+        raise ValueError("upsert: texts must be a list of strings, one per id")
     if texts is not None:
         return orjson.dumps({"ids": [int(i) for i in ids], "texts": list(texts),
                              **({"metadata": metadata} if metadata is not None else {})}), _JSON

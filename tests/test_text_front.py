@@ -20,6 +20,7 @@ from shardserve.embed.front import (
 )
 from shardserve.embed.model import Embedder
 from shardserve.embed.text_data import real_texts
+from shardserve.embed.validate import check_text
 from shardserve.index.manifest import BuildInfo, DatasetInfo, Manifest, ShardEntry
 from shardserve.query.api import ApiError
 from shardserve.writes.parse import parse_upsert
@@ -63,6 +64,10 @@ def test_text_search_bodies() -> None:
         assert (error.value.status, error.value.field) == (422, field) and words in error.value.message
     with pytest.raises(ApiError, match="too many texts"):
         text_search(orjson.dumps({"texts": ["a"] * 5}), max_texts=4)
+    with pytest.raises(ApiError, match="characters together"):
+        text_search(orjson.dumps({"texts": ["x" * 2000] * 17}))  # 34,000 > 32,000 in one request
+    with pytest.raises(ApiError, match="lone surrogate"):
+        check_text("a \ud800 b")  # json.loads writes one from "\\ud800"; UTF-8 cannot hold it
 
 
 def test_embed_and_upsert_bodies() -> None:
@@ -179,3 +184,24 @@ def test_a_late_embedder_is_a_503_and_frees_its_texts(embedder: Embedder, texts:
         assert front.in_flight == 0
 
     asyncio.run(run())
+
+
+def test_a_requests_misses_go_to_the_embedder_in_small_calls(embedder: Embedder, texts: list[str]) -> None:
+    """Misses are sent in calls of at most CALL_TEXTS (an embedder replica batches whatever calls
+    are queued, so other requests' calls interleave with a large one's), joined back in order, the
+    truncated positions mapped back too."""
+    from shardserve.embed.front import CALL_TEXTS
+
+    calls = []
+
+    async def call(missing: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
+        calls.append(len(missing))
+        embedded = embedder.embed_batch(missing)
+        return embedded.vectors, embedded.truncated
+
+    asked = texts[:40]
+    asked[35] = " ".join(texts) * 2  # past the token limit, in the third call
+    got = asyncio.run(TextFront(0, 64, 30.0, 1).embed(_manifest(embedder), asked, call))
+    assert calls == [CALL_TEXTS, CALL_TEXTS, 40 - 2 * CALL_TEXTS]
+    assert np.array_equal(got.vectors, embedder.embed(asked))
+    assert 35 in got.truncated and got.truncated == embedder.embed_batch(asked).truncated

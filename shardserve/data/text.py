@@ -388,15 +388,27 @@ def _open_binary(path: str) -> contextlib.AbstractContextManager[BinaryIO]:
 
 
 def _check_text(name: str, text: object, row: int, where: str, column: str) -> None:
-    if isinstance(text, str) and text.strip():
+    if isinstance(text, str) and text.strip() and (text.isascii() or encodable(text)):
         return
     if text is None:
         problem = "is null"
     elif not isinstance(text, str):
         problem = f"is a {type(text).__name__}, not a string"
+    elif text.strip():
+        problem = "is not valid Unicode (a lone surrogate, as a JSON escape may write one)"
     else:
         problem = "is empty (or only white space): there is nothing to embed"
     raise ShardserveError(f"dataset {name}: row {row} ({where}): text column {column!r} {problem}")
+
+
+def encodable(text: str) -> bool:
+    """UTF-8 can hold it: a lone surrogate (which a JSON escape may write, and Python's json reads)
+    cannot, and the tokenizer refuses one."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _json_kind(value: object) -> str:

@@ -120,6 +120,23 @@ def needs_embedder(manifest: Manifest, field: str = "text") -> None:
                                    "--embedder ...)")
 
 
+# Texts per embedder call: a request's misses go in calls of at most this many, so the replicas'
+# batches (AdaptiveBatcher, whatever calls are queued) interleave requests instead of one large
+# request holding a replica's model thread for all its texts.
+CALL_TEXTS = 16
+
+
+async def _in_calls(call: EmbedCall, texts: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """`call` over `texts` in CALL_TEXTS pieces at once, their answers joined in order."""
+    if len(texts) <= CALL_TEXTS:
+        return await call(texts)
+    starts = range(0, len(texts), CALL_TEXTS)
+    answers = await asyncio.gather(*[call(texts[start:start + CALL_TEXTS]) for start in starts])
+    vectors = np.concatenate([vectors for vectors, _ in answers])
+    cut = tuple(start + i for start, (_, truncated) in zip(starts, answers, strict=True) for i in truncated)
+    return vectors, cut
+
+
 class TextFront:
     """One router replica's texts: the cache, then the embedder for the misses, under the text
     admission (see the module docstring).
@@ -158,7 +175,7 @@ class TextFront:
             self.in_flight += len(missing)
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    fresh, cut = await call(missing)
+                    fresh, cut = await _in_calls(call, missing)
             except TimeoutError:
                 raise ApiError(503, None, f"the embedder did not answer within {self.timeout_s} s",
                                self.retry_after_s) from None

@@ -11,7 +11,8 @@ to float rounding at most (tests/test_embed.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +48,13 @@ class Embedder:
             lets replicas, not threads, share the cores.
         providers: ONNX Runtime's execution providers, in order of preference (a GPU's needs the
             onnxruntime-gpu package: untested here).
+        around_run: a context entered around each model run (ONNX Runtime's, which releases the
+            GIL), e.g. shardserve.runtime.procfs.idle_while: tokenizing and pooling stay outside it.
     """
 
     def __init__(self, model: str | Path | ModelFiles, *, max_batch: int = 16, max_batch_tokens: int = 1024,
-                 intra_op_threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",)):
+                 intra_op_threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 around_run: Callable[[], AbstractContextManager] = nullcontext):
         if min(max_batch, max_batch_tokens, intra_op_threads) < 1:
             raise ValueError(f"max_batch, max_batch_tokens and intra_op_threads must be >= 1, got "
                              f"{max_batch}, {max_batch_tokens}, {intra_op_threads}")
@@ -58,6 +62,7 @@ class Embedder:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self._tokenizer = _tokenizer(self.files)
         self._session = _session(self.files.model, intra_op_threads, providers)
+        self._around_run = around_run
         inputs = [node.name for node in self._session.get_inputs()]
         if not {"input_ids", "attention_mask"} <= set(inputs) <= set(_INPUTS):
             raise EmbedderError(f"{self.files.model}: inputs {inputs} are not a BERT-style encoder's "
@@ -100,7 +105,8 @@ class Embedder:
             ids[row, :len(encoding.ids)] = encoding.ids
             mask[row, :len(encoding.ids)] = 1
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        hidden = self._session.run([self._output], {name: feeds[name] for name in self._inputs})[0]
+        with self._around_run():
+            hidden = self._session.run([self._output], {name: feeds[name] for name in self._inputs})[0]
         # sentence-transformers' mean pooling: the sum of the real tokens' vectors over their count
         weights = mask[:, :, None].astype(np.float32)
         pooled = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)

@@ -284,6 +284,8 @@ def _numbers_only(rows: list, may_hold_booleans: bool) -> np.ndarray | None:
 def _matrix(value: object, field: str, single: bool, dim: int, max_vectors: int,
             metric: str, may_hold_booleans: bool = True) -> np.ndarray:
     if isinstance(value, np.ndarray):  # computed by the server (embedded text), checked all the same
+        if len(value) > max_vectors and not single:
+            raise ApiError(422, field, f"too many vectors: {len(value)} > max {max_vectors}")
         return _checked(value.reshape(1, -1) if single else value, field, dim, metric)
     if not isinstance(value, list) or not value:
         raise ApiError(422, field, f"{field} must be a non-empty list")

@@ -12,7 +12,7 @@ import platform
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 
@@ -49,17 +49,26 @@ def lower_priority(nice: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def idle_priority() -> bool:
-    """Move the calling thread to Linux's idle scheduling class (SCHED_IDLE): it runs only on CPU
-    no other thread of the node wants, and any of them preempts it at once. No privilege is needed.
-    Returns whether it took (False on a system without the class)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
+@contextlib.contextmanager
+def idle_while() -> Iterator[None]:
+    """The calling thread at Linux's idle scheduling class (SCHED_IDLE) inside the block: it runs
+    only on CPU no other thread of the node wants, and any of them preempts it at once. Entering
+    needs no privilege; leaving (back to SCHED_OTHER) needs CAP_SYS_NICE or an RLIMIT_NICE that
+    allows the thread's nice value, and without them the thread stays idle-class. Used around code
+    that holds no lock others wait for (a model run that releases the GIL): a thread preempted
+    while holding the GIL would stall every other thread of its process."""
+    policy = getattr(os, "SCHED_IDLE", None)
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: this thread, on Linux
     except OSError:
-        return False
-    return True
+        policy = None
+    try:
+        yield
+    finally:
+        if policy is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def alive(pid: int) -> bool:

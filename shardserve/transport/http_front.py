@@ -75,6 +75,7 @@ class Request:
     body: bytes = b""
     query: str = ""
     content_type: str = ""
+    lane: str = ""  # X-Shardserve-Lane as the edge set it ("text" or "vector"; "" without an edge)
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -142,7 +143,7 @@ class _Connection(PeerPaced):
     def _reset(self) -> None:
         self.in_message = False
         self.url, self.headers_done, self.head_bytes, self.header_count = b"", False, 0, 0
-        self.content_type, self.expect_continue, self.declared = "", False, -1
+        self.content_type, self.expect_continue, self.declared, self.lane = "", False, -1, ""
         self.body: list[bytes] = []
         self.body_bytes = 0
 
@@ -206,6 +207,8 @@ class _Connection(PeerPaced):
         name = name.lower()
         if name == b"content-type":
             self.content_type = value.decode("latin-1")
+        elif name == b"x-shardserve-lane":
+            self.lane = value[:16].decode("latin-1")
         elif name == b"content-length":
             self.declared = int(value)  # llhttp checked its digits and that it is the only one
             if self.declared > self.front.max_body_bytes:
@@ -235,7 +238,7 @@ class _Connection(PeerPaced):
         target = self.url.decode("latin-1")
         path, _, query = target.partition("?")
         request = Request("GET" if head_only else method, path, b"".join(self.body), query,
-                          self.content_type)
+                          self.content_type, self.lane)
         self.requests += 1
         last = self.requests >= self.front.max_requests_per_connection
         self.ready.append((request, self.parser.should_keep_alive() and not last, head_only))

@@ -225,6 +225,20 @@ class WriteFront:
         finally:
             self.waiting -= 1
 
+    def check_upsert(self, body: bytes, manifest: Manifest, log: LogAddress | None | Same = SAME) -> None:
+        """What `accept` would refuse this upsert for now, raised now: the body against `manifest`,
+        and whether the write could be taken (no log, the backlog full, too many waiting). For a
+        write whose body is costly to complete (texts to embed), checked before that work."""
+        if self.waiting >= self.max_waiting:
+            raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
+        writable(manifest)
+        path = self.path if log is SAME else log
+        if self._known_full(path, manifest.log_position):
+            raise self._backlog_full()
+        if path is None:
+            raise self.no_log()
+        self._parse(body, True, manifest)
+
     def _filter_delete(self, body: FilterDelete, manifest: Manifest, path: LogAddress | None,
                        served: Served | None) -> dict:
         now, where = served() if served is not None else (manifest, path)
