@@ -74,7 +74,7 @@ demo: install data haproxy $(INDEX)/manifest.json
 $(TEXT_INDEX)/manifest.json: | install text
 	mkdir -p indexes && $(BIN)/python -m shardserve.embed.text_data > indexes/fortunes.txt
 	$(BIN)/shardserve build --dataset indexes/fortunes.txt --text-column text --embedder all-MiniLM-L6-v2 \
-	  --shards 2 --index IVF64,Flat --out $(TEXT_INDEX) --force
+	  --shards 2 --index auto --out $(TEXT_INDEX) --force
 
 demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
 	$(BIN)/shardserve serve $(TEXT_INDEX) --port 8000

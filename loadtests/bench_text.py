@@ -55,7 +55,10 @@ from shardserve.runtime.procfs import SELF_CLASS, CpuMeter, cmdline, cpu_seconds
 MODEL = "all-MiniLM-L6-v2"
 EDGE_PORT = 18014  # `shardserve serve --port`: its edge
 MONOLITH_PORT = 18110
-WARM_S = 3.0
+# Warm-up at 32 clients, long enough for the embedder's autoscaler to react to it (its upscale delay,
+# a replica's start): the levels then measure the steady state, as make bench's do after its warm-up.
+WARM_S = 20.0
+WARM_CLIENTS = 32
 SEED = 20_251
 # The sides, as level labels `<side>-<kind>-<round>`.
 MONOLITH, SERVED = "monolith", "shardserve"
@@ -269,8 +272,9 @@ class TextBench:
         return self._targets[key]
 
     def warm_up(self, url: str) -> None:
-        """Unrecorded load on texts no level sends: connections open, the model's first runs."""
-        attack(self.targets(url, "warm"), "concurrency", 8, WARM_S, self.work, "warm-up")
+        """Unrecorded load on texts no level sends: connections open, the model's first runs, and the
+        embedder scaled to the load (shardserve)."""
+        attack(self.targets(url, "warm"), "concurrency", WARM_CLIENTS, WARM_S, self.work, "warm-up")
 
     def steady(self, label: str, index: str, servers: dict[str, int], quiet_s: float = 5.0) -> None:
         """Wait until the node's warm pool is full (at most 60 s), then record `quiet_s` of idle CPU per
@@ -511,7 +515,7 @@ def main() -> None:
     texts = real_texts(source="fortunes")
     docs, not_indexed = texts[:args.docs], texts[args.docs:]
     per_level = math.ceil(args.max_qps * args.duration)
-    queries = query_sets(not_indexed, per_level, math.ceil(args.max_qps * WARM_S), args.zipf_texts,
+    queries = query_sets(not_indexed, per_level, math.ceil(200 * WARM_S), args.zipf_texts,
                          args.zipf_exponent)
     params = {"nprobe": args.nprobe} if args.nprobe else {}
     with work_dir(args.work, "bench-text-") as work:

@@ -533,6 +533,53 @@ def _ingest_rate(search: dict) -> float:
     return search["ingest"]["qps"] if "ingest" in search else search["ingest_per_s"]
 
 
+def text_bench_table(record: dict) -> str:
+    """make bench-text: shardserve serve beside the text monolith, the issue's ratios, every figure
+    from the record (its rounds pooled)."""
+    head, base = record["headline"], record["baselines"]["in_process"]
+    rows = ["| level | side | requests/s | p50 ms | p99 ms | server CPU ms / request |",
+            "|---|---|---|---|---|---|"]
+    names = {"unique_c32": "unique texts, 32 clients", "unique_c1": "unique texts, 1 client",
+             "zipf_c32": "Zipf mix, 32 clients"}
+    for level, label in names.items():
+        for side, levels in head.items():
+            if level in levels:
+                lv = levels[level]
+                rows.append(f"| {label} | {side} | {_cell(lv['qps'])} | {_cell(lv['p50_ms'])} | "
+                            f"{_cell(lv['p99_ms'])} | {_cell(lv['cpu_ms_per_request'])} |")
+    rows += ["", "| ratio | measured | target | met |", "|---|---|---|---|"]
+    for name, ratio in record["ratios"].items():
+        rows.append(f"| {name.replace('_', ' ')} | {_cell(ratio['value'])} | {ratio['target']} | "
+                    f"{'yes' if ratio['met'] else '**no**'} |")
+    rows += ["", f"The model alone, in-process on one thread: {_cell(base['embed_ms_per_text_alone'])} ms a "
+                 f"text one at a time, {_cell(base['embed_ms_per_text_batched16'])} ms in batches of 16; a "
+                 f"search {_cell(base['search_ms_per_query'])} ms. {record['rounds']} rounds, "
+                 f"{record['corpus']['docs']:,} fortunes indexed."]
+    return "\n".join(rows)
+
+
+def text_autoscale_table(record: dict) -> str:
+    """make bench-autoscale-text: a text ramp past the embedder's knee beside a light vector load;
+    per step its texts, the vector searches beside them, and the embedder's replicas (most RUNNING
+    while the step ran)."""
+    rows = ["| text step | texts/s offered | answered/s | 503/s | answered p99 ms | 503 p99 ms | vector p99 "
+            f"ms (quiet: {_cell(record['baseline']['vector']['p99_ms'])}) | embedder replicas |",
+            "|---|---|---|---|---|---|---|---|"]
+    for step in record["steps"]:
+        text, vector = step["text"], step["vector"]
+        seen = [sample["replicas"].get("Embedder", 0) for sample in record["replicas"]
+                if step["started_at"] <= sample["t"] <= step["ended_at"]]
+        rows.append(f"| {step['kind']} {step['rate']:g}/s | {_cell(text['offered_per_s'])} | "
+                    f"{_cell(text['ok_per_s'])} | {_cell(text['shed_per_s'])} | {_cell(text['ok_p99_ms'])} | "
+                    f"{_cell(text['shed_p99_ms'])} | {_cell(vector['p99_ms'])} | {max(seen, default=0)} |")
+    rows += ["", "| check | met |", "|---|---|"]
+    for name, check in record["checks"].items():
+        if isinstance(check, dict):
+            met = "yes" if check["met"] else "**no**"
+            rows.append(f"| {name.split('_', 1)[1].replace('_', ' ')} | {met} |")
+    return "\n".join(rows)
+
+
 def blocks(records: Path = RECORDS) -> dict[str, str]:
     def load(name: str) -> dict:
         return json.loads((records / name).read_text())
@@ -556,7 +603,9 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-glove": glove_table(load("bench-glove.json")),
             "shard-start": shard_start_table(load("shard-start.json")),
             "autoscale": autoscale_table(load("autoscale.json")),
-            "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core)}
+            "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
+            "text-bench": text_bench_table(load("bench-text.json")),
+            "text-autoscale": text_autoscale_table(load("autoscale-text.json"))}
 
 
 def _rss_growth(samples: list[dict], after_s: float = 60.0) -> tuple[str, float]:

@@ -269,7 +269,7 @@ def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-
     given = {"max_in_flight": args.edge_in_flight, "max_burst": burst, "max_queue": args.edge_queue,
              "queue_timeout_ms": args.edge_queue_timeout_ms, "delay_ms": args.edge_delay_ms,
              "burst_ms": args.edge_burst_ms, "text_in_flight": args.edge_text_in_flight,
-             "text_queue": args.edge_text_queue}
+             "text_queue": args.edge_text_queue, "text_queue_shedding": args.edge_text_queue_shedding}
     try:
         return replace(base or Admission(), **{key: value for key, value in given.items()
                                                if value is not None})
@@ -295,6 +295,7 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
         DEFAULT_QUEUE_TIMEOUT_MS,
         DEFAULT_TEXT_IN_FLIGHT,
         DEFAULT_TEXT_QUEUE,
+        DEFAULT_TEXT_QUEUE_SHEDDING,
         SHARED_SCAN_DELAY_MS,
         SHARED_SCAN_IN_FLIGHT,
     )
@@ -321,6 +322,8 @@ def _edge_options(cmd: argparse.ArgumentParser) -> None:
                      f"router at once, in a lane of their own (default {DEFAULT_TEXT_IN_FLIGHT})")
     cmd.add_argument("--edge-text-queue", type=_at_least(0), help="text requests that may wait at the "
                      f"edge; one more gets 503 at once (default {DEFAULT_TEXT_QUEUE})")
+    cmd.add_argument("--edge-text-queue-shedding", type=_at_least(0), help="while the text lane sheds "
+                     f"(within 1 s), text requests that may wait (default {DEFAULT_TEXT_QUEUE_SHEDDING})")
 
 
 def _tune(args: argparse.Namespace) -> None:

@@ -91,6 +91,7 @@ HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K se
 # K_t + Q_t closed-loop text clients (128, as K + B for vectors) are never refused.
 DEFAULT_TEXT_IN_FLIGHT = 32
 DEFAULT_TEXT_QUEUE = 96
+DEFAULT_TEXT_QUEUE_SHEDDING = 8
 TEXT_QUEUE_TIMEOUT_MS = 10_000  # the text lane's backstop (capacity dropped), as embed_timeout_s
 # A body asking by text: a field named "text" or "texts" (in a search, an embed or an upsert by
 # text) within the body's first tune.bufsize bytes. A vector body matches too if it names a
@@ -128,6 +129,8 @@ class Admission:
     text_in_flight: requests carrying text inside the router at once (K_t), in a lane of their own
         (see DEFAULT_TEXT_IN_FLIGHT).
     text_queue: text requests that may wait at the edge (Q_t); the next one gets 503 at once.
+    text_queue_shedding: while the text lane has shed in the last second, text requests that may
+        wait (at most Q_t): an overload's admitted texts wait less.
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
@@ -138,12 +141,15 @@ class Admission:
     burst_ms: int = DEFAULT_BURST_MS
     text_in_flight: int = DEFAULT_TEXT_IN_FLIGHT
     text_queue: int = DEFAULT_TEXT_QUEUE
+    text_queue_shedding: int = DEFAULT_TEXT_QUEUE_SHEDDING
 
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.queue_timeout_ms, self.text_in_flight) < 1 or min(
                 self.max_queue, self.delay_ms, self.burst_ms, self.text_queue) < 0:
             raise ValueError("max_in_flight, text_in_flight and queue_timeout_ms must be >= 1, max_queue, "
                              "text_queue, delay_ms and burst_ms >= 0")
+        if not 0 <= self.text_queue_shedding <= self.text_queue:
+            raise ValueError(f"text_queue_shedding ({self.text_queue_shedding}) must be in [0, text_queue]")
         if self.max_burst < self.max_queue:
             raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
@@ -185,6 +191,7 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     a = admission or Admission()
     shed_when = "!health !text overflow || !health !text standing shedding" + (
         " || !health !text shedding crowded late" if a.delay_ms else "")
+    text_shed_when = "!health text text_full || !health text text_shedding text_standing"
     health_path = route_prefix.rstrip("/") + "/v1/health"
     log_global, log_defaults = "", ""
     if access_log:  # a write per request on the edge's thread: off by default (it costs goodput)
@@ -248,8 +255,17 @@ defaults
     http-request del-header x-shardserve-lane
     http-request set-header x-shardserve-lane text if text
     http-request set-header x-shardserve-lane vector if !text
+    # A text that finds {a.text_queue} waiting is past capacity: 503, and while the text lane has
+    # shed in the last second, {a.text_queue_shedding} waiting is its standing queue: shed that too,
+    # so what is admitted under a text overload waits ~(K_t + {a.text_queue_shedding}) / texts answered
+    # a second.
     acl text_full queue(shardserve_text) ge {a.text_queue}
-    {_returns(503, _OVERLOADED, "Retry-After 1")} if !health text text_full
+    acl text_shedding int(0),table_gpc0_rate(text_shed_meter) gt 0
+    acl text_standing queue(shardserve_text) ge {a.text_queue_shedding}
+    http-request set-var(txn.text_shed) bool(1) if {text_shed_when}
+    http-request track-sc0 int(0) table text_shed_meter if {{ var(txn.text_shed) -m bool }}
+    http-request sc-inc-gpc0(0) if {{ var(txn.text_shed) -m bool }}
+    {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.text_shed) -m bool }}
     # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past
     # capacity; while the edge has shed in the last second, more than {a.max_queue} waiting is a
     # standing queue: shed it.
@@ -266,6 +282,9 @@ defaults
     default_backend shardserve
 backend shed_meter
     # one counter: the requests the edge shed, as a rate over the last second
+    stick-table type integer size 1 expire 10s store gpc0_rate(1s)
+backend text_shed_meter
+    # the same for the text lane
     stick-table type integer size 1 expire 10s store gpc0_rate(1s)
 {_answer_meter(a)}backend health_meter
     # health checks per client address over the last second
