@@ -130,7 +130,7 @@ class Admission:
         (see DEFAULT_TEXT_IN_FLIGHT).
     text_queue: text requests that may wait at the edge (Q_t); the next one gets 503 at once.
     text_queue_shedding: while the text lane has shed in the last second, text requests that may
-        wait (at most Q_t): an overload's admitted texts wait less.
+        wait (Q_t if fewer): an overload's admitted texts wait less.
     """
 
     max_in_flight: int = DEFAULT_IN_FLIGHT
@@ -148,8 +148,8 @@ class Admission:
                 self.max_queue, self.delay_ms, self.burst_ms, self.text_queue) < 0:
             raise ValueError("max_in_flight, text_in_flight and queue_timeout_ms must be >= 1, max_queue, "
                              "text_queue, delay_ms and burst_ms >= 0")
-        if not 0 <= self.text_queue_shedding <= self.text_queue:
-            raise ValueError(f"text_queue_shedding ({self.text_queue_shedding}) must be in [0, text_queue]")
+        if self.text_queue_shedding < 0:
+            raise ValueError(f"text_queue_shedding must be >= 0, got {self.text_queue_shedding}")
         if self.max_burst < self.max_queue:
             raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
@@ -261,7 +261,7 @@ defaults
     # a second.
     acl text_full queue(shardserve_text) ge {a.text_queue}
     acl text_shedding int(0),table_gpc0_rate(text_shed_meter) gt 0
-    acl text_standing queue(shardserve_text) ge {a.text_queue_shedding}
+    acl text_standing queue(shardserve_text) ge {min(a.text_queue_shedding, a.text_queue)}
     http-request set-var(txn.text_shed) bool(1) if {text_shed_when}
     http-request track-sc0 int(0) table text_shed_meter if {{ var(txn.text_shed) -m bool }}
     http-request sc-inc-gpc0(0) if {{ var(txn.text_shed) -m bool }}

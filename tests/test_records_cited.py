@@ -12,7 +12,9 @@ CITING = ["shardserve", "index_build", "deployments", "serving", "loadtests", "l
 # `records/NAME.json` anywhere; a backticked `NAME.json` in the docs (they name records that way)
 CITED = re.compile(r"records/((?:sample/)?[\w.-]+\.json)")
 BACKTICKED = re.compile(r"`([\w-]+\.json)`")
-NOT_RECORDS = {"manifest.json", "openapi.json", "shardserve.json", "NAME.json"}  # NAME: a placeholder
+# NAME: a placeholder; pooling.json and tokenizer.json: an embedding model's files
+NOT_RECORDS = {"manifest.json", "openapi.json", "shardserve.json", "NAME.json", "pooling.json",
+               "tokenizer.json"}
 
 
 def _cited() -> dict[str, set[str]]:
