@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
 
@@ -70,7 +71,7 @@ def _serve(args: argparse.Namespace) -> None:
     api_key = _api_key()
     # Read once, then out of the environment before Ray starts: Ray's processes (every Serve
     # replica) and the edge inherit this process's environment, and the key is the edge's alone.
-    os.environ.pop("SHARDSERVE_API_KEY", None)
+    settings.forget_api_key()
     admission = _admission(args, base)
     serve_blocking(args.index_dir, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
@@ -281,7 +282,7 @@ def _api_key() -> str | None:
     """SHARDSERVE_API_KEY, when set: the edge then wants it on every request but the health check."""
     from serving.edge import check_api_key
 
-    key = os.environ.get("SHARDSERVE_API_KEY")
+    key = settings.api_key()
     return check_api_key(key) if key else None
 
 

@@ -5,8 +5,8 @@ Why the edge: past capacity the router's event loop is the saturated resource, s
 Python waits behind the queue it protects. The edge (serving/edge.py) admits by standing queue: a
 client that waits for its answers is queued, never refused; a request that finds the edge's queue
 full gets 503 + Retry-After at once, in C. The edge sends requests to the router replicas' own HTTP
-door (transport.http_front), not through Serve's HTTP ingress: that path cost more server CPU per request
-than the whole monolith baseline spends.
+door (transport.http_front), not through Serve's HTTP ingress: that path costs about as much server CPU
+per request as the whole monolith baseline (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
 from deployments.run import APP_NAME, deploy, undeploy
 from serving.compactor import COMPACT_AT, AutoCompactor
 from serving.edge import Admission, EdgeProcess, haproxy_binary
+from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
@@ -31,7 +32,7 @@ from shardserve.runtime.ray_private import cores
 # Every process this command starts (Ray's, its workers, the edge) inherits this variable with a
 # value of the command's own: what a stop finds and ends when an interrupt came before Ray or the
 # edge could tell us their pids (inside ray.init, inside Popen).
-SERVE_MARK = "SHARDSERVE_SERVE_MARK"
+SERVE_MARK = settings.SERVE_MARK_ENV
 _stopping = False
 
 
@@ -68,7 +69,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         _check_port_free(host, port)  # a port in use: one line now, not after a minute of start-up
     global _stopping
     _stopping = False
-    os.environ[SERVE_MARK] = mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+    mark = f"{os.getpid()}-{secrets.token_hex(8)}"
+    settings.set_serve_mark(mark)
     # Stop cleanly on SIGTERM (service managers) and on SIGINT even when started in the background
     # (a non-interactive shell starts background jobs with SIGINT ignored): from here on, so that a
     # stop during start-up runs the `finally` below too.
@@ -137,7 +139,7 @@ def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool =
     index versions' shard replicas (and, for an index built from text, their embedders at their
     most replicas) at their default reservations. A swap (by hand or by automatic compaction) runs
     the new version beside the old until the switch; with only the cores counted, four shards on
-    two cores had no room for the second. Fixed replicas: the count only places them, it starts
+    two cores have no room for the second. Fixed replicas: the count only places them, it starts
     nothing."""
     defaults = AppArgs.model_fields
     embedders = EMBEDDER_MAX_REPLICAS * defaults["embedder_num_cpus"].default if embedder else 0.0
@@ -175,7 +177,8 @@ def _stop(front: EdgeProcess | None, joining: bool, mark: str) -> None:
             front.stop()
         if not joining:
             # Our own Ray: every app on it is ours, and ending Ray ends them. serve.shutdown() first
-            # waited 30 s for the controller to drain what Ctrl-C is meant to stop.
+            # would wait for the controller to drain (an ingress lingers 30 s) what Ctrl-C is meant
+            # to stop.
             shutdown_ray()
         elif ray.is_initialized():  # joined someone's cluster: delete only what we deployed (and swaps)
             undeploy(APP_NAME)

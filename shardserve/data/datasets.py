@@ -29,7 +29,7 @@ from shardserve.data.dataset import (
 )
 from shardserve.data.glove import hold_out, load_glove50
 from shardserve.data.hdf5 import ANN_BENCHMARKS_DISTANCE, read_ann_benchmarks_hdf5
-from shardserve.data.idx import FASHION_MNIST_DIR, load_fashion_mnist, read_idx
+from shardserve.data.idx import load_fashion_mnist, read_idx
 from shardserve.data.npy import is_npy_dir_spec, load_npy, load_npy_dir, npy_files, open_npy
 from shardserve.data.parquet import (
     is_parquet_spec,
@@ -45,7 +45,7 @@ from shardserve.data.vecs import load_vecs, read_vecs
 from shardserve.errors import ShardserveError
 
 __all__ = [
-    "ANN_BENCHMARKS_DISTANCE", "BASE_ONLY_METRIC", "FASHION_MNIST_DIR", "METRICS", "QUERY_SEED",
+    "ANN_BENCHMARKS_DISTANCE", "BASE_ONLY_METRIC", "METRICS", "QUERY_SEED",
     "SELF_QUERIES", "VECTOR_FILE_SUFFIXES", "Dataset", "VectorRows", "as_float32", "base_only",
     "check_ids", "check_same_dim", "dataset_name", "hold_out", "is_npy_dir_spec", "is_parquet_spec",
     "is_uri", "load_dataset", "npy_files", "open_npy", "parquet_arrays", "parquet_columns",

@@ -4,16 +4,14 @@ metadata column to filter on)."""
 from __future__ import annotations
 
 import gzip
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from shardserve import settings
 from shardserve.data.dataset import Dataset, as_float32
 from shardserve.errors import ShardserveError
-
-FASHION_MNIST_DIR = Path(os.environ.get("SHARDSERVE_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -31,15 +29,17 @@ def read_idx(path: Path) -> np.ndarray:
 
 
 def load_fashion_mnist() -> Dataset:
-    train, test = (FASHION_MNIST_DIR / f"{n}-images-idx3-ubyte.gz" for n in ("train", "t10k"))
+    """From $SHARDSERVE_FASHION_MNIST (shardserve.settings), else Debian's directory."""
+    directory = settings.fashion_mnist_dir()
+    train, test = (directory / f"{n}-images-idx3-ubyte.gz" for n in ("train", "t10k"))
     if not train.exists() or not test.exists():
         raise ShardserveError(
-            f"Fashion-MNIST not found in {FASHION_MNIST_DIR}: "
+            f"Fashion-MNIST not found in {directory}: "
             "run `sudo apt-get install dataset-fashion-mnist` (or `make data`)"
         )
     base = read_idx(train)
     queries = read_idx(test)
-    labels = FASHION_MNIST_DIR / "train-labels-idx1-ubyte.gz"
+    labels = directory / "train-labels-idx1-ubyte.gz"
     metadata = None
     if labels.exists():  # the 10 classes, a real metadata column to filter on
         import pyarrow as pa

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import os
 import posixpath
 import uuid
 from dataclasses import dataclass
@@ -13,16 +12,16 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from shardserve import settings
 from shardserve.errors import ShardserveError
 
-CACHE_ENV = "SHARDSERVE_CACHE_DIR"
+CACHE_ENV = settings.CACHE_ENV  # the cache's setting (shardserve.settings), re-exported
 
 
 def cache_root() -> str:
     """Where a node keeps what it downloads or computes once (shards of a remote index, exact
     ground truth): $SHARDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/shardserve, else ~/.cache/shardserve."""
-    return os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve")
+    return settings.cache_dir()
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ import os
 import posixpath
 from pathlib import Path
 
+from shardserve import settings
 from shardserve.index.manifest import VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.log import WriteLog, log_path
-from shardserve.writes.redis_log import WRITE_LOG_ENV, RedisLogAddress, RedisWriteLog
+from shardserve.writes.redis_log import RedisLogAddress, RedisWriteLog
 
 LogAddress = Path | RedisLogAddress
 Log = WriteLog | RedisWriteLog
@@ -37,7 +38,7 @@ def index_root(index: str) -> str:
 def log_address(index: str) -> LogAddress | None:
     """Where the log of `index` lives; None when it has none (an index on remote storage and no
     Redis configured: writes are refused)."""
-    url = os.environ.get(WRITE_LOG_ENV)
+    url = settings.write_log_url()
     if url:
         return RedisLogAddress.for_index(url, index_root(index))
     return log_path(index)

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -50,12 +48,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.writes.log import READ_BYTES, Backlog, Entry, LogMoved, Tip, new_epoch
 from shardserve.writes.ops import Delete, Op, Upsert
 
-WRITE_LOG_ENV = "SHARDSERVE_WRITE_LOG"  # redis://HOST:PORT[/DB]: the log of every index in Redis
-PASSWORD_FILE_ENV = "SHARDSERVE_WRITE_LOG_PASSWORD_FILE"  # a file holding its password (never the URL)
+# the log's two settings (shardserve.settings), re-exported: the messages below name them
+WRITE_LOG_ENV, PASSWORD_FILE_ENV = settings.WRITE_LOG_ENV, settings.PASSWORD_FILE_ENV
+
 TIMEOUT_S = 10.0  # a writer waits this long for Redis (its fsync included)
 READ_TIMEOUT_S = 1.0  # a reader (a search catching up): then it serves what it has
 
@@ -171,8 +171,8 @@ class RedisLogAddress:
 
 
 def _password() -> str | None:
-    path = os.environ.get(PASSWORD_FILE_ENV)
-    return Path(path).read_text().strip() if path else None
+    path = settings.write_log_password_file()
+    return path.read_text().strip() if path else None
 
 
 class RedisWriteLog:
