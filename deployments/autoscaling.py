@@ -133,7 +133,7 @@ def past_knee(current: int, depth: float, knee_depth: float, passed_at: int | No
     """The replica count at which the queue passed the knee, while it stays past it (a Schmitt
     trigger: in at depth per replica > knee, out below RELEASE x knee, or once the replica count
     changed). Without it a depth hovering at the knee flips the decision each tick, and every
-    "no change" restarts Serve's upscale delay: measured, reactions went from 1 s to 22 s."""
+    "no change" restarts Serve's upscale delay, and the scale-up waits many delays."""
     per_replica = depth / max(current, 1)
     if passed_at == current and per_replica >= knee_depth * RELEASE:
         return passed_at
@@ -146,8 +146,8 @@ def knee_policy(ctx) -> tuple[int, dict]:
     router's cores wanted (used + run-queue wait) against its busy target (`router_autoscaling_config`).
 
     While the queue is past the knee the policy asks for at least one more replica, so Serve's
-    upscale delay runs without restarting; replicas still starting are never scaled away (measured:
-    a dip in depth while they started stopped them before they ever served).
+    upscale delay runs without restarting; replicas still starting are never scaled away (else a
+    dip in depth while they start stops them before they ever serve).
 
     The moment a deployment's queue passes the knee is what its scaling reaction is measured from,
     so each crossing is logged (controller log) and kept in the GCS key-value store

@@ -13,14 +13,14 @@ from deployments.autoscaling import autoscaling_config
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
-# ranges over 0-2, so `shardserve tune` puts its knee depth at 1 (loadtests/records/hot-path-batches.json).
+# ranges over 0-2, so `shardserve tune` puts its knee depth at 1.
 AUTOSCALED_BATCHES = 2
 # With fixed replicas, a batch beyond one per shard replica starts only for this much queued work:
 # past 32 rows the router's quantizer runs in a thread and shards scan off their event loop, so
 # two such batches overlap for real; smaller ones run one after another.
 OVERLAP_MIN_ROWS = 32
-# The batch fill where a batch's queries share the scan (4M x 128: batches of 28-31 rows at 32
-# clients instead of 16-28; batch-fill-4m-ab.json, fill-served-4m-ab.json).
+# The batch fill where a batch's queries share the scan: closed-loop clients stay in one full batch
+# instead of alternating groups (query.batcher; docs/experiments.md).
 AUTO_BATCH_FILL = 0.1
 
 
@@ -61,7 +61,7 @@ class AppArgs(BaseModel):
         None, ge=1, description="batches in flight per router replica (`batching()`). Unset, with fixed "
                                 "replicas: one per shard replica (replicas_per_shard), since a replica "
                                 "scans one batch at a time, plus one more for large work only (>= "
-                                "OVERLAP_MIN_ROWS queued vectors; loadtests/records/one-batch-ab.json), "
+                                "OVERLAP_MIN_ROWS queued vectors), "
                                 "but none where batches share the shards' scan (query.scan_choice."
                                 "shares_scan: a second batch would split the one that shares it); "
                                 "with shard autoscaling AUTOSCALED_BATCHES, so a shard's queue can grow "

@@ -34,7 +34,7 @@ from shardserve.writes.roll import gathered
 
 logger = logging.getLogger("ray.serve")
 # Batches up to this many rows are assigned on the event loop: a hand-off to the quantizer thread
-# and back cost more than the assignment (interleaved A/B, loadtests/records/hot-path-ab.json).
+# and back costs more than the assignment itself.
 INLINE_QUANTIZE_ROWS = 32
 LINK_REFRESH_S = 1.0  # how soon a router uses a new shard replica's link (Serve calls meanwhile)
 

@@ -29,9 +29,8 @@ class ExportedHistogram:
 
     Why not `ray.util.metrics.Histogram`: Ray's metrics agent turns each exported histogram back
     into single observations (its OpenTelemetry bridge records every bucket's midpoint once per
-    count, in Python), so the agent's CPU grew with the request rate, on top of the router's own
-    call per observation. Totals cost the agent one point per series per export at any rate (the
-    A/B at the door: loadtests/records/exported-histograms-ab.json). `rate()` and
+    count, in Python), so the agent's CPU grows with the request rate, on top of the router's own
+    call per observation. Totals cost the agent one point per series per export at any rate. `rate()` and
     `histogram_quantile()` read these series as they read a histogram's (a restarted replica's
     totals restart at 0: a counter reset to them), so the dashboards' queries are the same;
     Prometheus lists their type as gauge."""

@@ -28,7 +28,7 @@ from shardserve.transport.shard_wire import ShardQuery, encode_answer
 from shardserve.writes.follow import LogBehind, ShardWrites
 from shardserve.writes.locate import log_address
 
-INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (~2 ms of IVF scan)
+INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (a short IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
 WITHDRAW_TIMEOUT_S = 2.0  # of a stopping replica's graceful shutdown budget
 FOLLOW_EVERY_S = 0.25  # an idle replica applies new writes this often (a search applies them anyway)

@@ -2,7 +2,6 @@
 
 Requests and answers are `bytes` (shardserve.transport.shard_wire), so Serve's serializer only frames them:
 plain `pickle` of a bytes object is a memcpy, where the default cloudpickle walks numpy objects.
-Measured side by side in lab/hop.py (record loadtests/records/hop.json).
 """
 
 from __future__ import annotations

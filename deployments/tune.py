@@ -29,7 +29,8 @@ from deployments.config import AUTOSCALED_BATCHES, AppArgs, serve_config_yaml
 from shardserve.errors import ShardserveError
 
 # The mean time an admitted request spends in front of the shards past capacity (the edge's queue
-# and the router), (K + Q) / peak: its p99 under overload is 2-3x that (admission.json).
+# and the router), (K + Q) / peak: its p99 under overload is a small multiple of that
+# (docs/performance.md, "Admission and overload").
 DELAY_TARGET_S = 0.035
 # Waiting clients the edge admits while it sheds nothing, at least (serving.edge.DEFAULT_BURST: the
 # edge sits above this layer; a test keeps the two equal).

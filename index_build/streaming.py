@@ -177,8 +177,8 @@ class Piece:
 
 
 def in_sorted(values: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """`np.isin(x, values)` for sorted `values`, by binary search: np.isin hashed the whole sample
-    (up to 2M rows) again for every row group, 20 of the 32 s of bench-scale's driver pass."""
+    """`np.isin(x, values)` for sorted `values`, by binary search: np.isin hashes the whole sample
+    (up to 2M rows) again for every row group, most of the driver's pass at scale."""
     if not len(values):
         return np.zeros(len(x), bool)
     at = np.minimum(np.searchsorted(values, x), len(values) - 1)

@@ -1,7 +1,6 @@
 """Capacity model (`shardserve plan`): the knee throughput of a layout from the CPU one request costs.
 
-Past the knee the machine is CPU-bound (the sweeps in loadtests/records/ show throughput stopping
-near concurrency = cores), so
+Past the knee the machine is CPU-bound (throughput stops growing near concurrency = cores), so
 
     knee_qps(S shards, R replicas, C cores) = usable_cores x 1000 / cpu_ms(S)
     cpu_ms(S) = fixed_ms + per_shard_ms x S

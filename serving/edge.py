@@ -25,9 +25,10 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
 - `/v1/health` is outside the rule, on a backend of its own (HEALTH_IN_FLIGHT in the router at
   most): a load balancer's check is never queued behind searches nor shed with them.
 `shardserve tune` writes K, B and Q from a sweep's knee (K + Q = capacity x delay target).
-Against one length (B = Q), the edge's share of what admitted requests wait under overload falls
-several-fold: `python -m loadtests.shedding --index DIR --access-log --serve-flags '--edge-queue 64'`
-against the same without the flag, recorded in loadtests/records/edge-shedding-queue-ab.json.
+Why two lengths, not one (B = Q): one long enough for the clients that wait lets what an overload
+admits wait as long; one short enough for the overload refuses waiting clients. `python -m
+loadtests.shedding --index DIR --access-log --serve-flags '--edge-queue 64'` against the same
+without the flag compares them (docs/experiments.md).
 
 `shardserve serve` runs one in front of its Serve by default (EdgeProcess); `shardserve edge-config`
 writes the config for clusters, where `haproxy -f` runs it (Debian package `haproxy`).
@@ -53,39 +54,36 @@ OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
 
 # Defaults of `shardserve serve` when no tuned values are given: K covers the largest batches the
 # router forms at 32 clients with room to spare; B admits 128 waiting clients; Q keeps an overload's
-# admitted wait near that of 80 waiting clients (loadtests/records/admission.json holds the run that
-# checks them).
+# admitted wait near that of 80 waiting clients (`make bench-admission` checks them; docs/performance.md).
 DEFAULT_IN_FLIGHT = 64
 DEFAULT_BURST = 64
 DEFAULT_QUEUE = 16
 DEFAULT_QUEUE_TIMEOUT_MS = 1000
 # While shedding, what is inside is cut to the router's last second of answers x D: twice the delay
 # target `shardserve tune` sizes K + Q with (deployments.tune.DELAY_TARGET_S; a test keeps them so).
-# At the default nprobe (~2,000 req/s) that is ~140, so K + Q = 80 binds as before; a costlier query,
-# whose answers come slower, gets D where the counts alone let its wait grow. At D = 35 ms, nprobe
-# 128 lost a third of its goodput to batches too small (admission-delay-nprobe128.json).
+# At the default nprobe the router answers fast enough that K + Q binds first; a costlier query,
+# whose answers come slower, gets D where the counts alone let its wait grow. A shorter D would cut a
+# costly query's batches too small, and goodput with them (docs/experiments.md).
 DEFAULT_DELAY_MS = 70
 # While it sheds nothing, the edge lets wait at least B and at most what the router answers in this
 # long at its last second's rate (D_B): a stall of the router or its node (a scheduler hiccup on a
-# busy node, a collection) shorter than this is absorbed, not shed. B alone is a count: at 0.8x
-# capacity on 2 cores, K + B = 128 is ~70 ms of arrivals, and stalls of 77-82 ms shed 129 of
-# 1,078,802 requests (loadtests/records/soak-before-burst-time.json). The price is an overload's
+# busy node, a collection) shorter than this is absorbed, not shed. B alone is a count: near
+# capacity, K + B requests are only tens of milliseconds of arrivals, so a stall a little longer
+# sheds requests of a load the server keeps up with (docs/experiments.md). The price is an overload's
 # onset: until the first shed, what is admitted may wait up to ~D_B longer; once shedding, Q and D cut it.
 DEFAULT_BURST_MS = 250
 # Where a batch's queries share each shard's scan (IVF-Flat lists larger than a core's cache,
 # shardserve.query.scan_choice.shares_scan), a larger batch costs less a query: K holds the batch 128
 # waiting clients make, and D is off, since cutting what is inside below a batch that shares the
-# scan makes each query dearer, the rate falls, and the cut tightens again. At 4M x 128 through
-# `shardserve serve`: 1.13x queries/s at 128 clients at 0.85x CPU a request against K 64, D 70 ms
-# (loadtests/records/shared-scan-admission-ab.json, closed loop); through a 2x burst it answered
-# 0.80x its closed-loop rate (bench-scale-served.json). What is admitted while shedding waits about
+# scan makes each query dearer, the rate falls, and the cut tightens again (docs/experiments.md
+# compares these defaults with K 64, D 70 ms). What is admitted while shedding waits about
 # (K + Q) / capacity and a batch. The edge takes these from the index served when it starts (a swap
 # to an index on the other side of the cache threshold keeps them: restart, or set the flags).
 SHARED_SCAN_IN_FLIGHT = 128
 SHARED_SCAN_DELAY_MS = 0
 HEALTH_IN_FLIGHT = 4  # health checks inside the router at once, beside the K searches
 # The text lane (requests that carry text: a search, an embed or an upsert by text). A text the
-# cache misses costs a model run, ~15x a vector search here, so text requests have slots of their
+# cache misses costs a model run, many times a vector search, so text requests have slots of their
 # own: K_t inside the router, at most Q_t more waiting at the edge (one more gets a 503 at once).
 # A flood of texts then fills its own lane and queue, never the K slots vector searches use, and
 # K_t + Q_t closed-loop text clients (128, as K + B for vectors) are never refused.

@@ -20,8 +20,8 @@ from shardserve.query.cache import ByteBoundedCache
 
 # What Python holds for an entry besides the text's str and the vector's data: the key tuple, the
 # array object, the (vector, truncated) and (value, size) tuples and the ordered-dict slot.
-# Measured with tracemalloc for 384-dim float32 vectors (tests/test_embed.py holds the real growth
-# under the counted bytes).
+# Sized for 384-dim float32 vectors; tests/test_embed.py checks that the real growth stays under
+# the counted bytes.
 ENTRY_OVERHEAD = 400
 
 

@@ -6,7 +6,7 @@ embedder, under an admission of their own. Plain asyncio, no Ray: the embedder i
     POST /v1/embed   {"texts": [...]}
 
 Why text has an admission of its own: a text the cache misses costs a model run (milliseconds of CPU,
-~15x a vector search here), so a bound counted in requests lets a text flood fill every slot and
+many times a vector search), so a bound counted in requests lets a text flood fill every slot and
 starve vector searches, or lets vector searches starve texts. Texts waiting for the embedder are
 counted (`max_texts_in_flight`, per router replica); a request whose misses would pass it gets a
 503 with Retry-After at once, before any model work. A cache hit is never refused, nor a request

@@ -12,7 +12,7 @@ from shardserve.query.api import ApiError
 # A text's characters: well past what all-MiniLM-L6-v2 reads (256 tokens, ~1,000 characters of
 # English), short enough that tokenizing it costs little next to the model run.
 MAX_TEXT_CHARS = 2000
-# Texts in one request: each costs a model run (milliseconds of CPU, ~0.1 s at the token limit), so
+# Texts in one request: each costs a model run (milliseconds of CPU, the most at the token limit), so
 # a request of more is better split by the client than queued behind.
 MAX_TEXTS = 64
 # Characters in one request's texts together: about 8,000 tokens of English, seconds of one

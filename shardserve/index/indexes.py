@@ -27,8 +27,8 @@ def prepare_vectors(vectors: np.ndarray, metric: str) -> np.ndarray:
 # flat shard) run as one BLAS matrix product. FAISS switches by rows x dim against a process-wide
 # threshold whose default (128,000) means BLAS only from 164 rows at d=784, but a router batch under
 # load holds a few dozen rows at most, and BLAS costs less per query from a handful of rows on (the
-# lists picked are the same): `python -m lab.blas_rows` measures both paths on a machine and records
-# where they cross (loadtests/records/blas-rows.json).
+# lists picked are the same). Where the two paths cross depends on the machine: `python -m
+# lab.blas_rows` finds it.
 BLAS_MIN_ROWS = 6
 
 
@@ -38,14 +38,14 @@ def flat_search_with_blas_from(rows: int, dim: int) -> None:
 
     Process-wide, so only a serving process sets it (router, shard replica: deployments/), once,
     at load, never library code: the two paths round distances differently, and a (cosine) build in
-    a process that changed it half-way came out different from the same build before the change."""
+    a process that changes it half-way comes out different from the same build without the change."""
     faiss.cvar.distance_compute_blas_threshold = min(max(rows * dim - 1, 0), 2**31 - 1)  # a C int
 
 
 # A refine step re-ranks this many times k candidates of the compressed index with exact (or 8-bit)
-# distances. 4-bit fast-scan codes of 128-d data order the near neighbours poorly: at 4x, the true
-# top-10 was often not among the candidates at all (make bench-scale's data, checked in process);
-# re-ranking 16k of them costs little next to the list scan. Stored in each index file.
+# distances. 4-bit fast-scan codes of 128-d data order the near neighbours poorly: with only a few
+# times k candidates, the true top k is often not among them at all; re-ranking 16k of them costs
+# little next to the list scan. Stored in each index file.
 REFINE_K_FACTOR = 16.0
 
 

@@ -2,9 +2,9 @@
 
 Why whole lists: with rows dealt round-robin, every shard holds a quarter of every inverted list, so
 a query's 16 probed lists are scanned as 64 short pieces, and each piece start pays memory latency
-the hardware prefetcher has not hidden yet (served side by side: loadtests/records/partition-ab.json,
-`python -m lab.scan_cost` for FAISS alone). A list lives in exactly one shard, so the set of vectors a
-query compares against is the unsharded index's, as before; merged answers stay equal.
+the hardware prefetcher has not hidden yet (docs/experiments.md; `python -m lab.scan_cost` for FAISS
+alone). A list lives in exactly one shard, so the set of vectors a query compares against is the
+unsharded index's; merged answers stay equal.
 
 Lists are balanced by vector count: the trained quantizer assigns the training sample (the same
 seeded sample every build of the same data and params draws), the largest list goes to the lightest

@@ -8,9 +8,9 @@ size follows the queue: one request at low load (no added latency), everything i
 
 Beyond `at_once` batches in flight, a batch starts only for large work (at least `overlap_min_size`
 vectors queued): a shard replica scans one batch at a time, so a second small batch only overlaps
-the router's parsing and merging with a scan, and measured, cost more than it gained (smaller
-batches, more of them: loadtests/records/one-batch-ab.json), while two 256-vector requests gain from
-overlapping one's quantizing and merging with the other's scan.
+the router's parsing and merging with a scan, and costs more than it gains (smaller batches, more
+of them), while two 256-vector requests gain from overlapping one's quantizing and merging with the
+other's scan.
 
 Filling (`fill`, a fraction of a batch's time): when a batch ends, the clients it answered are about
 to send their next requests. Starting the next batch at once with what is queued splits the clients
@@ -20,10 +20,9 @@ much. So when a batch ends, the next one waits until the queue holds what was qu
 batch just answered (FILL_SHARE of it: all of it), or for `fill` x that batch's time (at most
 `fill_max_s`), whichever comes first. After a batch of one request nothing waits (one client at a
 time is never delayed), nor while another batch is in flight; a queue that already holds a full
-batch's worth never waits. Waiting for 90 % instead left the last clients to come back to wait a
-whole batch more (batch-fill-4m-ab.json: p99 about twice p50 at 32 clients); waiting for all of
-them, the timer bounding the wait, cut that p99 by 10-15 % at 4M at the same queries/s, and
-changed nothing at 60K (fill-all-4m-ab.json, fill-all-60k-ab.json).
+batch's worth never waits. Waiting for only most of them would leave the last clients to come
+back waiting a whole batch more, a tail of their own; waiting for all of them, with the timer
+bounding the wait, does not (docs/experiments.md has the A/Bs).
 """
 
 from __future__ import annotations

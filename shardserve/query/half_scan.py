@@ -21,12 +21,10 @@ enter the top k, and the candidates sorted FAISS's way (distance, then id) are F
 row where the bound does not settle it (`again`), or where the (k+1)-th candidate ties the k-th (FAISS
 then keeps whichever it scanned first), is searched again by FAISS on the float32 lists.
 
-Measured at 4M x 128 (lists of ~3,900 vectors, 2 MB in float32), in-process, each of 4 shards: a
-query cost 0.63-0.81x the CPU of the float32 scan at batches of 1, 32 and 128, every row was
-settled by the bound, and every answer equalled FAISS's, distances bit for bit (lab.half_scan,
-half-scan-4m.json). Its cost: the copy, 2 bytes a dimension a row in each replica's memory, made
-as the replica loads (2.2-2.7 s a million rows of 128 on one thread, with the next item), and a
-hash map from id to place in the lists (FAISS's direct map), to read the candidates' vectors.
+What it saves, and how often the bound settles a row: docs/performance.md. Its cost: the copy, 2
+bytes a dimension a row in each replica's memory, made as the replica loads (seconds a million rows,
+on one thread, with the next item), and a hash map from id to place in the lists (FAISS's direct
+map), to read the candidates' vectors.
 """
 
 from __future__ import annotations

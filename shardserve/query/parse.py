@@ -1,9 +1,9 @@
 """The router's request parser: JSON bodies and `.npy` bodies into a validated `ParsedQuery`.
 
 Why not let FastAPI/pydantic parse the body: the router is plain ASGI (FastAPI's middleware stack
-showed in its profile), and this parser also refuses what pydantic's lax floats would coerce
+costs CPU on every request), and this parser also refuses what pydantic's lax floats would coerce
 (strings, booleans) and what FAISS would answer with nonsense (absurd magnitudes, zero vectors under
-cosine). `make bench` records both parse costs side by side (`parse_cost` in bench.json).
+cosine). `make bench` reports both parse costs side by side (`parse_cost`).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def parse_npy_request(body: bytes, query_string: str, dim: int, max_k: int, max_
     array, (dim,) for one query or (n, dim) for a batch; the other fields in the URL's query string
     (`?k=10&nprobe=16&include=caption&require_full=true`).
 
-    Why a binary format: a 256 x 784 batch is 256 single bodies' worth of JSON numbers to parse
-    (`parse_cost` in bench.json is one), this is one header check and a view of the bytes. Never
+    Why a binary format: a 256 x 784 batch is 256 single bodies' worth of JSON numbers to parse,
+    this is one header check and a view of the bytes. Never
     unpickled: object arrays are refused like any non-float dtype."""
     matrix, single = _npy_matrix(body, dim, max_vectors)
     options: dict[str, list[str]] = {}
@@ -269,7 +269,7 @@ _NUMBER_TYPES = {float, int}
 
 def _numbers_only(rows: list, may_hold_booleans: bool) -> np.ndarray | None:
     """The rows as float32 when numpy's own type inference proves they hold JSON numbers only, in
-    one C pass; None when it cannot (the caller then checks row by row, ~2x the cost). Inference
+    one C pass; None when it cannot (the caller then checks row by row, at a higher cost). Inference
     sees strings (`<U`), nulls and nested lists (`O`) and ragged rows (ValueError), but it turns
     `true` into 1.0: hence only for bodies without a `true`/`false` token anywhere."""
     if may_hold_booleans:

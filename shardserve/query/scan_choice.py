@@ -63,14 +63,14 @@ def cache_bytes(cpu: int = 0, sys_cpu: Path = SYS_CPU) -> int:
 
 
 # List by list from this many reads of the batch's lists each, on average (pair_bytes /
-# distinct_bytes), where lists are larger than the core's cache. Fitted on lab.scan_choice's records:
-# at 4M x 128 (lists ~1.9 MB, L2 1 MB) 1.38 reads (batches of 16) scanned 5 % slower list by list
-# and 1.79 (32) 17 % faster, up to 29 % at 256.
+# distinct_bytes), where lists are larger than the core's cache: with fewer, reading a list once for
+# its queries saves less than the list-by-list scan's own overhead costs. Fitted with
+# `python -m lab.scan_choice` (docs/experiments.md).
 READS_PER_LIST = 1.5
-# ... and where they fit in it. In-process, alone on its core, a shard scanning 60K's lists (~180 KB)
-# query by query finds them still in cache at every batch size up to 256 (list by list 1.15-2x the
-# CPU); served, the core is shared with the router and the other shards, and 256-row batches (5.0
-# reads per list) ran 1.03x faster list by list, in 3 rounds of 3 (scan-choice-ab.json).
+# ... and where they fit in it. In-process, alone on its core, a shard scanning lists that fit finds
+# them still in cache query by query, and list by list costs more CPU; served, the core is shared
+# with the router and the other shards, and only batches that read each list many times gain from
+# list by list (docs/experiments.md).
 READS_PER_CACHED_LIST = 4.0
 
 
@@ -137,8 +137,7 @@ def batches_share_lists(index_factory: str, num_vectors: int, dim: int, cache: i
     """Do the index's IVF-Flat lists outgrow a core's cache on average? Then a shard scans a
     batch list by list (reading each list once for all its queries) and a larger batch shares more
     of the scan: what the router's batch fill (query.batcher) waits for pays. At 60K (lists ~180
-    KB, in cache) the scan is query by query and the fill's wait only idles the shards: through the
-    edge it cost 1.12x the CPU a request at 32 clients (fill-served-60k-ab.json)."""
+    KB, in cache) the scan is query by query and the fill's wait only idles the shards."""
     found = _IVF_FLAT.fullmatch(index_factory.replace(" ", ""))
     if found is None or not int(found.group(1)):
         return False

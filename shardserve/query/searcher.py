@@ -363,7 +363,7 @@ class ShardSearcher:
 
     def _params(self, nprobe: int) -> faiss.SearchParametersIVF:
         params = self._ivf_params.get(nprobe)
-        if params is None:  # one per nprobe, kept: a SWIG object per call cost ~1.5% of a shard's CPU
+        if params is None:  # one per nprobe, kept: a SWIG object made per call costs every search CPU
             params = self._ivf_params[nprobe] = faiss.SearchParametersIVF(nprobe=nprobe)
         return params
 

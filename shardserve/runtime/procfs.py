@@ -39,8 +39,8 @@ def lower_priority(nice: int) -> int:
     value is per thread; threads started later inherit it). Returns the nice value now in effect.
 
     Why a serving process does this once it is up: on a saturated node, a replica that is starting
-    (a new Ray worker: about 2 s of CPU for Python, Ray, Serve and FAISS imports and the index)
-    otherwise gets only the share of each busy one (loadtests/records/autoscale.json).
+    (a new Ray worker: seconds of CPU for Python, Ray, Serve and FAISS imports and the index)
+    otherwise gets only the share of each busy one.
     Lowering one's own priority needs no privilege; raising it back does."""
     for tid in [thread.id for thread in psutil.Process().threads()]:
         with contextlib.suppress(OSError):  # a thread that just ended

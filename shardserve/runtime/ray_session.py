@@ -9,12 +9,12 @@ from shardserve.runtime import procfs
 # The environment a serving node's Ray must start with (read when Ray's processes start, so it must
 # be in the environment before ray.init()/`ray start` launches them):
 # - Serve's HAProxy ingress + throughput-optimised mode: the fast interface this project relies on
-#   (its cost is the serve-noop rows of loadtests/records/bench.json; docs/architecture.md "Fast by default");
+#   (docs/architecture.md "Fast by default");
 # - the serving code preloaded into every Python worker the raylet starts, so the idle workers
 #   shardserve.runtime.warm_pool keeps have already imported it and a new shard replica skips those imports;
 # - Serve's controller loop every 0.25 s instead of 0.1 s: the controller is the stack's largest idle
 #   process, and its loop and the GCS work it drives run less often; autoscaling decisions come at
-#   most 0.15 s later (`python -m lab.hygiene` measures it: loadtests/records/control-loop-ab.json).
+#   most 0.15 s later.
 SERVING_NODE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",

@@ -2,7 +2,7 @@
 
 A scale-up's new replica is otherwise a new Ray worker process: spawn, `import ray`, Ray Serve (with
 pandas), FAISS and this package, then the index — seconds of CPU, on a node whose cores the burst
-already saturates (`python -m loadtests.autoscale` measures a scale-up: loadtests/records/autoscale.json).
+already saturates.
 Ray's raylet can start idle workers ahead of need and keep them alive (`shardserve.runtime.ray_private.
 prestart_workers`), and with `RAY_preload_python_modules` in the environment Ray starts with
 (`runtime.ray_session.SERVING_NODE_ENV`) those workers have already imported the serving code. An actor
@@ -17,11 +17,10 @@ starting count too, so a top-up is not repeated while the last one is under way.
 Filling the pool costs CPU (a preloaded worker does those imports at Ray's worker priority, above
 the serving replicas'), so the keeper fills from spare cycles only: one worker at a time, once the
 pool has been short for `refill_after_s`, and only while the node has `min_idle_cores` idle. During
-a burst, when the replicas being started need the CPU, it waits (in a trial run before this rule,
-four workers prestarted at once made a light load's latency jump for a second). A steady load that
-leaves less than a core idle waits too: a worker's imports run at Ray's worker priority, above the
-serving replicas' nice 19, and one top-up under an open loop at 0.6x capacity stalled the shards long
-enough for the edge to shed (loadtests/records/soak.json's process events). `shardserve serve`
+a burst, when the replicas being started need the CPU, it waits (several workers prestarted at
+once make even a light load's latency jump). A steady load that leaves less than a core idle waits
+too: a worker's imports run at Ray's worker priority, above the serving replicas' nice 19, so a
+top-up beside a steady open loop can stall the shards long enough for the edge to shed. `shardserve serve`
 waits for the pool before it says it is serving (`wait_filled`), so its first minutes fill nothing.
 """
 
@@ -42,7 +41,7 @@ logger = logging.getLogger("ray.serve")
 IDLE_TITLE = b"ray::IDLE"
 STARTING = b"default_worker.py"  # a worker's command line before it retitles itself
 KEEP_ALIVE_S = 3600  # the raylet does not reap a prestarted idle worker before this
-SETTLE_S = 2.0  # between two top-ups: a preloaded worker's start is ~1.4 s of CPU
+SETTLE_S = 2.0  # between two top-ups: longer than the CPU a preloaded worker's start takes
 QUIET_CPU_S = 0.02  # an idle worker that used less CPU than this over a wait_filled period has started
 
 
@@ -132,7 +131,7 @@ class WarmPool:
                                          self.min_idle_cores)
                 if count:
                     self._prestart(count)
-                    not_before = now + SETTLE_S  # one at a time: each imports ~1 s of CPU
+                    not_before = now + SETTLE_S  # one at a time: each one's imports take CPU
 
     def _prestart(self, count: int) -> None:
         from shardserve.runtime.ray_private import prestart_workers

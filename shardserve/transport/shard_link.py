@@ -1,8 +1,8 @@
 """The router -> shard hop as a plain TCP link: mutually authenticated, MAC'd, bounded frames.
 
-Why not a Serve handle call: one handle call cost more CPU than the FAISS scan it carries (`python
--m lab.hop` records it), and a query makes one per shard; a frame on a long-lived socket costs tens
-of microseconds. Serve still owns the shard deployments (replicas, placement, health checks,
+Why not a Serve handle call: one handle call costs more CPU than the FAISS scan it carries
+(docs/experiments.md), and a query makes one per shard; a frame on a long-lived socket costs a small
+fraction of that. Serve still owns the shard deployments (replicas, placement, health checks,
 autoscaling, restarts); each replica also listens on a port, and the router keeps one link per
 replica (found through the index version's directory, deployments.index_version; a replica withdraws
 its entry when it stops). When no link is known or a link breaks, the router falls back to the

@@ -190,12 +190,10 @@ class WriteFront:
 
         Why the parse is not in the writes thread: the router's event loop is busy with searches,
         and every time a thread beside it runs Python code, it takes the GIL from the loop (a
-        hand-off, two context switches). Parsing on the loop, with fewer SQLite statements in the
-        thread, took searches beside 200 single upserts/s from 0.693x to 0.718x of their quiet
-        rate (lab.ingest_ab, loadtests/records/write-path-ab.json). The thread keeps the append,
-        whose commit waits for an fsync: the whole append on the loop saved the router another
-        ~0.35 ms of CPU per write, but searches beside writes ran at 1.01x this, and an fsync on a
-        slower disk would stall every search in the router."""
+        hand-off, two context switches): parsing on the loop, with few SQLite statements in the
+        thread, leaves the searches beside writes more of it. The thread keeps the append, whose
+        commit waits for an fsync: on the loop, an fsync on a slow disk would stall every search in
+        the router (docs/experiments.md has the A/B of both)."""
         if self.waiting >= self.max_waiting:
             raise ApiError(503, None, f"overloaded: {self.waiting} writes waiting", self.retry_after_s)
         writable(manifest)  # a kind compaction cannot fold writes into: never taken, never a 503

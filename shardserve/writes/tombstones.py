@@ -98,7 +98,7 @@ class Tombstones:
 
     def _not_in(self, ids: np.ndarray) -> Exclusion:
         """"Not one of `ids`" over IVF ids, in two hash sets: the settled ones, built again only once
-        the recent ones pass a quarter of them (a set of 100,000 ids takes ~16 ms to build), and the
+        the recent ones pass a quarter of them (building it costs time linear in the ids), and the
         recent ones, built per snapshot: a write costs a search the recent set, not every tombstone."""
         if self._settled is None or len(ids) - len(self._settled[1]) > max(SETTLED_MIN, len(ids) // 4):
             self._settled = (faiss.IDSelectorBatch(ids), ids)
