@@ -9,7 +9,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -82,21 +82,27 @@ demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
 test: install data text vegeta haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster and not ha"
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "not cluster and not ha and not release"
 
 # ray up / ray exec / ray down of configs/cluster.local.yaml against this machine (own sshd on
 # 127.0.0.1:22). `ray down` stops every Ray on the machine, so the test refuses to run beside one.
 test-cluster: install data ssh-tools
 	$(BIN)/python -m pytest -q -ra -m cluster
 
-# The head node SIGKILLed and restarted under load, with Ray's GCS in Redis and without (the
-# control): loadtests/head_loss.py, bounded. Under 10 minutes.
+# Multi-node clusters on loopback lose a node under load: the head SIGKILLed and restarted, with
+# Ray's GCS in Redis and without (the control; loadtests/head_loss.py), and a worker SIGKILLed
+# (loadtests/node_kill.py). Bounded; about 9 minutes.
 test-ha: install data vegeta redis
 	$(BIN)/python -m pytest -q -ra -m ha
 
-# Pure tests only (no Ray, dataset, haproxy or notebook kernel): ~2.5 minutes on 2 cores, no root needed.
+# Before a release, beside `make test`: the long loads (compaction under load, the late shard,
+# autoscaling's round trips) and the rest of the start-up stop matrix. About 10 minutes.
+test-release: install data text vegeta haproxy redis
+	$(BIN)/python -m pytest -q -ra --durations=15 -m release
+
+# Pure tests only (no Ray, dataset, haproxy or notebook kernel), on every core: about a minute on 2, no root needed.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook"
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook and not release"
 
 lint: install
 	$(BIN)/ruff check .

@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 import orjson
 
-from loadtests.crash_writes import Server
+from loadtests.served import Server
 from loadtests.vegeta_run import attack, make_targets, write_targets
 from shardserve.client import Client
 from shardserve.data.dataset import Dataset

@@ -21,13 +21,10 @@ tests/test_writes_served.py runs the same with one kill of each kind.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -37,95 +34,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from loadtests.served import Server
 from shardserve.client import Client
 from shardserve.errors import ApiError
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
-from shardserve.runtime import procfs
 from shardserve.runtime.ports import free_port
 
 RECORDS = Path(__file__).parent / "records"
-RUN_ENV = "SHARDSERVE_CRASH_RUN"  # every process a server starts inherits it: how kills find them
 NEW_IDS = 1 << 40  # upserted ids start here, far from any base row number
 TAG_BASE = 1 << 50  # values of the int64 column that tags the points a delete by filter deletes
 KINDS = ("shard", "router", "server", "compaction")
 WRITERS = 3  # at once, back to back: requests wait behind each other's fsync and commit in groups
 KILL_DELAYS_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # after "compacting" is printed: compaction, swap, gate, switch
-
-
-class Server:
-    """One `shardserve serve` (the default command) in its own session, its processes marked."""
-
-    def __init__(self, index: Path, port: int, log: Path, flags: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None):
-        self.run, self.port, self.index = uuid.uuid4().hex, port, index
-        self._log = log.open("a")
-        exe = Path(sys.executable).parent / "shardserve"
-        environment = {**os.environ, **(env or {}), "RAY_ADDRESS": "", RUN_ENV: self.run}
-        self.process = subprocess.Popen([str(exe), "serve", str(index), "--port", str(port), *flags],
-                                        env=environment,
-                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def pids(self) -> list[int]:
-        return [pid for pid in procfs.pids_with_environment(RUN_ENV, self.run) if procfs.alive(pid)]
-
-    def replica(self, deployment: bytes) -> int | None:
-        """The pid of a Serve replica of `deployment` (b"Router", b"shard-000") of this server."""
-        for pid in self.pids():
-            command = procfs.cmdline(pid).split(b"\0", 1)[0]
-            if command.startswith(b"ray::ServeReplica:") and command.rsplit(b":", 1)[-1] == deployment:
-                return pid
-        return None
-
-    def said(self, text: str) -> int:
-        """How many lines of the server's output so far (every start of it) hold `text`."""
-        if not self._log.closed:
-            self._log.flush()
-        return sum(text in line for line in Path(self._log.name).read_text(errors="replace").splitlines())
-
-    def wait_said(self, text: str, more_than: int, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.said(text) <= more_than:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not say {text!r}: see {self._log.name}")
-            time.sleep(0.05)
-
-    def wait_healthy(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.process.returncode}: see {self._log.name}")
-            try:
-                if httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.url} not healthy after {timeout_s} s")
-
-    def kill_all(self) -> int:
-        """SIGKILL every process of the server at once (the command, Ray, the edge); wait until gone."""
-        killed: set[int] = set()
-        deadline = time.monotonic() + 60
-        # again until none is left: a process may be starting one (Ray's agents) as it is killed
-        while (left := self.pids()) and time.monotonic() < deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            killed.update(left)
-            time.sleep(0.2)
-        self.process.wait(timeout=60)
-        return len(killed)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            procfs.interrupt(self.process, timeout_s=60)
-        procfs.stop(self.pids(), grace_s=5)
-        self._log.close()
 
 
 @dataclass

@@ -73,9 +73,11 @@ def sharded_search(searchers: list[ShardSearcher], queries: np.ndarray, k: int, 
 def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None = None,
              url: str | None = None, limit: int | None = None, batch_size: int = 100,
              compare_unsharded: bool = False, stream: bool | None = None,
-             where: dict | None = None) -> dict:
+             where: dict | None = None, num_queries: int | None = None) -> dict:
     """Recall@k against exact ground truth and QPS; optionally also the unsharded index's.
 
+    num_queries: grade the first this many queries only (default: all; a streamed directory picks
+        its own queries).
     Parquet and .npy directories are streamed (`stream`, default: for those, unless
     `compare_unsharded`): no copy of the base set is held, only the queries and the ids.
     """
@@ -96,7 +98,7 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
     columns = manifest.dataset.columns()
     if where is not None and is_parquet_spec(dataset_spec):  # the columns a filter reads, as built
         columns["metadata_columns"] = manifest.dataset.metadata_columns
-    dataset = load_dataset(dataset_spec, limit=limit, **columns)
+    dataset = load_dataset(dataset_spec, limit=limit, num_queries=num_queries, **columns)
     dataset = graded_as(dataset, manifest.metric)  # recall under the metric the index was built with
     _check_compatible(manifest, dataset.dim, len(dataset.base), dataset.name)
     if where is not None:

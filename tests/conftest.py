@@ -31,6 +31,33 @@ os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}", "AWS_ACCES
                    "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
 
 
+# A test that uses Ray or starts a server carries one of these: `make test-fast` deselects them.
+HEAVY = {"slow", "cluster", "ha", "release"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for the session's Ray must say so with a marker."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) and not _heavy(item):
+            raise pytest.UsageError(f"{item.nodeid} uses ray_cluster: mark it slow")
+
+
+def _heavy(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) for name in HEAVY)
+
+
+@pytest.fixture(autouse=True)
+def _ray_needs_a_marker(request: pytest.FixtureRequest):
+    """A test without a heavy marker that starts Ray in this process fails: it would run in
+    `make test-fast`, and leave a Ray behind for the tests after it."""
+    ray = sys.modules.get("ray")
+    before = bool(ray and ray.is_initialized())
+    yield
+    ray = sys.modules.get("ray")
+    if not _heavy(request.node) and not before and ray is not None and ray.is_initialized():
+        pytest.fail(f"{request.node.nodeid} started Ray: mark it slow", pytrace=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["SHARDSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))

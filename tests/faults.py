@@ -8,16 +8,20 @@ shard replicas need no access to this file.
 from __future__ import annotations
 
 import asyncio
+import os
 
 from deployments.shard import ShardDeployment
 
 
 def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, float] | None = None,
-                rank0_search_s: dict[str, float] | None = None, slow_calls_log: str | None = None) -> type:
+                rank0_search_s: dict[str, float] | None = None, slow_calls_log: str | None = None,
+                load_after: dict[str, str] | None = None) -> type:
     """Shard name -> extra seconds before it loads (`load_s`), per search call (`search_s`), or per
     search call in that shard's rank-0 replica only (`rank0_search_s`: one slow replica of several).
-    `slow_calls_log`: a file each slowed search call appends a line to (the test reads who was called)."""
+    `slow_calls_log`: a file each slowed search call appends a line to (the test reads who was called).
+    `load_after`: shard name -> a file; the shard loads only once the file exists (the test says when)."""
     load_s, search_s, rank0_search_s = load_s or {}, search_s or {}, rank0_search_s or {}
+    load_after = load_after or {}
 
     class SlowShard(ShardDeployment.func_or_class):
         async def __init__(self, *args, **kwargs):
@@ -25,6 +29,9 @@ def slow_shards(load_s: dict[str, float] | None = None, search_s: dict[str, floa
 
             context = serve.get_replica_context()
             await asyncio.sleep(load_s.get(context.deployment, 0.0))
+            if context.deployment in load_after:
+                while not os.path.exists(load_after[context.deployment]):
+                    await asyncio.sleep(0.05)
             self.delay_s = search_s.get(context.deployment, 0.0)
             if context.rank.rank == 0:
                 self.delay_s += rank0_search_s.get(context.deployment, 0.0)

@@ -14,6 +14,7 @@ import pytest
 
 from deployments.autoscaling import autoscaling_config
 from index_build.job import build_index
+from loadtests.served import wait_for
 from shardserve.data.datasets import load_dataset
 from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
@@ -61,7 +62,8 @@ def _load_while_watching(url: str, body: bytes, count: Callable[[], T], scaled: 
 
 # Serve's built-in policy sees Serve calls only (transport "serve"); the knee policy also reads the
 # depth shard replicas report for their links (the default transport).
-@pytest.mark.parametrize("knee_policy", [False, True], ids=["serve-policy-serve-calls", "knee-policy-links"])
+@pytest.mark.parametrize("knee_policy", [pytest.param(False, marks=pytest.mark.release), True],
+                         ids=["serve-policy-serve-calls", "knee-policy-links"])  # the default on every run
 def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, knee_policy: bool) -> None:
 
     from deployments.run import deploy, undeploy
@@ -97,10 +99,9 @@ def test_slow_shard_scales_up_alone_and_back_down(ray_cluster, tmp_path: Path, k
 
             events = knee_events(index_app_name("scaling"), "shard-001")
             assert events and events[0]["replicas"] == 1 and events[0]["depth"] > 1, events
-        deadline = time.monotonic() + 60  # idle now: the slow shard must come back down
-        while time.monotonic() < deadline and _running("scaling").get("shard-001", 0) > 1:
-            time.sleep(1)
-        assert _running("scaling")["shard-001"] == 1
+        # idle now: the slow shard must come back down
+        wait_for(lambda: _running("scaling").get("shard-001", 0) == 1, "the slow shard back at one replica",
+                 timeout_s=60, interval_s=1)
     finally:
         undeploy("scaling")
 
@@ -166,6 +167,7 @@ def test_past_knee_is_a_schmitt_trigger() -> None:
     assert past_knee(current=2, depth=4.2, knee_depth=2, passed_at=1) == 2  # past it again at 2
 
 
+@pytest.mark.release  # the same policy and round trip as the shards' above, on the router
 def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> None:
     """The router scales on the cores it uses (its knee), not on requests held: under load it
     passes a low busy target and gains a replica, the crossing is kept, and idle it comes back."""
@@ -191,9 +193,8 @@ def test_busy_router_scales_up_and_back_down(ray_cluster, tmp_path: Path) -> Non
         # the crossing, in cores wanted: one replica, past 0.5 (kept rounded to 0.01: at least 0.5)
         events = knee_events("busy", "Router")
         assert events and events[0]["replicas"] == 1 and events[0]["depth"] >= 0.5, events
-        deadline = time.monotonic() + 60  # idle now: back to one
-        while time.monotonic() < deadline and router_replicas("busy") > 1:
-            time.sleep(1)
-        assert router_replicas("busy") == 1
+        # idle now: back to one
+        wait_for(lambda: router_replicas("busy") == 1, "the router back at one replica", timeout_s=60,
+                 interval_s=1)
     finally:
         undeploy("busy")

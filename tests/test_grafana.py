@@ -19,6 +19,7 @@ import orjson
 import pytest
 
 from index_build.job import build_index
+from loadtests.served import wait_for
 from shardserve.data.datasets import load_dataset
 from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
@@ -99,20 +100,30 @@ def test_every_dashboard_query_names_an_exported_metric(ray_cluster, tmp_path: P
     try:
         missing: set[str] = wanted
         sent = 0
-        deadline = time.monotonic() + 90  # Ray exports application metrics every few seconds
-        while missing and time.monotonic() < deadline:
+
+        def all_exported() -> bool:  # traffic, then a look once Ray has had time to export it
+            nonlocal missing, sent
             assert asyncio.run(traffic()) <= {200, 503}
             sent += 8
-            time.sleep(3)
+            time.sleep(3)  # Ray exports application metrics every few seconds
             missing = wanted - _exported_metrics()
-        assert not missing, f"the dashboard queries metrics nobody exports: {sorted(missing)}"
+            return not missing
+
+        deadline = time.monotonic() + 90  # and 60 s past it for the histogram below
+        try:
+            wait_for(all_exported, "every metric the dashboard queries exported", timeout_s=90, interval_s=0)
+        except AssertionError as exc:
+            exc.add_note(f"metrics the dashboard queries that nobody exported: {sorted(missing)}")
+            raise
         # The request histogram (deployments.metrics.ExportedHistogram) counts every search the
         # router answered, once: its totals reach Ray's export within seconds of the last request.
-        count, buckets = _request_histogram(_exported_samples(), "grafana")
-        while count != sent and time.monotonic() < deadline + 60:
-            time.sleep(2)
+
+        def all_counted() -> list[tuple[float, float]]:
             count, buckets = _request_histogram(_exported_samples(), "grafana")
-        assert count == sent, (count, sent)
+            return buckets if count == sent else []
+
+        buckets = wait_for(all_counted, f"the request histogram counting all {sent} searches",
+                           timeout_s=deadline + 60 - time.monotonic(), interval_s=2)
         cumulative = [n for _, n in buckets]
         assert cumulative == sorted(cumulative) and buckets[-1] == (float("inf"), sent), buckets
     finally:

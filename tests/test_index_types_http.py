@@ -14,6 +14,7 @@ from tests.conftest import SERVE_PORT as PORT
 
 pytestmark = pytest.mark.slow
 LIMIT = 20000
+QUERIES = 2000  # of Fashion-MNIST's 10,000: recall within a point or so of all of them
 
 
 @pytest.mark.parametrize("factory, params", [
@@ -35,12 +36,13 @@ def test_index_type_serves_with_recall(ray_cluster, tmp_path: Path, factory: str
         if path.is_file() and path.name != "manifest.json":
             path.unlink()
     try:
-        result = evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT)
+        result = evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT,
+                          num_queries=QUERIES)
         # Fashion-MNIST's labels as filters over HTTP, graded against brute force over the matching
         # rows: five classes (50 %, a widened scan), a class (10 %), a class within the first 2,000
         # and 200 ids (~1 % and ~0.1 %; these three compared row by row)
         filtered = [evaluate(str(manifests_only), "fashion-mnist", k=10, params=params, url=url, limit=LIMIT,
-                             where=where)
+                             where=where, num_queries=QUERIES)
                     for where in ({"label": {"$in": [1, 3, 5, 7, 9]}}, {"label": 3},
                                   {"label": 3, "$id": {"$lt": LIMIT // 10}},
                                   {"label": 3, "$id": {"$lt": LIMIT // 100}})]

@@ -22,6 +22,7 @@ import redis
 
 from index_build.job import build_index
 from loadtests.local_cluster import RedisStore
+from loadtests.served import wait_for
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
 from shardserve.index.storage import Location
 from shardserve.query.filters import check_filter
@@ -142,14 +143,6 @@ def replica(index: tuple[Location, Manifest], address: LogAddress) -> ShardWrite
                        lambda: read_shard_checked(location, trained) if trained else None)
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g} s: {what}")
-        time.sleep(0.01)
-
-
 def refused(running: ShardWrites) -> str | None:
     """The LogBehind a catch-up raises now (None: it answered)."""
     try:
@@ -162,7 +155,7 @@ def refused(running: ShardWrites) -> str | None:
 def rebuilt(running: ShardWrites) -> int:
     """The position a replica that found its log behind answers at once its view is rebuilt (in a
     thread of its own): every catch-up until then is refused."""
-    wait_for(lambda: refused(running) is None, "the view rebuilt")
+    wait_for(lambda: refused(running) is None, "the view rebuilt", timeout_s=30)
     return running.catch_up()
 
 
@@ -231,7 +224,7 @@ def test_a_replica_whose_log_no_longer_holds_its_version_s_requests_stops_answer
     writer.truncate_below(8)  # the restored log holds request 8 alone
     with pytest.raises(follow.LogBehind, match="no longer holds request 10"):
         running.catch_up()
-    wait_for(lambda: "request 1 either" in (refused(running) or ""), "the rebuild refused")
+    wait_for(lambda: "request 1 either" in (refused(running) or ""), "the rebuild refused", timeout_s=30)
     with pytest.raises(follow.LogBehind, match="serve a newer version"):  # and again, each time
         running.catch_up()
     with pytest.raises(follow.LogBehind):
@@ -289,7 +282,8 @@ def test_a_replica_that_cannot_re_read_the_log_it_found_behind_answers_nothing(
             fault.setattr(log, read, down, raising=False)
         with pytest.raises(follow.LogBehind, match="no longer holds request 2"):
             running.catch_up()
-        wait_for(lambda: "a fault this test injects" in (refused(running) or ""), "the rebuild failed")
+        wait_for(lambda: "a fault this test injects" in (refused(running) or ""), "the rebuild failed",
+                 timeout_s=30)
         assert refused(running) is not None
     assert rebuilt(running) == 2
     assert running.lookup([NEW + 2000, NEW + 3000], ["caption"]) == [None, {"caption": "after"}]
@@ -497,9 +491,7 @@ def test_an_append_that_timed_out_after_it_was_sent_says_it_may_have_been_writte
     finally:
         busy.join()
     assert type(unknown.value).__name__ == "OutcomeUnknown" and "may have been" in str(unknown.value)
-    deadline = time.monotonic() + 5
-    while log.last_position() < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: log.last_position() >= 2, "request 2 in the log", timeout_s=5)
     assert [p for p, _ in log.read(0)] == [1, 2]  # the 503 wrote: hence "may have been"
     assert log.append(upsert(3, "three")) == 3
     # the writer moved to a new epoch: had a failover lost request 2 (held under the old one), the

@@ -13,7 +13,7 @@ import pytest
 from index_build.job import build_index
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ha]  # in make test-ha, beside the loss of the head
 
 
 def test_worker_node_killed_under_load(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from loadtests.served import wait_for
 from loadtests.vegeta_run import machine_share
 from shardserve.runtime.procfs import (
     SELF_CLASS,
@@ -116,10 +117,8 @@ def test_pids_with_environment_finds_a_child_by_what_it_inherited_never_this_pro
                              env={**os.environ, "SHARDSERVE_TEST_TOKEN": token})
     try:
         os.environ["SHARDSERVE_TEST_TOKEN"] = token  # this process is left out whatever its environment
-        deadline = time.monotonic() + 10
-        while pids_with_environment("SHARDSERVE_TEST_TOKEN", token) != [child.pid]:
-            assert time.monotonic() < deadline, pids_with_environment("SHARDSERVE_TEST_TOKEN", token)
-            time.sleep(0.05)
+        wait_for(lambda: pids_with_environment("SHARDSERVE_TEST_TOKEN", token) == [child.pid],
+                 "the child, alone, found by its environment", timeout_s=10)
         assert pids_with_environment("SHARDSERVE_TEST_TOKEN", token + "x") == []
     finally:
         os.environ.pop("SHARDSERVE_TEST_TOKEN", None)

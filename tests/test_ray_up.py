@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import orjson
 import pytest
 import yaml
 
+from loadtests.served import wait_for
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime import procfs
 from tests.conftest import REPO
@@ -71,17 +71,16 @@ def loopback_sshd(tmp_path: Path):
     os.makedirs("/run/sshd", exist_ok=True)  # privilege separation directory
     process = subprocess.Popen([sshd, "-D", "-f", str(config), "-E", str(tmp_path / "sshd.log")])
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            probe = subprocess.run(
+        def reachable() -> bool:
+            return subprocess.run(
                 ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "BatchMode=yes",
                  "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
-                 f"{os.environ.get('USER', 'root')}@127.0.0.1", "true"], capture_output=True)
-            if probe.returncode == 0:
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"sshd on 127.0.0.1:22 not reachable: {(tmp_path / 'sshd.log').read_text()[-500:]}")
+                 f"{os.environ.get('USER', 'root')}@127.0.0.1", "true"], capture_output=True).returncode == 0
+
+        try:
+            wait_for(reachable, "sshd on 127.0.0.1:22 reachable", timeout_s=10, interval_s=0.3)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: sshd said: {(tmp_path / 'sshd.log').read_text()[-500:]}") from None
         yield key
     finally:
         process.terminate()
@@ -137,7 +136,5 @@ def test_ray_up_build_serve_query_ray_down(loopback_sshd: Path, tmp_path: Path) 
         procfs.stop(sorted((_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before), grace_s=5)
     assert not (_pids(b"ray_ssh_") | _pids(b"@notty")) - ssh_before, "ssh processes left running"
     assert down.returncode == 0, down.stderr[-2000:]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pids(b"raylet/raylet"):
-        time.sleep(0.5)
-    assert not _pids(b"raylet/raylet"), "ray down left a raylet running"
+    wait_for(lambda: not _pids(b"raylet/raylet"), "no raylet left running after ray down", timeout_s=30,
+             interval_s=0.5)

@@ -7,23 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
 from index_build.job import build_index
+from loadtests.served import Server
 from shardserve.runtime import procfs
 from shardserve.runtime.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.haproxy]
 EXE = Path(sys.executable).parent / "shardserve"
-RUN = "SHARDSERVE_TEST_RUN"  # every process a server starts inherits it: how the test finds them
 KEY = "serve-test-key-0123456789"
 
 
@@ -45,68 +43,8 @@ def _version(index: Path) -> str:
     return read_manifest(Location.parse(str(index))).index_version
 
 
-class Server:
-    """One `shardserve serve` in its own session, every process of it marked with a run id."""
-
-    def __init__(self, index: Path, port: int, env: dict | None = None):
-        self.run = uuid.uuid4().hex
-        self.port = port
-        self.process = subprocess.Popen(
-            [str(EXE), "serve", str(index), "--port", str(port), "--num-cpus", "2"],
-            env={**os.environ, "RAY_ADDRESS": "", RUN: self.run, **(env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def descendants(self) -> list[int]:
-        """Live processes carrying this server's run id (the command itself included)."""
-        return [pid for pid in procfs.pids_with_environment(RUN, self.run) if procfs.alive(pid)]
-
-    def wait_for(self, found, what: str, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not found():
-            if self.process.poll() is not None:
-                raise AssertionError(f"serve exited ({self.process.returncode}) before {what}: "
-                                     f"{self.process.stderr.read() if self.process.stderr else ''}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} after {timeout_s} s")
-            time.sleep(0.01)
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/v1/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def has_process(self, fragment: bytes) -> bool:
-        return any(fragment in procfs.cmdline(pid) for pid in self.descendants())
-
-    def has_child(self, fragment: bytes) -> bool:
-        """A direct child of the command whose command line holds `fragment` (a quick look: the
-        edge's start-up check lasts half a second)."""
-        import psutil
-
-        try:
-            children = psutil.Process(self.process.pid).children()
-        except psutil.NoSuchProcess:
-            return False
-        return any(fragment in procfs.cmdline(child.pid) for child in children)
-
-    def signal(self, signum: int) -> None:
-        """To the command's own pid only (as the issue's reproduction did): the edge and Ray's
-        processes get nothing from the terminal; the command must stop them itself."""
-        os.kill(self.process.pid, signum)
-
-    def finish(self, timeout_s: float = 120) -> tuple[int, str]:
-        _, err = self.process.communicate(timeout=timeout_s)
-        return self.process.returncode, err
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            procfs.interrupt(self.process, timeout_s=60)
-        procfs.stop(self.descendants(), grace_s=5)
+def serve(index: Path, port: int, env: dict | None = None) -> Server:
+    return Server(index, port, flags=("--num-cpus", "2"), env=env)
 
 
 def _port_free(port: int) -> bool:
@@ -122,7 +60,7 @@ def _port_free(port: int) -> bool:
 def _gone(server: Server, timeout_s: float = 60) -> list[int]:
     """Processes of the server still alive once they had `timeout_s` to go (normally none at once)."""
     deadline = time.monotonic() + timeout_s
-    while (left := server.descendants()) and time.monotonic() < deadline:
+    while (left := server.pids()) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -153,7 +91,7 @@ def test_two_servers_on_one_machine_run_side_by_side(indexes: dict[str, Path]) -
     """A on P1, then B on P2: each starts its own Ray, B serves B's index, and P1 answers with A's
     index version the whole time, B's start and stop included. A third server on A's port exits in
     one line, non-zero, and A never notices."""
-    a = Server(indexes["a"], free_port())
+    a = serve(indexes["a"], free_port())
     b: Server | None = None
     watched: list[str] = []
     watching = threading.Event()
@@ -171,14 +109,14 @@ def test_two_servers_on_one_machine_run_side_by_side(indexes: dict[str, Path]) -
     try:
         a.wait_for(a.healthy, "health on A's port")
         watcher.start()
-        b = Server(indexes["b"], free_port())
+        b = serve(indexes["b"], free_port())
         b.wait_for(b.healthy, "health on B's port")
         assert httpx.get(f"{b.url}/v1/index", timeout=10).json()["index_version"] == _version(indexes["b"])
         # two clusters, one per server: B did not join A's
-        a_gcs = {pid for pid in a.descendants() if b"gcs_server" in procfs.cmdline(pid)}
-        b_gcs = {pid for pid in b.descendants() if b"gcs_server" in procfs.cmdline(pid)}
+        a_gcs = {pid for pid in a.pids() if b"gcs_server" in procfs.cmdline(pid)}
+        b_gcs = {pid for pid in b.pids() if b"gcs_server" in procfs.cmdline(pid)}
         assert len(a_gcs) == len(b_gcs) == 1 and a_gcs != b_gcs
-        clash = Server(indexes["b"], a.port)
+        clash = serve(indexes["b"], a.port)
         code, err = clash.finish()
         assert code != 0 and err.strip().splitlines()[-1] == (
             f"shardserve: error: 127.0.0.1:{a.port} is in use (Address already in use): pick another --port")
@@ -194,8 +132,8 @@ def test_two_servers_on_one_machine_run_side_by_side(indexes: dict[str, Path]) -
         if watcher.is_alive():
             watcher.join(timeout=30)
         if b is not None:
-            b.kill()
-        a.kill()
+            b.stop()
+        a.stop()
     assert watched and set(watched) == {_version(indexes["a"])}, sorted(set(watched))
 
 
@@ -210,9 +148,19 @@ STAGES = {
 }
 
 
-@pytest.mark.parametrize("stage, signum", [(stage, signal.SIGINT) for stage in STAGES]
-                         + [("during deploy", signal.SIGTERM), ("just after", signal.SIGTERM)],
-                         ids=lambda value: value if isinstance(value, str) else signal.Signals(value).name)
+# Every CI run stops one start mid-deploy (SIGINT) and one server just up (SIGTERM, with an API key);
+# the rest of the matrix runs before a release (make test-release).
+RELEASE = pytest.mark.release
+
+
+@pytest.mark.parametrize("stage, signum", [
+    pytest.param("before deploy", signal.SIGINT, marks=RELEASE),
+    ("during deploy", signal.SIGINT),
+    pytest.param("as the edge comes up", signal.SIGINT, marks=RELEASE),
+    pytest.param("just after", signal.SIGINT, marks=RELEASE),
+    pytest.param("during deploy", signal.SIGTERM, marks=RELEASE),
+    ("just after", signal.SIGTERM),
+], ids=lambda value: value if isinstance(value, str) else signal.Signals(value).name)
 def test_a_stop_at_any_stage_of_start_up_leaves_no_process_and_frees_the_port(
         indexes: dict[str, Path], stage: str, signum: int) -> None:
     """SIGINT or SIGTERM to the command alone, at each stage of its start: it exits without a
@@ -220,11 +168,11 @@ def test_a_stop_at_any_stage_of_start_up_leaves_no_process_and_frees_the_port(
     group or anywhere, and its port is free. Once up (with an API key), no process it started holds
     the key in its environment, and the edge wants it."""
     keyed = {"SHARDSERVE_API_KEY": KEY} if stage == "just after" else None
-    server = Server(indexes["a"], free_port(), env=keyed)
+    server = serve(indexes["a"], free_port(), env=keyed)
     try:
         server.wait_for(lambda: STAGES[stage](server), stage)
         if stage == "just after":
-            started = server.descendants()
+            started = server.pids()
             assert started and not [pid for pid in started if pid != server.process.pid
                                     and _environ(pid).get("SHARDSERVE_API_KEY")]
             assert httpx.get(f"{server.url}/v1/index", timeout=10).status_code == 401
@@ -239,7 +187,7 @@ def test_a_stop_at_any_stage_of_start_up_leaves_no_process_and_frees_the_port(
         described += [procfs.cmdline(pid)[:80] for pid in group]
         port_free = _port_free(server.port)
     finally:
-        server.kill()
+        server.stop()
     assert "Traceback" not in err, err
     assert not left, described
     assert not group and port_free

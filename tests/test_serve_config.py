@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import yaml
 
 from deployments.config import AppArgs
 from index_build.job import build_index
+from loadtests.served import Server
 from serving.evaluate import sharded_search
 from shardserve.data.datasets import load_dataset
 from shardserve.query.searcher import load_all_shards
@@ -75,28 +75,25 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
     apps it deployed: another app on that cluster keeps serving, and the cluster keeps running."""
     from ray import serve
 
-    from deployments.run import deploy, undeploy, wait_until_healthy
+    from deployments.run import deploy, undeploy
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
     bystander = deploy(str(index), port=PORT, app_name="bystander", route_prefix="/bystander",
                        shard_num_cpus=0.1, router_num_cpus=0.1)
-    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    process = subprocess.Popen([str(Path(sys.executable).parent / "shardserve"), "serve", str(index),
-                                "--port", str(PORT)], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    server = Server(index, PORT, flags=("--address", ray_cluster.get_runtime_context().gcs_address))
     try:
-        wait_until_healthy(f"http://127.0.0.1:{PORT}", timeout_s=180)
-        assert "shardserve" in serve.status().applications
-        assert interrupt(process, timeout_s=180) == 0, process.stdout.read()
+        server.wait_for(lambda: "shardserve" in serve.status().applications and server.healthy(),
+                        "the joined server's apps, healthy", timeout_s=180, interval_s=0.2)
+        assert interrupt(server.process, timeout_s=180) == 0, server.output()
         apps = serve.status().applications
         assert not [name for name in apps if name.startswith("shardserve")], list(apps)
         assert apps["bystander"].status == "RUNNING"
         assert httpx.get(f"{bystander}/v1/health", timeout=10).status_code == 200
         assert ray_cluster.is_initialized()
     finally:
-        if process.poll() is None:
-            interrupt(process, timeout_s=0.1)
+        if server.process.poll() is None:
+            interrupt(server.process, timeout_s=0.1)
         undeploy("shardserve")
         undeploy("bystander")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +12,7 @@ import orjson
 import pytest
 
 from index_build.job import build_index
+from loadtests.served import wait_for
 from serving.evaluate import evaluate
 from shardserve.data.datasets import load_dataset
 from shardserve.query.parse import npy_body
@@ -252,11 +252,9 @@ def test_chunked_body_is_cut_off_at_the_limit_not_buffered(door: str) -> None:
 def test_health_index_and_docs(door: str, fm_index: Path) -> None:
     health = httpx.get(f"{door}/v1/health", timeout=10)
     assert health.status_code == 200 and health.json()["shards"] == 4
-    deadline = time.monotonic() + 15  # shard replicas announce their links; the router follows
-    while health.json()["links"] != [1, 1, 1, 1] and time.monotonic() < deadline:
-        time.sleep(0.5)
-        health = httpx.get(f"{door}/v1/health", timeout=10)
-    assert health.json()["links"] == [1, 1, 1, 1]  # every shard is reached over its link
+    # shard replicas announce their links; the router follows: every shard is reached over its link
+    wait_for(lambda: httpx.get(f"{door}/v1/health", timeout=10).json()["links"] == [1, 1, 1, 1],
+             "every shard reached over its link", timeout_s=15, interval_s=0.5)
     info = httpx.get(f"{door}/v1/index", timeout=10).json()
     assert info["num_vectors"] == int(LIMIT) and info["params"] == ["nprobe"]
     assert [s["name"] for s in info["shards"]] == ["shard-000", "shard-001", "shard-002", "shard-003"]
@@ -320,28 +318,28 @@ def test_slow_shard_gives_partial_answer_or_503_with_require_full(served, fm_ind
         undeploy("slow")
 
 
-def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path) -> None:
-    import time
-
+def test_health_is_503_until_every_shard_is_loaded(served, fm_index: Path, tmp_path: Path) -> None:
     from deployments.run import deploy, undeploy
 
-    # shard-001 loads for 30 s: long enough that a health probe stalled while the app comes up (one
-    # fresh-clone run saw a single probe hang 10 s, then 200 after a 12 s load) still leaves a
-    # window of 503s to observe.
+    # shard-001 loads only once the test has seen a 503 and says so (a file): the order, not a time
+    go = tmp_path / "load-shard-001"
     deploy(str(fm_index), port=PORT, app_name="late", route_prefix="/late", wait=False,
-           shard_class=slow_shards(load_s={"shard-001": 30.0}), shard_num_cpus=0.1, router_num_cpus=0.1)
+           shard_class=slow_shards(load_after={"shard-001": str(go)}), shard_num_cpus=0.1,
+           router_num_cpus=0.1)
     statuses: list[int] = []
+
+    def healthy() -> bool:  # every status seen on the way, kept
+        try:
+            statuses.append(httpx.get(f"{URL}/late/v1/health", timeout=10).status_code)
+        except httpx.HTTPError:
+            statuses.append(0)
+        return statuses[-1] == 200
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                statuses.append(httpx.get(f"{URL}/late/v1/health", timeout=10).status_code)
-            except httpx.HTTPError:
-                statuses.append(0)
-            if statuses[-1] == 200:
-                break
-            time.sleep(0.25)
-        assert statuses[-1] == 200, statuses
+        wait_for(lambda: healthy() or 503 in statuses, "a 503 while shard-001 has not loaded", timeout_s=300,
+                 interval_s=0.25)
+        go.touch()
+        wait_for(healthy, "health 200 once every shard is loaded", timeout_s=120, interval_s=0.25)
         assert 503 in statuses, statuses
         assert all(s != 200 for s in statuses[:-1])
         # the main app kept serving meanwhile

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -10,6 +9,7 @@ import orjson
 import pytest
 
 from index_build.job import build_index
+from loadtests.served import wait_for
 from shardserve.data.datasets import load_dataset
 from shardserve.index.manifest import read_manifest
 from shardserve.index.storage import Location
@@ -40,10 +40,8 @@ def _kill_replica(app: str, deployment: str) -> None:
 
     [name] = _replicas(app, deployment)
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and _replicas(app, deployment) in ({name}, set()):
-        time.sleep(0.5)
-    assert _replicas(app, deployment) - {name}, f"Serve did not replace {name} within 60 s"
+    wait_for(lambda: _replicas(app, deployment) - {name}, f"Serve replacing {name}", timeout_s=60,
+             interval_s=0.5)
 
 
 def _restart_router(app: str) -> None:
@@ -57,14 +55,12 @@ def _restart_router(app: str) -> None:
 def _fully_answered(url: str, body: bytes, timeout_s: float = 60.0) -> dict:
     """The first answer every shard took part in: a restarted replica is reached once the router's
     handle and shard link have followed it (a second or so after it is up), not at once."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def full() -> dict:
         answer = httpx.post(f"{url}/v1/search", content=body, timeout=30).json()
         coverage = answer["coverage"]
-        if coverage["answered"] == coverage["shards"] or time.monotonic() > deadline:
-            assert coverage["answered"] == coverage["shards"], answer
-            return answer
-        time.sleep(0.5)
+        return answer if coverage["answered"] == coverage["shards"] else {}
+
+    return wait_for(full, "an answer every shard took part in", timeout_s=timeout_s, interval_s=0.5)
 
 
 def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path) -> None:
@@ -106,10 +102,9 @@ def test_swap_under_load_then_gate_refuses_bad_index(ray_cluster, tmp_path: Path
         assert answer.status_code == 200 and answer.json()["index"] == _version(new)
         from ray import serve
 
-        deadline = time.monotonic() + 60  # both refused and replaced versions' apps are deleted
-        while time.monotonic() < deadline and len([a for a in serve.status().applications
-                                                   if a.startswith(APP)]) > 2:
-            time.sleep(0.5)
+        # both refused and replaced versions' apps are deleted
+        wait_for(lambda: len([a for a in serve.status().applications if a.startswith(APP)]) <= 2,
+                 "the refused and the replaced versions' apps deleted", timeout_s=60, interval_s=0.5)
         apps = sorted(a for a in serve.status().applications if a.startswith(APP))
         assert len(apps) == 2 and apps[0] == APP and apps[1].startswith(f"{APP}-index-{_version(new)[:12]}-g")
         assert set(shard_replicas(APP)) == {"shard-000", "shard-001"}

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from loadtests.served import wait_for
 from shardserve.runtime.procfs import age_seconds, cmdline
 from shardserve.runtime.warm_pool import (
     IDLE_TITLE,
@@ -47,10 +48,9 @@ def test_census_counts_idle_and_starting_children_only(tmp_path) -> None:
                           f"--python_worker_command={sys.executable} {script}"]),  # even naming it
     ]
     try:
-        deadline = time.monotonic() + 10
-        while pooled_workers(os.getpid()) < before + 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # until bash has exec'd
-        assert pooled_workers(os.getpid()) == before + 2
+        wait_for(lambda: pooled_workers(os.getpid()) >= before + 2, "both pooled children counted",
+                 timeout_s=10)
+        assert pooled_workers(os.getpid()) == before + 2  # two, not more (once bash has exec'd)
     finally:
         for child in children:
             child.kill()

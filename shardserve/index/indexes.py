@@ -58,6 +58,7 @@ def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
     except RuntimeError as exc:
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "rejected by FAISS"
         raise ShardserveError(f"unknown index factory {factory!r} for dim {dim}: {reason}") from None
+    _no_polysemous_training(index)
     if not isinstance(faiss.downcast_index(index), faiss.IndexIVF):
         # Flat / HNSW / PQ / refined IVF keep sequential ids only: an IDMap makes add_with_ids possible.
         index = faiss.IndexIDMap2(index)
@@ -65,6 +66,17 @@ def make_empty_index(factory: str, dim: int, metric: str) -> faiss.Index:
     if isinstance(refine, faiss.IndexRefine):
         refine.k_factor = REFINE_K_FACTOR  # stored in the index file; the factory's RFlat means 1
     return index
+
+
+def _no_polysemous_training(index: faiss.Index) -> None:
+    """The factory turns on polysemous training for 8-bit PQ: an annealing that reorders each
+    sub-quantizer's centroids so that Hamming distances between codes approximate real ones. Only a
+    polysemous search (`polysemous_ht`) reads that order; shardserve never runs one, and the
+    annealing is most of an IVF-PQ's training time on small and medium data."""
+    ivf = faiss.try_extract_index_ivf(index)
+    for part in (faiss.downcast_index(ivf) if ivf is not None else None, faiss.downcast_index(index)):
+        if isinstance(part, faiss.IndexIVFPQ | faiss.IndexPQ):
+            part.do_polysemous_training = False  # type: ignore[union-attr]
 
 
 def train_empty_index(factory: str, metric: str, train_vectors: np.ndarray, seed: int) -> bytes:
