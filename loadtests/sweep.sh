@@ -7,7 +7,9 @@
 # Writes loadtests/records/NAME.json (levels, + the knee for 3 or more), NAME.png, and a vegeta HTML
 # plot per level. Env: URL (http://127.0.0.1:8000) DATASET K NPROBE BATCH (vectors per request,
 # 0 = single) DURATION OUT NAME; TEXT=1: distinct real texts instead of vectors (an index built from
-# text: the knee found is the embedder's, and `shardserve tune` sizes the embedder from it).
+# text, served with `--arg embedder_autoscaling=null --arg embedding_cache_bytes=0`: every level
+# sends the same texts, so the cache is off; the knee found is the embedder's, and `shardserve
+# tune` sizes the embedder from it). NPROBE=0 sends no nprobe (an index without lists).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VEGETA="${VEGETA:-$ROOT/.bin/vegeta}"
@@ -22,7 +24,7 @@ while getopts "c:r:d:n:" opt; do
     r) MODE=rate; VALUES="$OPTARG" ;;
     d) DURATION="$OPTARG" ;;
     n) NAME="$OPTARG" ;;
-    *) sed -n '2,9p' "$0"; exit 2 ;;
+    *) sed -n '2,12p' "$0"; exit 2 ;;
   esac
 done
 [[ -x "$VEGETA" ]] || { echo "vegeta not found at $VEGETA: run 'make vegeta'" >&2; exit 1; }

@@ -203,8 +203,11 @@ def main() -> None:
         params = {k: v for k, v in (("nprobe", args.nprobe), ("efSearch", args.ef_search)) if v}
         if args.text:
             from shardserve.embed.text_data import real_texts
+            from shardserve.embed.validate import MAX_TEXT_CHARS
 
-            texts = real_texts(args.count)
+            # texts a server takes by default (a few fortunes are longer)
+            texts = [t for t in real_texts(args.count + args.count // 10) if len(t) <= MAX_TEXT_CHARS]
+            texts = texts[:args.count]
             print(write_targets(Path(args.out), text_targets(texts, args.url, args.k, params)))
             return
         queries = load_dataset(args.dataset).queries

@@ -18,3 +18,4 @@ def test_capacity_notebook_runs() -> None:
     outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for o in cell.get("outputs", []))
     assert "router_max_queued_requests" in outputs and "peak_qps" in outputs
+    assert "max_texts_in_flight" in outputs and "text knee" in outputs  # the embedding stage
