@@ -19,7 +19,7 @@ QUERIES = 2000  # of Fashion-MNIST's 10,000: recall within a point or so of all 
 
 @pytest.mark.parametrize("factory, params", [
     ("Flat", {}),
-    ("HNSW32", {"efSearch": 64}),
+    pytest.param("HNSW32", {"efSearch": 64}, marks=pytest.mark.release),  # Flat is the non-IVF case in CI
     ("IVF256,PQ98x4fs,RFlat", {"nprobe": 16}),
 ])
 def test_index_type_serves_with_recall(ray_cluster, tmp_path: Path, factory: str, params: dict) -> None:

@@ -40,6 +40,7 @@ def test_generated_config_is_valid_serve_schema(tmp_path: Path) -> None:
     assert config["http_options"] == {"host": "127.0.0.1", "port": 9001}
 
 
+@pytest.mark.release  # the schema test above checks the config on every CI run
 def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="ray")

@@ -20,7 +20,7 @@ from shardserve.embed.model import Embedder
 from shardserve.embed.text_data import real_texts
 from tests.conftest import SERVE_PORT
 
-CORPUS = 1500  # and half of the 1,000 queries are texts it holds
+CORPUS = 1000  # and half of the 1,000 queries are texts it holds
 QUERIES = 1000
 
 pytestmark = pytest.mark.slow
