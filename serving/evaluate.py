@@ -76,8 +76,8 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
              where: dict | None = None, num_queries: int | None = None) -> dict:
     """Recall@k against exact ground truth and QPS; optionally also the unsharded index's.
 
-    num_queries: grade the first this many queries only (default: all; a streamed directory picks
-        its own queries).
+    num_queries: grade the first this many queries only (default: all; refused for a streamed
+        directory, which picks its own queries).
     Parquet and .npy directories are streamed (`stream`, default: for those, unless
     `compare_unsharded`): no copy of the base set is held, only the queries and the ids.
     """
@@ -93,6 +93,8 @@ def evaluate(index_uri: str, dataset_spec: str, k: int = 10, params: dict | None
         stream = ((is_parquet_spec(dataset_spec) or is_npy_dir_spec(dataset_spec)) and not compare_unsharded
                   and where is None)
     if stream:
+        if num_queries is not None:
+            raise ShardserveError("num_queries: a streamed dataset picks its own queries (pass stream=False)")
         return _evaluate_streamed(manifest, searchers, assigner, dataset_spec, k, params, url, limit,
                                   batch_size)
     columns = manifest.dataset.columns()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shardserve.data.groundtruth import cache_dir
-from shardserve.index.storage import CACHE_ENV, cache_root
+from shardserve.index.storage import cache_root
+from shardserve.settings import CACHE_ENV
 
 
 def test_one_variable_moves_every_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,10 +61,9 @@ def test_serve_mark(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_names_other_modules_export_are_the_settings() -> None:
-    from shardserve.index import storage
     from shardserve.writes import redis_log
 
-    assert storage.CACHE_ENV == settings.CACHE_ENV == "SHARDSERVE_CACHE_DIR"
+    assert settings.CACHE_ENV == "SHARDSERVE_CACHE_DIR"
     assert redis_log.WRITE_LOG_ENV == settings.WRITE_LOG_ENV == "SHARDSERVE_WRITE_LOG"
     assert redis_log.PASSWORD_FILE_ENV == settings.PASSWORD_FILE_ENV
 

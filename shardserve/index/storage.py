@@ -15,8 +15,6 @@ import pyarrow.fs as pafs
 from shardserve import settings
 from shardserve.errors import ShardserveError
 
-CACHE_ENV = settings.CACHE_ENV  # the cache's setting (shardserve.settings), re-exported
-
 
 def cache_root() -> str:
     """Where a node keeps what it downloads or computes once (shards of a remote index, exact
