@@ -82,7 +82,9 @@ demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
 test: install data text vegeta haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=30 -m "not cluster and not ha and not release"
+	@# the tests without Ray on every core, then the Ray tests one at a time on one session's Ray
+	$(BIN)/python -m pytest -q -ra --durations=10 -n auto --dist worksteal -m "not slow and not cluster and not ha and not release"
+	$(BIN)/python -m pytest -q -ra --durations=30 -m "slow and not cluster and not ha and not release"
 
 # ray up / ray exec / ray down of configs/cluster.local.yaml against this machine (own sshd on
 # 127.0.0.1:22). `ray down` stops every Ray on the machine, so the test refuses to run beside one.

@@ -77,7 +77,9 @@ def ray_cluster():
         os.environ[name] = str(free_port())
     # 4 logical CPUs on 2 cores: tests run extra small apps beside the main one (slow shard, late
     # shard); Serve replicas reserve fractions of a CPU, not cores.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Metrics reach Ray's export every 2 s instead of 10 s: the dashboard tests read them sooner.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 2000})
     yield ray
     try:
         from ray import serve

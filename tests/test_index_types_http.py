@@ -14,7 +14,7 @@ from tests.conftest import SERVE_PORT as PORT
 
 pytestmark = pytest.mark.slow
 LIMIT = 20000
-QUERIES = 2000  # of Fashion-MNIST's 10,000: recall within a point or so of all of them
+QUERIES = 1000  # of Fashion-MNIST's 10,000: recall within a point or so of all of them
 
 
 @pytest.mark.parametrize("factory, params", [
