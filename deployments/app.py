@@ -9,7 +9,7 @@ from deployments.config import AppArgs
 from deployments.control import IndexControl
 from deployments.index_version import build_index_app  # noqa: F401  (re-exported for configs)
 from deployments.router import Router
-from shardserve.index.manifest import pinned_location
+from shardserve.index.manifest import Published
 
 # No access-log line per request on the query path (router, shards): it costs CPU on every request
 # of both; errors and warnings are still logged, and request metrics still flow.
@@ -18,9 +18,15 @@ HOT_PATH_LOGGING = {"enable_access_log": False}
 
 def build_app(args: dict) -> Application:
     """The router ingress and the index pointer; the shards live in the index version's own app."""
+    return router_app(args)
+
+
+def router_app(args: dict, published: Published | None = None) -> Application:
+    """build_app, for the index as its caller already opened it (`published`), else as `args` name it."""
     app_args = AppArgs.model_validate(args)
     # The version published now, in its immutable directory (fails here, not in every replica).
-    app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
+    published = published or Published.open(app_args.index)
+    app_args = app_args.model_copy(update={"index": published.version.uri})
     pinned = {"resources": dict(app_args.router_resources)} if app_args.router_resources else {}
     control = IndexControl.options(ray_actor_options={"num_cpus": 0, **pinned}).bind(app_args.model_dump())  # type: ignore[attr-defined]
     scaling: dict = ({"autoscaling_config": app_args.router_autoscaling} if app_args.router_autoscaling

@@ -21,6 +21,8 @@ import math
 import os
 import time
 
+from shardserve.errors import BadArgument
+
 logger = logging.getLogger("ray.serve")
 KNEE_EVENTS_KEY = "knee-passed/{app}/{deployment}"  # GCS key-value (shardserve.runtime.ray_private.kv_get)
 KNEE_EVENTS_KEPT = 50
@@ -34,9 +36,9 @@ def autoscaling_config(knee_depth: float, min_replicas: int = 1, max_replicas: i
     """A Serve autoscaling_config for one shard deployment, targeting the knee's queue depth;
     `knee_policy=True` uses this module's `knee_policy` instead of Serve's built-in policy."""
     if knee_depth <= 0:
-        raise ValueError("knee_depth must be > 0")
+        raise BadArgument("knee_depth must be > 0")
     if not 1 <= min_replicas <= max_replicas:
-        raise ValueError("need 1 <= min_replicas <= max_replicas")
+        raise BadArgument("need 1 <= min_replicas <= max_replicas")
     return {
         "min_replicas": min_replicas, "max_replicas": max_replicas,
         "target_ongoing_requests": knee_depth,

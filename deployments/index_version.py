@@ -22,9 +22,10 @@ from deployments.config import EMBEDDER, AppArgs
 from deployments.embedder import EmbedderDeployment
 from deployments.shard import ShardDeployment
 from deployments.shard_calls import call_shard, shard_handle
+from shardserve.errors import ServingError
 from shardserve.index.assigner import CoarseAssigner
 from shardserve.index.indexes import prepare_vectors
-from shardserve.index.manifest import Manifest, pinned_location, read_manifest
+from shardserve.index.manifest import Manifest, Published, read_manifest
 from shardserve.index.storage import Location
 from shardserve.query.api import ParsedQuery
 from shardserve.query.fanout import plain_query, search_batch
@@ -86,7 +87,7 @@ class IndexVersion:
                                       self.shard_timeout_s * 10,
                                       prepare=prepare if self.assigner else plain_query)
         if result.answered != result.shards:
-            raise RuntimeError(f"only {result.answered} of {result.shards} shards answered")
+            raise ServingError(f"only {result.answered} of {result.shards} shards answered")
         return result.ids
 
 
@@ -96,13 +97,14 @@ def build_index_app(args: dict) -> Application:
     return index_app(args)
 
 
-def index_app(args: dict, shard_class: type | None = None) -> Application:
+def index_app(args: dict, shard_class: type | None = None, published: Published | None = None) -> Application:
     """build_index_app; `shard_class`, a subclass of ShardDeployment's class, replaces it (the
-    tests inject faults so)."""
+    tests inject faults so); `published`: the index as the caller already opened it."""
     app_args = AppArgs.model_validate(args)
     # Bound to the version published now, in its immutable directory (fails here, not per replica).
-    app_args = app_args.model_copy(update={"index": pinned_location(app_args.index)})
-    manifest = read_manifest(Location.parse(app_args.index))
+    published = published or Published.open(app_args.index)
+    app_args = app_args.model_copy(update={"index": published.version.uri})
+    manifest = published.manifest
     link = app_args.shard_transport == "link"
     # One secret per build of this app: its shards demand it, its directory hands it to routers
     # (inside Ray, over its authenticated RPC); nothing outside Ray ever sees it.

@@ -5,40 +5,42 @@ from __future__ import annotations
 import os
 import time
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
+from shardserve.index.manifest import Published
 
 APP_NAME = "shardserve"
 
 
-def deploy(index: str, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
+def deploy(index: str | Published, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
            route_prefix: str = "/", wait: bool = True, shard_class: type | None = None,
            serve_http: bool = True, **overrides) -> str:
     """Deploy the app on the connected Ray (starting Serve if needed); return its base URL.
+    `index`: a directory or URI, or the index as its caller already opened it (read once).
     `shard_class` replaces the shard deployment's class (see build_index_app).
     `serve_http=False` (with a `front_port`): Serve starts no HTTP proxy of its own, and the URL is
     the router's door, on `front_host`. For a Serve this process starts in front of an edge that
     reaches the door: Serve's proxy would be two idle processes and a port nothing uses."""
     if not serve_http and overrides.get("front_port") is None:
-        raise ValueError("serve_http=False needs a front_port: the router's door is then its only HTTP")
+        raise BadArgument("serve_http=False needs a front_port: the router's door is then its only HTTP")
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import router_app
     from deployments.config import AppArgs, index_app_name
     from deployments.control import forget_pointer
     from deployments.index_version import index_app
-    from shardserve.index.manifest import pinned_location
     from shardserve.runtime.ray_private import run_app
 
     # Both apps bind to the version published now: a rebuild in place never reaches them.
-    args = AppArgs(index=pinned_location(_absolute(index)), **overrides).model_dump()
+    published = index if isinstance(index, Published) else Published.open(absolute(index))
+    args = AppArgs(index=published.version.uri, **overrides).model_dump()
     if serve_http:
         serve.start(http_options={"host": host, "port": port})
     else:
         serve.start(proxy_location="Disabled")
     forget_pointer(app_name)  # a fresh deployment starts from its configured index
     # The shards first (their own app, no HTTP route), then the router that finds them by name.
-    run_app(index_app(args, shard_class), index_app_name(app_name), None, blocking=wait)
-    run_app(build_app(args), app_name, route_prefix if serve_http else None, blocking=wait)
+    run_app(index_app(args, shard_class, published), index_app_name(app_name), None, blocking=wait)
+    run_app(router_app(args, published), app_name, route_prefix if serve_http else None, blocking=wait)
     if not serve_http:
         host, port, route_prefix = args["front_host"], args["front_port"], "/"  # the door: no prefix
     if host == "node":  # a door on each router's node address: Serve said RUNNING, the caller probes
@@ -109,5 +111,6 @@ def wait_until_healthy(url: str, timeout_s: float = 180.0) -> None:
     raise ShardserveError(f"{url} not healthy after {timeout_s:.0f} s ({last})")
 
 
-def _absolute(index: str) -> str:
+def absolute(index: str) -> str:
+    """A local path made absolute (replicas run elsewhere); a URI as it is."""
     return index if "://" in index else os.path.abspath(index)

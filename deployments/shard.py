@@ -16,6 +16,7 @@ import ray
 from ray import serve
 
 from deployments.config import INDEX_INGRESS
+from shardserve.errors import ServingError
 from shardserve.index.indexes import BLAS_MIN_ROWS, flat_search_with_blas_from, supported_params
 from shardserve.index.manifest import read_shard_checked, read_version
 from shardserve.index.storage import Location
@@ -194,7 +195,7 @@ class ShardDeployment:
 
     def check_health(self) -> None:
         if self.searcher.index.ntotal < 0:
-            raise RuntimeError("shard index lost")
+            raise ServingError("shard index lost")
 
 
 def _link_host() -> str:

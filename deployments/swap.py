@@ -32,7 +32,7 @@ from shardserve.data.groundtruth import (
 )
 from shardserve.errors import ShardserveError
 from shardserve.index.indexes import index_from_bytes, stored_points, supported_params
-from shardserve.index.manifest import Manifest, pinned_location, read_manifest, read_shard_checked
+from shardserve.index.manifest import Manifest, Published, read_manifest, read_shard_checked
 from shardserve.index.storage import Location
 from shardserve.query.index_pointer import SwapConflict
 from shardserve.runtime.background import run_on_loop
@@ -165,16 +165,17 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
                 keep_previous: bool, skip_gate: bool, timeout_s: float) -> dict:
     from ray import serve
 
-    from deployments.index_version import build_index_app
+    from deployments.index_version import index_app
 
     timings: dict[str, float] = {}
-    new_index = await asyncio.to_thread(pinned_location, new_index)  # its version, not its directory
+    published = await asyncio.to_thread(Published.open, new_index)
+    new_index = published.version.uri  # its version, not its directory
     control = serve.get_deployment_handle(CONTROL, app_name)
     state = await _describe(control, timeout_s=60.0)
     args = AppArgs.model_validate({**state["args"], "index": new_index})
     active = state["active"]
     old = read_manifest(Location.parse(active["index"]))
-    new = read_manifest(Location.parse(new_index))
+    new = published.manifest
     if (new.dim, new.metric) != (old.dim, old.metric):
         raise ShardserveError(f"the new index takes dim {new.dim} {new.metric} vectors, clients send "
                               f"dim {old.dim} {old.metric}: not swappable")
@@ -193,7 +194,7 @@ async def _swap(new_index: str, app_name: str, dataset_spec: str | None, min_rec
         new_app = (f"{index_app_name(app_name, new.index_version)}-g{active['generation'] + 1}"
                    f"-{secrets.token_hex(3)}")
         _check_headroom(args, new)
-        await asyncio.to_thread(run_app, build_index_app(args.model_dump()), new_app, None, False)
+        await asyncio.to_thread(run_app, index_app(args.model_dump(), None, published), new_app, None, False)
         try:
             await _wait_ready(new_app, timeout_s)
         except ShardserveError:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class CapacityModel:
 
 def _measured(layout: Layout) -> float:
     if layout.knee_qps is None:
-        raise ValueError(f"layout {layout.shards}x{layout.replicas_per_shard} has no measured knee")
+        raise BadArgument(f"layout {layout.shards}x{layout.replicas_per_shard} has no measured knee")
     return layout.knee_qps
 
 
@@ -64,7 +64,7 @@ def fit(layouts: list[Layout]) -> CapacityModel:
     """Least-squares fit of cpu_ms = fixed + per_shard x S on measured layouts (>= 2 shard counts)."""
     shard_counts = {layout.shards for layout in layouts}
     if len(shard_counts) < 2:
-        raise ValueError("fitting needs measured layouts with at least two different shard counts")
+        raise BadArgument("fitting needs measured layouts with at least two different shard counts")
     probe = CapacityModel(0.0, 0.0)
     design = np.array([[1.0, layout.shards] for layout in layouts])
     cpu = np.array([probe.usable_cores(layout) * 1000.0 / _measured(layout) for layout in layouts])

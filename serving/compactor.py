@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from shardserve.errors import BadArgument
 from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
 from shardserve.writes.delta import MAX_DELTA_ROWS
@@ -37,15 +38,16 @@ class AutoCompactor:
     """A daemon thread: every `poll_s`, compact `index` and swap `app` onto it once `at_ops`
     operations wait past the newest version's log position. `start()`, `stop()`."""
 
-    def __init__(self, index: str, app: str, at_ops: int = COMPACT_AT, poll_s: float = 5.0,
+    def __init__(self, index: str | Location, app: str, at_ops: int = COMPACT_AT, poll_s: float = 5.0,
                  retry_s: float = 600.0, say: Callable[[str], None] | None = None):
         if at_ops < 1:
-            raise ValueError("at_ops must be >= 1")
-        self.index, self.app, self.at_ops = index, app, at_ops
+            raise BadArgument("at_ops must be >= 1")
+        location = Location.of(index)
+        self.index, self.app, self.at_ops = location.uri, app, at_ops
         self.poll_s, self.retry_s = poll_s, retry_s
         # flushed at once: the server's output is often a file, where a buffered line would wait
         self.say = say or (lambda line: print(line, flush=True))
-        self.path = log_address(index)
+        self.path = log_address(location)
         self.compactions = 0
         self._unswapped: Manifest | None = None  # compacted and published, its swap not yet done
         self._stop = threading.Event()

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 from shardserve.runtime import procfs
 
 OVERLOADED_BODY = '{"error": "overloaded: edge queue full", "field": null}\n'
@@ -144,12 +144,12 @@ class Admission:
     def __post_init__(self) -> None:
         if min(self.max_in_flight, self.queue_timeout_ms, self.text_in_flight) < 1 or min(
                 self.max_queue, self.delay_ms, self.burst_ms, self.text_queue) < 0:
-            raise ValueError("max_in_flight, text_in_flight and queue_timeout_ms must be >= 1, max_queue, "
-                             "text_queue, delay_ms and burst_ms >= 0")
+            raise BadArgument("max_in_flight, text_in_flight and queue_timeout_ms must be >= 1, max_queue, "
+                              "text_queue, delay_ms and burst_ms >= 0")
         if self.text_queue_shedding < 0:
-            raise ValueError(f"text_queue_shedding must be >= 0, got {self.text_queue_shedding}")
+            raise BadArgument(f"text_queue_shedding must be >= 0, got {self.text_queue_shedding}")
         if self.max_burst < self.max_queue:
-            raise ValueError(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
+            raise BadArgument(f"max_burst ({self.max_burst}) must be >= max_queue ({self.max_queue})")
 
 
 def default_admission(shared_scan: bool) -> Admission:

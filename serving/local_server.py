@@ -19,13 +19,12 @@ import socket
 import time
 
 from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
-from deployments.run import APP_NAME, deploy, undeploy
+from deployments.run import APP_NAME, absolute, deploy, undeploy
 from serving.compactor import COMPACT_AT, AutoCompactor
 from serving.edge import Admission, EdgeProcess, haproxy_binary
 from shardserve import settings
 from shardserve.errors import ShardserveError
-from shardserve.index.manifest import read_manifest
-from shardserve.index.storage import Location
+from shardserve.index.manifest import Published
 from shardserve.runtime.ports import free_port
 from shardserve.runtime.ray_private import cores
 
@@ -63,7 +62,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     """
     from shardserve.runtime.ray_session import ensure_ray
 
-    manifest = read_manifest(Location.parse(index))  # bad index: one line, before Ray starts
+    published = Published.open(absolute(index))  # read once, here; a bad index: one line, before Ray starts
+    manifest = published.manifest
     joining = bool(address or os.environ.get("RAY_ADDRESS"))
     if not joining:
         _check_port_free(host, port)  # a port in use: one line now, not after a minute of start-up
@@ -90,7 +90,7 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
         use_edge = edge and started and haproxy_binary() is not None
         if use_edge:
             front_port = free_port()  # the router's door; Serve runs no HTTP proxy of its own here
-            deploy(index, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port,
+            deploy(published, replicas_per_shard=replicas_per_shard, serve_http=False, front_port=front_port,
                    **(app_args or {}))
             a = admission or Admission()
             # held before it starts: a stop inside start() still finds it (and start() ends its
@@ -105,12 +105,12 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
                         f"once (router door 127.0.0.1:{front_port})"
                         + ("; API key required" if api_key else ""))
         else:
-            url = deploy(index, host, port, replicas_per_shard=replicas_per_shard, **(app_args or {}))
+            url = deploy(published, host, port, replicas_per_shard=replicas_per_shard, **(app_args or {}))
             shedding = "no edge (" + ("disabled" if not edge else "joined cluster" if not started
                                       else "haproxy not installed") + "): the router sheds"
         if started and compact_at:  # from the first write the server takes, not after the warm-up:
             # writes arrive as soon as it answers, and a minute of them can fill the backlog bound
-            compactor = AutoCompactor(index, APP_NAME, compact_at).start()
+            compactor = AutoCompactor(published.location, APP_NAME, compact_at).start()
         if started:  # start-up ends with the node's pool of warm workers filled: nothing fills under load
             _wait_for_warm_pool()
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "

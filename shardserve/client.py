@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 import orjson
 
-from shardserve.errors import ApiError
+from shardserve.errors import ApiError, BadArgument
 
 __all__ = ["ApiError", "AsyncClient", "Client", "Hits"]
 
@@ -52,10 +52,10 @@ def _body(vectors: np.ndarray | None, text: Any, single: bool, k: int, params: d
           include: list[str] | None, options: dict[str, Any]) -> bytes:
     """A search body by vector(s) or by text(s), one of the two."""
     if (vectors is None) == (text is None):
-        raise ValueError("search: give a vector or a text, one of the two" if single else
-                         "search_batch: give vectors or texts, one of the two")
+        raise BadArgument("search: give a vector or a text, one of the two" if single else
+                          "search_batch: give vectors or texts, one of the two")
     if text is not None and not single and isinstance(text, str):
-        raise ValueError("search_batch: texts must be a list of strings, not one string")
+        raise BadArgument("search_batch: texts must be a list of strings, not one string")
     key = ("vector" if single else "vectors") if text is None else ("text" if single else "texts")
     value = np.asarray(vectors, np.float32) if text is None else (text if single else list(text))
     body: dict[str, Any] = {key: value, "k": k, **options}
@@ -107,7 +107,7 @@ class _Edges(Generic[Http]):
     def __init__(self, urls: str | Sequence[str], make: Callable[[str], Http]):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
-            raise ValueError("a client needs at least one endpoint URL")
+            raise BadArgument("a client needs at least one endpoint URL")
         self.clients: list[Http] = [make(url.rstrip("/")) for url in urls]
         self.current = 0
 
@@ -127,9 +127,9 @@ def _upsert_body(ids: Any, vectors: np.ndarray | None, metadata: list[dict | Non
     """Without metadata: the ids then the vectors as two .npy arrays (no JSON numbers to write or
     parse); with it, or with texts in place of vectors, JSON."""
     if (vectors is None) == (texts is None):
-        raise ValueError("upsert: give vectors or texts, one of the two")
+        raise BadArgument("upsert: give vectors or texts, one of the two")
     if isinstance(texts, str):
-        raise ValueError("upsert: texts must be a list of strings, one per id")
+        raise BadArgument("upsert: texts must be a list of strings, one per id")
     if texts is not None:
         return orjson.dumps({"ids": [int(i) for i in ids], "texts": list(texts),
                              **({"metadata": metadata} if metadata is not None else {})}), _JSON
@@ -148,7 +148,7 @@ def _upsert_body(ids: Any, vectors: np.ndarray | None, metadata: list[dict | Non
 
 def _embed_body(texts: Sequence[str]) -> bytes:
     if isinstance(texts, str):
-        raise ValueError("embed: give a list of texts")
+        raise BadArgument("embed: give a list of texts")
     return orjson.dumps({"texts": list(texts)})
 
 
@@ -164,7 +164,7 @@ def _npy(array: np.ndarray) -> bytes:
 
 def _delete_body(ids: Any, filter: dict | None) -> bytes:
     if (ids is None) == (filter is None):
-        raise ValueError("delete: give ids or a filter, one of the two")
+        raise BadArgument("delete: give ids or a filter, one of the two")
     return orjson.dumps({"filter": filter} if filter is not None else {"ids": [int(i) for i in ids]})
 
 

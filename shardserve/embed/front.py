@@ -25,6 +25,7 @@ import orjson
 
 from shardserve.embed.cache import EmbeddingCache
 from shardserve.embed.validate import MAX_TEXT_CHARS, MAX_TEXTS, check_text, check_texts
+from shardserve.errors import ServingError
 from shardserve.index.manifest import Manifest
 from shardserve.query.api import ApiError, TextLimits
 
@@ -182,7 +183,7 @@ class TextFront:
             finally:
                 self.in_flight -= len(missing)
             if fresh.shape != (len(missing), manifest.embedder.dim) or fresh.dtype != np.float32:
-                raise RuntimeError(f"the embedder answered {fresh.dtype} {fresh.shape} for {len(missing)} "
+                raise ServingError(f"the embedder answered {fresh.dtype} {fresh.shape} for {len(missing)} "
                                    f"texts of dim {manifest.embedder.dim}")
         vectors, truncated = self.cache.complete(lookup, fresh, cut, manifest.embedder.dim)
         return Embedded(vectors=vectors, truncated=truncated, cached=len(texts) - sum(

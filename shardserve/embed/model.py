@@ -21,6 +21,7 @@ import onnxruntime as ort
 from tokenizers import Encoding, Tokenizer
 
 from shardserve.embed.model_files import EmbedderError, ModelFiles, ModelIdentity, resolve_model
+from shardserve.errors import BadArgument
 
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -56,8 +57,8 @@ class Embedder:
                  intra_op_threads: int = 1, providers: Sequence[str] = ("CPUExecutionProvider",),
                  around_run: Callable[[], AbstractContextManager] = nullcontext):
         if min(max_batch, max_batch_tokens, intra_op_threads) < 1:
-            raise ValueError(f"max_batch, max_batch_tokens and intra_op_threads must be >= 1, got "
-                             f"{max_batch}, {max_batch_tokens}, {intra_op_threads}")
+            raise BadArgument(f"max_batch, max_batch_tokens and intra_op_threads must be >= 1, got "
+                              f"{max_batch}, {max_batch_tokens}, {intra_op_threads}")
         self.files = model if isinstance(model, ModelFiles) else resolve_model(model)
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self._tokenizer = _tokenizer(self.files)

@@ -6,11 +6,12 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 from shardserve.index.storage import Location, sha256_hex
 
 MANIFEST = "manifest.json"
@@ -34,7 +35,7 @@ class ShardEntry(_Strict):
     @classmethod
     def _inside(cls, path: str) -> str:
         if any(part in (".", "..") for part in path.split("/")):
-            raise ValueError(f"path {path!r} leaves the index directory")
+            raise BadArgument(f"path {path!r} leaves the index directory")  # pydantic reports a ValueError
         return path
 
 
@@ -149,19 +150,35 @@ def published(manifest: Manifest, version_dir: str) -> Manifest:
         "metadata": [moved_metadata(m) for m in manifest.metadata] if manifest.metadata else None})
 
 
+@dataclass(frozen=True)
+class Published:
+    """An index as it enters a process, parsed and read once, then passed down typed: where it
+    lives (`location`), the immutable directory of the version it publishes now (`version`), and
+    that version's manifest. Deployments bind to `version`, so a rebuild of the index (`build
+    --force`) never changes what a running or restarted replica reads. An index built before
+    version directories existed is its own (mutable) version."""
+
+    location: Location
+    version: Location
+    manifest: Manifest
+
+    @classmethod
+    def open(cls, index: str | Location) -> Published:
+        location = Location.of(index)
+        manifest = read_manifest(location)
+        folders = {posixpath.dirname(s.path) for s in manifest.shards}
+        if len(folders) != 1 or not (folder := folders.pop()).startswith(f"{VERSIONS_DIR}/"):
+            return cls(location, location, manifest)
+        pinned = location.child(folder)
+        version = read_manifest(pinned)
+        if version.index_version != manifest.index_version:
+            raise ShardserveError(f"{pinned.uri}: holds another version than {location.uri}/{MANIFEST} names")
+        return cls(location, pinned, version)
+
+
 def pinned_location(index: str) -> str:
-    """The immutable directory of the version `index` publishes now: deployments bind to it, so a
-    rebuild of `index` (`build --force`) never changes what a running or restarted replica reads.
-    An index built before version directories existed is its own (mutable) location."""
-    location = Location.parse(index)
-    manifest = read_manifest(location)
-    folders = {posixpath.dirname(s.path) for s in manifest.shards}
-    if len(folders) != 1 or not (folder := folders.pop()).startswith(f"{VERSIONS_DIR}/"):
-        return index
-    pinned = location.child(folder)
-    if read_manifest(pinned).index_version != manifest.index_version:
-        raise ShardserveError(f"{pinned.uri}: holds another version than {location.uri}/{MANIFEST} names")
-    return pinned.uri
+    """The URI of `Published.open(index).version`: what a deployment's arguments carry."""
+    return Published.open(index).version.uri
 
 
 def read_version(location: Location, index_version: str | None) -> Manifest:

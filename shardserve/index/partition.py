@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardserve.errors import BadArgument
 from shardserve.index.assigner import CoarseAssigner
 from shardserve.index.indexes import index_from_bytes
 
@@ -73,7 +74,7 @@ class Partition:
         if self.owners is None:
             return (np.asarray(positions) % self.shards).astype(np.int32)
         if vectors is None or assigner is None:
-            raise ValueError("dealing by IVF list needs the rows' vectors and the coarse quantizer")
+            raise BadArgument("dealing by IVF list needs the rows' vectors and the coarse quantizer")
         if len(vectors) == 0:
             return np.zeros(0, np.int32)
         return self.owners[_nearest_list(assigner, vectors)]

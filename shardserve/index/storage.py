@@ -31,6 +31,11 @@ class Location:
     uri: str
 
     @classmethod
+    def of(cls, index: str | Location) -> Location:
+        """`index` itself when already parsed, else `Location.parse(index)`."""
+        return index if isinstance(index, Location) else cls.parse(index)
+
+    @classmethod
     def parse(cls, uri: str) -> Location:
         try:
             if "://" in uri:

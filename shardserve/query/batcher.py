@@ -32,6 +32,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from shardserve.errors import BadArgument
+
 FILL_SHARE = 1.0  # of the batch just answered: the share of its vectors a new batch waits for
 
 Item = TypeVar("Item")
@@ -46,9 +48,9 @@ class AdaptiveBatcher(Generic[Item, Result]):
                  at_once: int | None = None, overlap_min_size: int = 1, fill: float = 0.0,
                  fill_max_s: float = 0.005):
         if max_batch_size < 1 or max_concurrent < 1 or overlap_min_size < 1:
-            raise ValueError("max_batch_size, max_concurrent and overlap_min_size must be >= 1")
+            raise BadArgument("max_batch_size, max_concurrent and overlap_min_size must be >= 1")
         if not 0.0 <= fill <= 1.0 or fill_max_s < 0.0:
-            raise ValueError("fill must be in [0, 1] and fill_max_s >= 0")
+            raise BadArgument("fill must be in [0, 1] and fill_max_s >= 0")
         self.handler = handler
         self.max_batch_size = max_batch_size
         self.max_concurrent = max_concurrent

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import orjson
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class IndexPointer:
             previous = ActiveIndex(**state["previous"]) if state["previous"] else None
             if not all(isinstance(a.generation, int) and a.generation >= 0
                        for a in (active, *([previous] if previous else []))):
-                raise ValueError("generation must be a non-negative integer")
+                raise BadArgument("generation must be a non-negative integer")
         except (ValueError, TypeError, KeyError) as exc:
             raise ShardserveError(f"the stored index pointer is corrupt ({type(exc).__name__}: {exc}); "
                                   "deploy again with `shardserve serve` (it starts from the configured "

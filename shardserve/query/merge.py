@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardserve.errors import BadArgument
+
 
 def merge_topk(distances: list[np.ndarray], ids: list[np.ndarray], k: int,
                higher_is_better: bool, ties_by_id: bool = False,
@@ -23,7 +25,7 @@ def merge_topk(distances: list[np.ndarray], ids: list[np.ndarray], k: int,
     parts keeps only its copy from the newest position, the others are dropped like padding.
     """
     if not distances:
-        raise ValueError("merge_topk needs at least one shard result")
+        raise BadArgument("merge_topk needs at least one shard result")
     all_distances = np.concatenate(distances, axis=1)
     all_ids = np.concatenate(ids, axis=1)
     keys = -all_distances if higher_is_better else all_distances.copy()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
+from shardserve.errors import BadArgument
 from shardserve.index.indexes import index_from_bytes, prepare_vectors, search_params, unwrap_id_map
 from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked, shard_file_checked
 from shardserve.index.metadata import MetadataTable
@@ -162,7 +163,7 @@ class ShardSearcher:
         if query.assign is None:
             return self.search(query.matrix, query.k, query.params, prepared=True, exclude=exclude)
         if self.ivf is None:
-            raise ValueError(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
+            raise BadArgument(f"shard {self.name} is not a plain IVF index: it cannot take list assignments")
         matrix = np.ascontiguousarray(query.matrix, np.float32)
         assign = np.ascontiguousarray(query.assign, np.int64)
         coarse = np.ascontiguousarray(query.coarse, np.float32)
@@ -319,7 +320,7 @@ class ShardSearcher:
     def selected(self, where: str) -> np.ndarray:
         """The ids of this shard's rows that pass a (checked) filter; the recent ones are cached."""
         if self.metadata is None:
-            raise ValueError(f"shard {self.name} holds no metadata to filter on")
+            raise BadArgument(f"shard {self.name} holds no metadata to filter on")
         found = self._selected.get(where)
         if found is None:
             found = matching(where, self.metadata.table, self.metadata.ids, self.metadata.postings)

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from shardserve.errors import BadArgument
 from shardserve.transport.flow import Deadline, FlowControl, PeerPaced
 from shardserve.transport.link_auth import NONCE_BYTES, PROOF_BYTES, _Session, link_proof
 from shardserve.transport.link_frames import _ERROR, _OK, MAX_FRAME, _Corrupt, _FrameBuffer
@@ -283,7 +284,7 @@ async def serve_link(handler: Callable[[bytes], Awaitable[bytes]], host: str, po
     else by `handler(payload)` in a task of its own, so a long search does not hold up the frames
     behind it on the same link. Both must validate the payload before any C call."""
     if len(secret) < 16:
-        raise ValueError("a link secret has at least 16 bytes")
+        raise BadArgument("a link secret has at least 16 bytes")
     server = _LinkServer(handler, answer_now, in_flight or InFlight(), secret, limits or LinkLimits())
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _ServerConnection(server), host, port)

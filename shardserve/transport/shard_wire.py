@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
+from shardserve.errors import WireError
+
 _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment (0 = none), params len
 # magic, n, k, search milliseconds, rows a filter matched, the write-log position answered at
 _ANSWER = struct.Struct("<4sIIdqq")
@@ -82,25 +84,25 @@ class ShardQuery:
 
     @classmethod
     def decode(cls, blob: bytes, bounds: QueryBounds) -> ShardQuery:
-        """The batch, every field checked against `bounds` (ValueError naming the field)."""
+        """The batch, every field checked against `bounds` (WireError, a ValueError, naming the field)."""
         if len(blob) < _QUERY.size:
-            raise ValueError(f"shard query of {len(blob)} bytes is shorter than its header")
+            raise WireError(f"shard query of {len(blob)} bytes is shorter than its header")
         magic, n, dim, k, nprobe, params_len = _QUERY.unpack_from(blob)
         if magic != _QUERY_MAGIC:
-            raise ValueError(f"not a shard query (magic {magic!r})")
+            raise WireError(f"not a shard query (magic {magic!r})")
         if dim != bounds.dim:
-            raise ValueError(f"dim {dim}, the index has {bounds.dim}")
+            raise WireError(f"dim {dim}, the index has {bounds.dim}")
         if not 1 <= n <= bounds.max_rows:
-            raise ValueError(f"rows {n} not in 1..{bounds.max_rows}")
+            raise WireError(f"rows {n} not in 1..{bounds.max_rows}")
         if not 1 <= k <= bounds.max_k:
-            raise ValueError(f"k {k} not in 1..{bounds.max_k}")
+            raise WireError(f"k {k} not in 1..{bounds.max_k}")
         if nprobe and not nprobe <= bounds.nlist:
-            raise ValueError(f"nprobe {nprobe} of the assignment, the index has {bounds.nlist} lists")
+            raise WireError(f"nprobe {nprobe} of the assignment, the index has {bounds.nlist} lists")
         if params_len > MAX_PARAMS_BYTES:
-            raise ValueError(f"params of {params_len} bytes")
+            raise WireError(f"params of {params_len} bytes")
         expected = _QUERY.size + 4 * n * dim + 12 * n * nprobe + params_len
         if len(blob) != expected:
-            raise ValueError(f"shard query of {len(blob)} bytes, its header says {expected}")
+            raise WireError(f"shard query of {len(blob)} bytes, its header says {expected}")
         offset = _QUERY.size
         matrix = np.frombuffer(blob, np.float32, n * dim, offset).reshape(n, dim)
         offset += 4 * n * dim
@@ -109,7 +111,7 @@ class ShardQuery:
             assign = np.frombuffer(blob, np.int64, n * nprobe, offset).reshape(n, nprobe)
             offset += 8 * n * nprobe
             if assign.min() < -1 or assign.max() >= bounds.nlist:  # -1: no list (FAISS skips it)
-                raise ValueError(f"list numbers outside 0..{bounds.nlist - 1}")
+                raise WireError(f"list numbers outside 0..{bounds.nlist - 1}")
             coarse = np.frombuffer(blob, np.float32, n * nprobe, offset).reshape(n, nprobe)
             offset += 4 * n * nprobe
         params = _checked_params(blob[offset:offset + params_len], bounds) if params_len else {}
@@ -120,16 +122,16 @@ def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
     try:
         params = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise ValueError("params are not JSON") from None
+        raise WireError("params are not JSON") from None
     if not isinstance(params, dict) or not set(params) <= bounds.params | {"filter"}:
-        raise ValueError(f"params must be an object of {sorted(bounds.params)} and a filter")
+        raise WireError(f"params must be an object of {sorted(bounds.params)} and a filter")
     where = params.pop("filter", None)
     if where is not None and (not isinstance(where, str) or len(where) > MAX_FILTER_BYTES):
-        raise ValueError(f"filter must be a JSON string of at most {MAX_FILTER_BYTES} bytes")
+        raise WireError(f"filter must be a JSON string of at most {MAX_FILTER_BYTES} bytes")
     limit = {"nprobe": bounds.nlist, "efSearch": MAX_EF_SEARCH}
     for key, value in params.items():
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit[key]:
-            raise ValueError(f"param {key} must be an integer in 1..{limit[key]}")
+            raise WireError(f"param {key} must be an integer in 1..{limit[key]}")
     return params if where is None else {**params, "filter": where}
 
 
@@ -153,7 +155,7 @@ def decode_answer(blob: bytes) -> tuple[np.ndarray, np.ndarray, float, int, int]
         magic, n, k, search_ms, matched, position = _ANSWER.unpack_from(blob)
         header = _ANSWER.size
     if magic not in (_ANSWER_MAGIC, _ANSWER_V2_MAGIC):
-        raise ValueError(f"not a shard answer (magic {magic!r})")
+        raise WireError(f"not a shard answer (magic {magic!r})")
     distances = np.frombuffer(blob, np.float32, n * k, header).reshape(n, k)
     ids = np.frombuffer(blob, np.int64, n * k, header + 4 * n * k).reshape(n, k)
     return distances, ids, search_ms, matched, position

@@ -39,7 +39,7 @@ import faiss
 import numpy as np
 import pyarrow as pa
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 from shardserve.index.indexes import index_from_bytes, search_params
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filters import matching
@@ -118,11 +118,11 @@ class ShardDelta:
         self._packed = False
         if self.ivf_delta:
             if trained is None:
-                raise ValueError("an IVF shard's delta copies the trained empty index: pass `trained`")
+                raise BadArgument("an IVF shard's delta copies the trained empty index: pass `trained`")
             self.index = index_from_bytes(trained)
             self._ivf = faiss.extract_index_ivf(self.index)
             if self.index.ntotal or self._ivf.nlist != base.ivf.nlist:  # type: ignore[union-attr]
-                raise ValueError("`trained` is not the empty index this shard was built from")
+                raise BadArgument("`trained` is not the empty index this shard was built from")
             # fast-scan lists (blocks of packed codes) take no removal through the hash map: such a
             # delta's lists are made again from its live rows when a request kills one of them
             self._packed = isinstance(faiss.downcast_index(self._ivf), faiss.IndexIVFFastScan)
@@ -163,8 +163,8 @@ class ShardDelta:
             upserts = [op for op in ops if isinstance(op, Upsert)]
             for point in upserts:  # checked before anything changes: all or nothing
                 if point.vector.shape != (self.dim,):
-                    raise ValueError(f"request {position}: a vector of shape {point.vector.shape}, "
-                                     f"the index's dim is {self.dim}")
+                    raise BadArgument(f"request {position}: a vector of shape {point.vector.shape}, "
+                                      f"the index's dim is {self.dim}")
             if self.route.by_id:  # most requests hold one point: no numpy round trip
                 home = [self.route.home_of(op.id) for op in upserts]
             elif upserts:
@@ -257,7 +257,7 @@ class ShardDelta:
         """The delta's live rows whose (latest) metadata pass a checked filter, ascending; caller
         holds `lock`. Kept per filter, and brought up to date by the rows written since."""
         if self._columns is None:
-            raise ValueError("this shard holds no metadata to filter on")
+            raise BadArgument("this shard holds no metadata to filter on")
         kept: _Matched | None = self._matched.get(where)
         if kept is not None and kept.through == self._used and kept.kills == self._kills:
             return kept.rows
@@ -297,7 +297,7 @@ class ShardDelta:
         ids = self._ids[matched]
         if plan.kind == "exact":  # the matching rows' stored vectors (decoded, as the base's are)
             if self._packed:  # FAISS's reconstruct of loaded fast-scan lists crashes (query.filter_plan)
-                raise ValueError("a fast-scan delta has no exact filter plan")
+                raise BadArgument("a fast-scan delta has no exact filter plan")
             return self._exact(matrix, k, self._ivf.reconstruct_batch(ids), ids)
         sel = faiss.IDSelectorBatch(ids)  # alive until FAISS returns: a local
         if plan.kind == "routed":

@@ -24,10 +24,10 @@ LogAddress = Path | RedisLogAddress
 Log = WriteLog | RedisWriteLog
 
 
-def index_root(index: str) -> str:
+def index_root(index: str | Location) -> str:
     """The index's own location (its directory, even when `index` names one of its published
     versions), as one canonical string: what a Redis log is keyed by."""
-    location = Location.parse(index)
+    location = Location.of(index)
     root = location.root if "://" in location.uri else os.path.realpath(location.root)
     if posixpath.basename(posixpath.dirname(root)) == VERSIONS_DIR:
         root = posixpath.dirname(posixpath.dirname(root))
@@ -35,7 +35,7 @@ def index_root(index: str) -> str:
     return f"{scheme}://{root}"
 
 
-def log_address(index: str) -> LogAddress | None:
+def log_address(index: str | Location) -> LogAddress | None:
     """Where the log of `index` lives; None when it has none (an index on remote storage and no
     Redis configured: writes are refused)."""
     url = settings.write_log_url()

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError, WriteLogError
 from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
@@ -114,8 +114,8 @@ class WriteLog:
 
     def __init__(self, path: str | Path, readonly: bool = False):
         if sqlite3.sqlite_version_info < (3, 35):  # INSERT ... RETURNING (append)
-            raise RuntimeError(f"the write log needs SQLite 3.35 or newer; Python here links "
-                               f"{sqlite3.sqlite_version}")
+            raise WriteLogError(f"the write log needs SQLite 3.35 or newer; Python here links "
+                                f"{sqlite3.sqlite_version}")
         self.path = Path(path)
         self.readonly = readonly
         if readonly:  # read-write at the file level (a WAL reader may have to create the -shm
@@ -131,14 +131,14 @@ class WriteLog:
         if not readonly:
             mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if mode.lower() != "wal":
-                raise RuntimeError(f"write log {self.path}: SQLite refused WAL mode (got {mode!r}): "
-                                   "is it on a network filesystem?")
+                raise WriteLogError(f"write log {self.path}: SQLite refused WAL mode (got {mode!r}): "
+                                    "is it on a network filesystem?")
             self._db.executescript(_SCHEMA)
             self._migrate()
         # per connection: every commit of this one waits for the WAL's fsync
         self._db.execute("PRAGMA synchronous = FULL")
         if self._db.execute("PRAGMA synchronous").fetchone()[0] != 2:
-            raise RuntimeError(f"write log {self.path}: synchronous=FULL was not applied")
+            raise WriteLogError(f"write log {self.path}: synchronous=FULL was not applied")
         self._current = self._schema_current()  # a reader of a log of schema 1 reads it as such
         # this writer's epoch, the one it takes when it finds the log lost requests, and the newest
         # position it appended (the log's newest below it: lost requests)
@@ -151,8 +151,8 @@ class WriteLog:
         try:
             version = cursor.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise RuntimeError(f"write log {self.path}: schema {version}, written by a newer "
-                                   f"shardserve (this one knows {SCHEMA_VERSION})")
+                raise WriteLogError(f"write log {self.path}: schema {version}, written by a newer "
+                                    f"shardserve (this one knows {SCHEMA_VERSION})")
             columns = {row[1] for row in cursor.execute("PRAGMA table_info(requests)").fetchall()}
             for name, kind in _ADDED.items():
                 if name not in columns:
@@ -187,7 +187,7 @@ class WriteLog:
         positions, and return them once the commit is on disk: a group commit, one fsync for the
         requests that waited behind each other (WriteFront). `after`, `unless_past`: as `append`."""
         if not requests or not all(requests):
-            raise ValueError("a write request needs at least one operation")
+            raise BadArgument("a write request needs at least one operation")
         rows = [[_row(seq, op) for seq, op in enumerate(ops)] for ops in requests]
         positions, epochs = [], []
         with self._lock:
@@ -244,8 +244,8 @@ class WriteLog:
             heads[position] = count, epoch, prev
         for position, (count, _, _) in heads.items():
             if len(requests[position]) != count:  # SQLite's transactions make this impossible
-                raise RuntimeError(f"write log {self.path}: request {position} holds "
-                                   f"{len(requests[position])} of its {count} operations")
+                raise WriteLogError(f"write log {self.path}: request {position} holds "
+                                    f"{len(requests[position])} of its {count} operations")
         return [Entry(position, int(heads[position][1]), heads[position][2], ops)
                 for position, ops in requests.items()]
 
@@ -316,11 +316,11 @@ class WriteLog:
                 raise
 
 
-def log_path(index: str) -> Path | None:
+def log_path(index: str | Location) -> Path | None:
     """Where the write log of the index at `index` (its directory, or one of its published version
     directories) lives; None when the index is not on a local disk (the log needs one: WAL mode
     shares memory between its processes, which network filesystems and object stores cannot)."""
-    local = Location.parse(index).local_path(MANIFEST)
+    local = Location.of(index).local_path(MANIFEST)
     if local is None:
         return None
     root = Path(local).resolve().parent

@@ -49,7 +49,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardserve import settings
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError, WriteLogError
 from shardserve.writes.log import READ_BYTES, Backlog, Entry, LogMoved, Tip, new_epoch
 from shardserve.writes.ops import Delete, Op, Upsert
 
@@ -165,8 +165,8 @@ class RedisLogAddress:
                 or parts.password is not None or parts.query or parts.fragment or port is None
                 or parts.path.strip("/") not in ("", *map(str, range(16)))):
             shown = f"{parts.scheme}://{parts.hostname or ''}" + (f":{port}" if port else "")
-            raise ValueError(f"{WRITE_LOG_ENV} must be redis://HOST:PORT[/DB] with nothing else (the "
-                             f"password goes in the file {PASSWORD_FILE_ENV} names); got {shown}…")
+            raise BadArgument(f"{WRITE_LOG_ENV} must be redis://HOST:PORT[/DB] with nothing else (the "
+                              f"password goes in the file {PASSWORD_FILE_ENV} names); got {shown}…")
         return cls(url, "shardserve:log:{" + hashlib.sha256(root.encode()).hexdigest()[:24] + "}")
 
 
@@ -209,8 +209,8 @@ class RedisWriteLog:
         wanted = {"appendonly": "yes", "appendfsync": "always", "maxmemory-policy": "noeviction"}
         wrong = {k: config.get(k) for k, v in wanted.items() if config.get(k) != v}
         if wrong:
-            raise RuntimeError(f"write log {self.address.url}: Redis must run with {wanted} (it has "
-                               f"{wrong}): a 200 would not survive its loss or its memory's eviction")
+            raise WriteLogError(f"write log {self.address.url}: Redis must run with {wanted} (it has "
+                                f"{wrong}): a 200 would not survive its loss or its memory's eviction")
 
     def close(self) -> None:
         self._db.close()
@@ -227,9 +227,9 @@ class RedisWriteLog:
         OutcomeUnknown (a LogUnavailable) when the script was sent and no answer came: it may have
         been written. `unless_past`: as WriteLog.append (checked inside the script)."""
         if not ops:
-            raise ValueError("a write request needs at least one operation")
+            raise BadArgument("a write request needs at least one operation")
         if self.readonly:
-            raise RuntimeError("a read-only write log cannot append")
+            raise WriteLogError("a read-only write log cannot append")
         ids = np.array([op.id for op in ops], np.int64)
         kinds = np.array([isinstance(op, Upsert) for op in ops], np.uint8)
         upserts = [op for op in ops if isinstance(op, Upsert)]
@@ -350,7 +350,7 @@ class RedisWriteLog:
     def truncate_below(self, position: int) -> None:
         """Forget the requests before `position` (every kept index version includes them)."""
         if self.readonly:
-            raise RuntimeError("a read-only write log cannot truncate")
+            raise WriteLogError("a read-only write log cannot truncate")
         with _unavailable(self.address):
             self._db.xtrim(self._stream, minid=f"{position}-0", approximate=False)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardserve.errors import BadArgument
 from shardserve.index.assigner import CoarseAssigner
 from shardserve.index.partition import Partition
 
@@ -46,7 +47,7 @@ class WriteRoute:
 
     def __init__(self, partition: Partition, assigner: CoarseAssigner | None = None):
         if partition.owners is not None and assigner is None:
-            raise ValueError("an index dealt by IVF list routes writes by list: it needs the quantizer")
+            raise BadArgument("an index dealt by IVF list routes writes by list: it needs the quantizer")
         self.partition, self.assigner = partition, assigner
 
     @property
