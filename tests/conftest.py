@@ -89,6 +89,21 @@ def ray_cluster():
         shutdown_ray()
 
 
+@pytest.fixture(scope="session")
+def small_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Fashion-MNIST's first 5,000 images in a 2-shard IVF64,Flat index, built once for every test
+    that only reads it (each deploys its own app on it: a fault-injected shard, a door-only router, a
+    bystander). Read-only, on disk too: a write would need the write log beside its manifest."""
+    from index_build.job import build_index
+
+    index = tmp_path_factory.mktemp("small") / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    for folder in sorted(index.rglob("*"), reverse=True) + [index]:
+        if folder.is_dir():
+            folder.chmod(0o555)
+    return index
+
+
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the real `shardserve` console script (the way users do)."""
     exe = Path(sys.executable).parent / "shardserve"

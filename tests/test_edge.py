@@ -14,7 +14,6 @@ import httpx
 import orjson
 import pytest
 
-from index_build.job import build_index
 from serving.edge import (
     AccessLine,
     Admission,
@@ -65,13 +64,11 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def slow_app(ray_cluster, tmp_path_factory: pytest.TempPathFactory):
+def slow_app(ray_cluster, small_index: Path):
     """A 2-shard app whose shard-000 takes 0.3 s per search call."""
     from deployments.run import deploy, undeploy
 
-    index = tmp_path_factory.mktemp("edge") / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
-    deploy(str(index), port=PORT, app_name="edge", route_prefix="/edge",
+    deploy(str(small_index), port=PORT, app_name="edge", route_prefix="/edge",
            shard_class=slow_shards(search_s={"shard-000": 0.3}), shard_num_cpus=0.1, router_num_cpus=0.1)
     body = orjson.dumps({"vector": load_dataset("fashion-mnist", num_queries=1).queries[0], "k": 5},
                         option=orjson.OPT_SERIALIZE_NUMPY)

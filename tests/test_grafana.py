@@ -18,7 +18,6 @@ import httpx
 import orjson
 import pytest
 
-from index_build.job import build_index
 from loadtests.served import wait_for
 from shardserve.data.datasets import load_dataset
 from tests.conftest import SERVE_PORT as PORT
@@ -79,11 +78,10 @@ def test_dashboard_is_valid_grafana_json() -> None:
     assert len(_queried_metrics()) >= 10
 
 
-def test_every_dashboard_query_names_an_exported_metric(ray_cluster, tmp_path: Path) -> None:
+def test_every_dashboard_query_names_an_exported_metric(ray_cluster, small_index: Path) -> None:
     from deployments.run import deploy, undeploy
 
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    index = small_index
     url = deploy(str(index), port=PORT, app_name="grafana", route_prefix="/grafana", max_in_flight=2,
                  shard_timeout_s=0.2, shard_class=slow_shards(search_s={"shard-000": 0.4}),
                  shard_num_cpus=0.1, router_num_cpus=0.1)

@@ -13,7 +13,6 @@ import httpx
 import orjson
 import pytest
 
-from index_build.job import build_index
 from shardserve.data.datasets import load_dataset
 from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
@@ -21,11 +20,10 @@ from tests.faults import slow_shards
 pytestmark = pytest.mark.slow
 
 
-def test_hedging_routes_around_a_slow_replica(ray_cluster, tmp_path: Path) -> None:
+def test_hedging_routes_around_a_slow_replica(ray_cluster, small_index: Path, tmp_path: Path) -> None:
     from deployments.run import deploy, undeploy
 
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    index = small_index
     queries = load_dataset("fashion-mnist", num_queries=30).queries
     slow_log = tmp_path / "slow-calls.log"
     common = {"replicas_per_shard": 2, "shard_num_cpus": 0.1, "router_num_cpus": 0.1}

@@ -71,15 +71,14 @@ def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
         time.sleep(1)
 
 
-def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster, tmp_path: Path) -> None:
+def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster, small_index: Path) -> None:
     """`shardserve serve` that joined someone's cluster (RAY_ADDRESS) deletes, on Ctrl-C, only the
     apps it deployed: another app on that cluster keeps serving, and the cluster keeps running."""
     from ray import serve
 
     from deployments.run import deploy, undeploy
 
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    index = small_index
     bystander = deploy(str(index), port=PORT, app_name="bystander", route_prefix="/bystander",
                        shard_num_cpus=0.1, router_num_cpus=0.1)
     server = Server(index, PORT, flags=("--address", ray_cluster.get_runtime_context().gcs_address))
@@ -99,7 +98,8 @@ def test_ctrl_c_on_serve_joined_to_a_cluster_stops_only_its_own_apps(ray_cluster
         undeploy("bystander")
 
 
-def test_deploy_without_serve_http_needs_and_returns_the_router_door(ray_cluster, tmp_path: Path) -> None:
+def test_deploy_without_serve_http_needs_and_returns_the_router_door(ray_cluster, small_index: Path,
+                                                                   tmp_path: Path) -> None:
     """`shardserve serve`'s deploy behind its edge (serve_http=False): it needs the door's port, and
     the URL it waits on and returns is the router's door."""
     from deployments.run import deploy, undeploy
@@ -107,8 +107,7 @@ def test_deploy_without_serve_http_needs_and_returns_the_router_door(ray_cluster
 
     with pytest.raises(ValueError, match="front_port"):
         deploy(str(tmp_path / "unused"), serve_http=False)
-    index = tmp_path / "idx"
-    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
+    index = small_index
     door = free_port()
     try:
         url = deploy(str(index), app_name="doorOnly", serve_http=False, front_port=door,
