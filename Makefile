@@ -4,12 +4,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VEGETA := .bin/vegeta
+JAEGER := .bin/jaeger
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -61,6 +62,13 @@ $(VEGETA): loadtests/vegeta/go.mod loadtests/vegeta/go.sum loadtests/vegeta/tool
 	mkdir -p .bin && cd loadtests/vegeta && \
 	  go build -ldflags "-X main.Version=v12.12.0" -o ../../$(VEGETA) github.com/tsenart/vegeta/v12
 
+jaeger: $(JAEGER)
+# The trace store the traced tests read spans back from, and users run beside a server
+# (`python -m loadtests.jaeger`): Jaeger all-in-one, pinned by configs/jaeger/go.mod + go.sum.
+$(JAEGER): configs/jaeger/go.mod configs/jaeger/go.sum configs/jaeger/tools.go
+	@command -v go >/dev/null || { echo "error: Go is needed to build Jaeger (apt-get install golang-go)" >&2; exit 1; }
+	mkdir -p .bin && cd configs/jaeger && go build -o ../../$(JAEGER) github.com/jaegertracing/jaeger/cmd/jaeger
+
 $(INDEX)/manifest.json: | install data
 	$(BIN)/shardserve build --dataset fashion-mnist --shards 4 --index IVF1024,Flat --out $(INDEX) --force
 
@@ -79,7 +87,7 @@ $(TEXT_INDEX)/manifest.json: | install text
 demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
 	$(BIN)/shardserve serve $(TEXT_INDEX) --port 8000
 
-test: install data text vegeta haproxy redis
+test: install data text vegeta jaeger haproxy redis
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@# the tests without Ray on every core, then the Ray tests one at a time on one session's Ray

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.autoscaling import autoscaling_config
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
+from shardserve.tracing import TraceConfig
 
 # Batches in flight per router replica when shards autoscale: with 2, a shard's depth per router
 # ranges over 0-2, so `shardserve tune` puts its knee depth at 1.
@@ -170,6 +171,17 @@ class AppArgs(BaseModel):
                                                         "its token limit of it: the rest is truncated, "
                                                         "and the answer says which texts were)")
     embed_timeout_s: float = Field(10.0, gt=0, description="a request's wait for the embedder, then 503")
+    trace_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL every replica exports its spans to (shardserve.tracing); "
+                          "null: each node's SHARDSERVE_TRACE_ENDPOINT, and no tracing where unset")
+    trace_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, description="share of requests without a sampled `traceparent` that are "
+                                          "traced (one whose caller's traceparent says sampled always "
+                                          "is); null: SHARDSERVE_TRACE_RATIO, else 0")
+
+    def trace_config(self, service: str) -> TraceConfig:
+        """Where this app's replicas of `service` (router, shard, embedder) send spans, and how many."""
+        return TraceConfig.resolve(self.trace_endpoint, self.trace_ratio, service)
 
     def fill_for(self, shared_scan: bool) -> float:
         """`batch_fill`, or its default for an index whose batches do or do not share each shard's

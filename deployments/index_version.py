@@ -125,7 +125,8 @@ def index_app(args: dict, shard_class: type | None = None, published: Published 
         ).bind(app_args.index, position, faiss_threads=app_args.faiss_threads, link_secret=secret,
                index_version=manifest.index_version, nice=app_args.serving_nice, mmap=app_args.shard_mmap,
                warm_workers=app_args.warm_workers, max_rows=app_args.max_vectors + app_args.max_batch_size,
-               max_k=app_args.max_k, max_frame=app_args.max_body_bytes)
+               max_k=app_args.max_k, max_frame=app_args.max_body_bytes,
+               trace_endpoint=app_args.trace_endpoint, trace_ratio=app_args.trace_ratio)
         for position, entry in enumerate(manifest.shards)
     ]
     embedder = None if manifest.embedder is None else embedder_deployment(app_args, manifest)
@@ -149,4 +150,5 @@ def embedder_deployment(args: AppArgs, manifest: Manifest) -> Application:
         logging_config={"enable_access_log": False},
     ).bind(model, manifest.embedder.model_dump(), max_batch_texts=args.embedder_max_batch,
            max_texts=args.max_texts, max_text_chars=args.max_text_chars, nice=args.serving_nice,
-           providers=tuple(args.embedder_providers), idle=args.embedder_idle_priority)
+           providers=tuple(args.embedder_providers), idle=args.embedder_idle_priority,
+           trace_endpoint=args.trace_endpoint, trace_ratio=args.trace_ratio)

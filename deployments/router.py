@@ -6,6 +6,7 @@ shardserve.query.fanout; one index version's handles and links in deployments.in
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -47,6 +48,7 @@ from shardserve.query.render import coverage_error, index_summary, render_search
 from shardserve.query.scan_choice import shares_scan
 from shardserve.runtime.heap import give_back, settled
 from shardserve.runtime.procfs import lower_priority
+from shardserve.tracing import Span, Traced, Tracer, end, now, traceparent
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.shard_link import ShardLinks
@@ -87,7 +89,7 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
     route = request.scope.get("path", "")[len(root):]
     headers = request.headers
     return HttpRequest(request.method, route, body, request.url.query, headers.get("content-type", ""),
-                       headers.get("x-shardserve-lane", "")), root
+                       headers.get("x-shardserve-lane", ""), headers.get("traceparent", "")[:64]), root
 
 
 async def _first_index(control: DeploymentHandle, replica_id: str, args: AppArgs, app_name: str,
@@ -146,15 +148,19 @@ def _same_model(router: "Router", embedded_for: Manifest) -> Callable[[], tuple]
     return served
 
 
-async def _embed(router: "Router", active: IndexSet, texts: list[str], field: str = "text") -> Embedded:
+async def _embed(router: "Router", active: IndexSet, texts: list[str], field: str = "text",
+                 parent: Span | None = None) -> Embedded:
     """`texts` as vectors of `active`'s model: the router's cache, then its embedder (a 503 when the
-    embedder is gone, late, or the text admission is full)."""
+    embedder is gone, late, or the text admission is full). `parent`: a traced request's span."""
     needs_embedder(active.manifest, field)
     embedder = active.embedder
     assert embedder is not None  # a manifest with an embedder has one
+    span = None if parent is None else router.tracer.child(parent, "embed", attributes={"texts": len(texts)})
 
     async def call(missing: list[str]) -> tuple[np.ndarray, tuple[int, ...]]:
-        return await embedder.embed.remote(missing)
+        if span is None:
+            return await embedder.embed.remote(missing)
+        return await embedder.embed.remote(missing, traceparent(span))
 
     hits, misses = router.text.cache.hits, router.text.cache.misses
     try:
@@ -170,6 +176,8 @@ async def _embed(router: "Router", active: IndexSet, texts: list[str], field: st
                        router.args.retry_after_s) from None
     finally:
         router.metrics.embed_lookups(router.text.cache.hits - hits, router.text.cache.misses - misses)
+        end(span, **{"cache.hits": router.text.cache.hits - hits,
+                     "cache.misses": router.text.cache.misses - misses})
     router.metrics.embed_ms.observe(embedded.ms)
     return embedded
 
@@ -218,8 +226,8 @@ async def _counted(router: "Router", route: str, answer: Callable[[], Awaitable[
         router.metrics.observe_request(started, status, route)
 
 
-async def _parsed(router: "Router", index_set: IndexSet,
-                  request: HttpRequest) -> tuple[ParsedQuery, Embedded | None]:
+async def _parsed(router: "Router", index_set: IndexSet, request: HttpRequest,
+                  span: Span | None = None) -> tuple[ParsedQuery, Embedded | None]:
     """A search request as a query of `index_set`: by vector, or by text ({"text": ...} or
     {"texts": [...]}): every other field checked first (against stand-in vectors), so a request
     that would be refused costs no model run; then embedded, then checked as a vector search is."""
@@ -232,9 +240,37 @@ async def _parsed(router: "Router", index_set: IndexSet,
     field = "vector" if single else "vectors"
     stand_in = np.ones((len(texts), index_set.manifest.dim), np.float32)
     parse_query(request, index_set.manifest, index_set.supported, router.limits, {**payload, field: stand_in})
-    embedded = await _embed(router, index_set, texts, "text" if single else "texts")
+    embedded = await _embed(router, index_set, texts, "text" if single else "texts", span)
     payload[field] = embedded.vectors
     return parse_query(request, index_set.manifest, index_set.supported, router.limits, payload), embedded
+
+
+async def _parsed_traced(router: "Router", index_set: IndexSet, request: HttpRequest,
+                         span: Span) -> tuple[ParsedQuery, Embedded | None]:
+    """_parsed of a traced request: its parse (and embedding) as spans, and the query carrying its
+    trace into the batch."""
+    parse = router.tracer.child(span, "parse")
+    try:
+        query, embedded = await _parsed(router, index_set, request, parse)
+    finally:
+        parse.end()
+    return dataclasses.replace(query, trace=Traced(router.tracer, span, now())), embedded
+
+
+def _batch_waits(items: list[tuple[IndexSet, ParsedQuery]]) -> None:
+    """Each traced request's wait for its batch, from joining the queue to the batch's start."""
+    started = now()
+    for _, query in items:
+        if (traced := query.trace) is not None:
+            traced.tracer.child(traced.span, "batch wait", traced.queued, started,
+                                {"batch.requests": len(items)})
+
+
+def _traced_reply(reply: Reply, span: Span | None) -> Reply:
+    """The reply, carrying its trace's id (the W3C `traceresponse` header) when traced."""
+    if span is not None:
+        reply.headers["traceresponse"] = traceparent(span)
+    return reply
 
 
 def _text_lane(request: HttpRequest, router: "Router") -> None:
@@ -339,6 +375,7 @@ class Router(ReportsCoresWanted):
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         self.writes = _write_front(self.active.log, a, self.metrics)
         self.text = _text_front(a)
+        self.tracer = Tracer(a.trace_config("shardserve-router"), {"shardserve.replica": self.replica_id})
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
                                        size_of=lambda item: len(item[1].matrix))
         _shape_batches(self.batcher, a, self.active.manifest)
@@ -376,7 +413,8 @@ class Router(ReportsCoresWanted):
 
     async def search(self, request: HttpRequest) -> Reply:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`), JSON or .npy."""
-        started, status, index_set = time.perf_counter(), 200, None
+        span = self.tracer.begin("search", request.traceparent)  # None unless this request is traced
+        started, status, index_set = time.perf_counter(), 200, None  # inside the span: it holds timing_ms
         try:
             if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: a fast 503
                 self.metrics.shed.inc()
@@ -385,23 +423,31 @@ class Router(ReportsCoresWanted):
             self.in_flight += 1
             index_set = self.active  # answered by this version only, even mid-swap
             self.in_flight_by_generation[index_set.generation] += 1
-            query, embedded = await _parsed(self, index_set, request)
+            if span is None:
+                query, embedded = await _parsed(self, index_set, request)
+            else:
+                query, embedded = await _parsed_traced(self, index_set, request, span)
             result: QueryResult = await self.batcher.submit((index_set, query))
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
                 raise error
             extra = await _included(self, index_set, query, result)
+            rendering = now() if span is not None else 0.0
             total_ms = (time.perf_counter() - started) * 1000.0
-            return Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra,
-                                            _described(embedded, index_set)))
+            reply = Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra,
+                                             _described(embedded, index_set)))
+            if span is not None:
+                self.tracer.child(span, "answer", rendering, now())
+            return _traced_reply(reply, span)
         except ApiError as error:
             status = error.status
-            return _error(error)
+            return _traced_reply(_error(error), span)
         except BaseException:
             status = 500
             raise
         finally:
+            end(span, **{"http.response.status_code": status})
             if index_set is not None:
                 self.in_flight -= 1
                 self.in_flight_by_generation[index_set.generation] -= 1
@@ -419,6 +465,8 @@ class Router(ReportsCoresWanted):
     async def _search_batch(self, items: list[tuple[IndexSet, ParsedQuery]]) -> list[QueryResult]:
         """Whatever is in flight is one batch: one call per shard per (k, params) group and version."""
         a = self.args
+        if self.tracer.on:
+            _batch_waits(items)
         results = await search_grouped(items, lambda index_set, queries: index_set.search(
             queries, self.executor, a.shard_timeout_s, a.hedge_after_ms / 1000.0, self.metrics))
         self.metrics.observe_batch(items, results, self.in_flight)

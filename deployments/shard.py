@@ -24,6 +24,7 @@ from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.heap import settled
 from shardserve.runtime.procfs import age_seconds, cpu_seconds, lower_priority, memory_mb
 from shardserve.runtime.warm_pool import WarmPool
+from shardserve.tracing import SpanKind, TraceConfig, Tracer, end, now, parse_traceparent
 from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, shard_secret
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
 from shardserve.writes.follow import LogBehind, ShardWrites
@@ -45,10 +46,12 @@ class ShardDeployment:
                        link_secret: str | None = None,
                        index_version: str | None = None, nice: int = 0, mmap: bool = True,
                        warm_workers: int = 0, max_rows: int = 2048, max_k: int = 100,
-                       max_frame: int = 16 * 1024 * 1024):
+                       max_frame: int = 16 * 1024 * 1024, trace_endpoint: str | None = None,
+                       trace_ratio: float | None = None):
         """`link_secret` (hex, the index version's): listen on a shard link that callers must prove
         it to; None: Serve handle calls only. `max_rows`, `max_k`, `max_frame`: what one batch may
-        hold (shardserve.transport.shard_wire.QueryBounds, shardserve.transport.shard_link.LinkLimits)."""
+        hold (shardserve.transport.shard_wire.QueryBounds, shardserve.transport.shard_link.LinkLimits).
+        `trace_endpoint`, `trace_ratio`: AppArgs' (a traced batch's part here is a span of this replica)."""
         constructing = time.monotonic()
         # OpenMP's thread count is per calling thread: set it in the one thread that searches, or
         # FAISS uses every core from a fresh thread: shards on one node then oversubscribe its cores.
@@ -71,6 +74,9 @@ class ShardDeployment:
             params=supported_params(manifest.index_factory, manifest.dim, manifest.metric))
         flat_search_with_blas_from(BLAS_MIN_ROWS, self.searcher.dim)  # a flat shard's batches
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.tracer = Tracer(TraceConfig.resolve(trace_endpoint, trace_ratio, "shardserve-shard"),
+                             {"shardserve.shard": manifest.shards[shard].name,
+                              "shardserve.replica": serve.get_replica_context().replica_id.unique_id})
         self.faiss_threads = faiss_threads
         self.shard = shard
         self.link_in_flight = InFlight()
@@ -109,7 +115,8 @@ class ShardDeployment:
         if answer is not None:
             return answer
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._answer, query)
+        arrived = now() if self.tracer.on else 0.0  # a traced batch's wait for the search thread
+        return await loop.run_in_executor(self.executor, self._answer, query, arrived)
 
     def answer_now(self, query: bytes) -> bytes | None:
         """The answer of a small batch, computed at once (None: large, `search` hands it off). The
@@ -122,10 +129,31 @@ class ShardDeployment:
         if where is not None and not self.searcher.filter_ready(where):
             return None  # a new filter's first pass over the rows runs off the event loop
         faiss.omp_set_num_threads(self.faiss_threads)  # per thread: this is the loop's thread
+        if decoded.trace and self.tracer.on:
+            return self._traced(decoded, now())
         return encode_answer(*self.writes.answer(decoded))
 
-    def _answer(self, query: bytes) -> bytes:
-        return encode_answer(*self.writes.answer(ShardQuery.decode(query, self.bounds)))
+    def _answer(self, query: bytes, arrived: float = 0.0) -> bytes:
+        decoded = ShardQuery.decode(query, self.bounds)
+        if decoded.trace and self.tracer.on:
+            return self._traced(decoded, arrived)
+        return encode_answer(*self.writes.answer(decoded))
+
+    def _traced(self, query: ShardQuery, arrived: float) -> bytes:
+        """A traced batch's answer, and this replica's part of its trace: a span under the router's
+        fan-out span, with the batch's wait for the search thread and its search as children."""
+        started = now()
+        answer = self.writes.answer(query)
+        ended = now()
+        parent = parse_traceparent(query.trace)
+        assert parent is not None  # ShardQuery.decode checked it
+        span = self.tracer.child(parent, f"shard {self.shard}", arrived, kind=SpanKind.SERVER,
+                                 attributes={"rows": len(query.matrix), "k": query.k})
+        self.tracer.child(span, "queue wait", arrived, started)
+        # the writes' catch-up, then FAISS: its own time, measured by the searcher, at the end
+        self.tracer.child(span, "faiss", max(started, ended - answer[2] / 1000.0), ended)
+        end(span, ended, **{"log.position": answer[4]})
+        return encode_answer(*answer)
 
     async def _follow_log(self) -> None:
         """Apply new writes while idle too, in the search thread: the next search finds less to do."""

@@ -8,10 +8,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, parse_bytes
+
+if TYPE_CHECKING:
+    from shardserve.index.manifest import Published
 
 
 def _build(args: argparse.Namespace) -> None:
@@ -64,20 +68,23 @@ def _serve(args: argparse.Namespace) -> None:
     from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()  # before anything imports ray.serve: it reads these flags at import
+    from deployments.run import absolute
     from serving.local_server import serve_blocking
+    from shardserve.index.manifest import Published
 
-    base = _index_admission(args.index_dir)  # a bad index: one line, before Ray starts
+    published = Published.open(absolute(args.index_dir))  # a bad index: one line, before Ray starts
+    base = _index_admission(published)
 
     api_key = _api_key()
     # Read once, then out of the environment before Ray starts: Ray's processes (every Serve
     # replica) and the edge inherit this process's environment, and the key is the edge's alone.
     settings.forget_api_key()
     admission = _admission(args, base)
-    serve_blocking(args.index_dir, host=args.host, port=args.port,
+    serve_blocking(published, host=args.host, port=args.port,
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
                    edge=not args.no_edge, admission=admission, api_key=api_key,
                    access_log=args.access_log, address=args.address, compact_at=args.compact_at,
-                   app_args=_serve_app_args(args.arg))
+                   app_args=_traced(args, _serve_app_args(args.arg)))
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -85,14 +92,13 @@ def _deploy(args: argparse.Namespace) -> None:
     from shardserve.runtime.ray_session import apply_serving_node_env
 
     apply_serving_node_env()
-    from deployments.run import deploy
-    from shardserve.index.manifest import read_manifest
-    from shardserve.index.storage import Location
+    from deployments.run import absolute, deploy
+    from shardserve.index.manifest import Published
 
-    overrides = _app_args(args.arg)
-    read_manifest(Location.parse(args.index_dir))  # a bad index: one line, before connecting
+    overrides = _traced(args, _app_args(args.arg))
+    published = Published.open(absolute(args.index_dir))  # a bad index: one line, before connecting
     _connect(args.address)
-    url = deploy(args.index_dir, host=args.host, port=args.port,
+    url = deploy(published, host=args.host, port=args.port,
                  replicas_per_shard=args.replicas_per_shard, **overrides)
     print(f"deployed {args.index_dir} at {url}")
 
@@ -101,7 +107,8 @@ def _serve_config(args: argparse.Namespace) -> None:
     from deployments.config import serve_config_yaml
 
     sys.stdout.write(serve_config_yaml(args.index_dir, host=args.host, port=args.port,
-                                       replicas_per_shard=args.replicas_per_shard, **_app_args(args.arg)))
+                                       replicas_per_shard=args.replicas_per_shard,
+                                       **_traced(args, _app_args(args.arg))))
 
 
 _FLAG_ARGS = {"index": "INDEX_DIR", "replicas_per_shard": "--replicas-per-shard"}  # set by flags
@@ -128,6 +135,12 @@ def _connect(address: str | None) -> None:
         except (OSError, ValueError) as exc:
             raise ShardserveError(f"no Ray cluster at {address} ({exc})") from None
     ray.init(address=address or "auto", log_to_driver=False, configure_logging=False)
+
+
+def _traced(args: argparse.Namespace, overrides: dict) -> dict:
+    """The `--arg`s with `--trace-endpoint` and `--trace-ratio` given."""
+    flags = {"trace_endpoint": args.trace_endpoint, "trace_ratio": args.trace_ratio}
+    return {**overrides, **{key: value for key, value in flags.items() if value is not None}}
 
 
 def _serve_app_args(pairs: list[str]) -> dict:
@@ -242,20 +255,20 @@ def _edge_config(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from serving.edge import write_edge
+    from shardserve.index.manifest import Published
 
-    base = None if args.index is None else _index_admission(args.index)  # as `serve` would take it
+    # as `serve` would take it
+    base = None if args.index is None else _index_admission(Published.open(args.index))
     config = write_edge(Path(args.dir), args.backend, args.listen, _admission(args, base), _api_key())
     print(f"wrote {config} (run: haproxy -f {config})")
 
 
-def _index_admission(index: str):  # type: ignore[no-untyped-def]
+def _index_admission(published: Published):  # type: ignore[no-untyped-def]
     """The edge's defaults for this index (serving.edge.default_admission), from its manifest."""
     from serving.edge import default_admission
-    from shardserve.index.manifest import read_manifest
-    from shardserve.index.storage import Location
     from shardserve.query.scan_choice import shares_scan
 
-    return default_admission(shares_scan(read_manifest(Location.parse(index))))
+    return default_admission(shares_scan(published.manifest))
 
 
 def _admission(args: argparse.Namespace, base=None):  # type: ignore[no-untyped-def]
@@ -357,6 +370,16 @@ def _at_least(minimum: int):
 _POSITIVE = _at_least(1)
 
 
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
 def _bytes(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -432,6 +455,14 @@ def parser() -> argparse.ArgumentParser:
         if name in ("deploy", "serve-config", "serve"):
             cmd.add_argument("--arg", action="append", metavar="KEY=JSON",
                              help="an application setting (deployments/config.py AppArgs), repeatable")
+            cmd.add_argument("--trace-endpoint", metavar="URL",
+                             help="export OpenTelemetry spans over OTLP/HTTP to this traces URL, e.g. "
+                                  "http://127.0.0.1:4318/v1/traces (default: each node's "
+                                  "SHARDSERVE_TRACE_ENDPOINT; unset: no tracing)")
+            cmd.add_argument("--trace-ratio", type=_ratio, metavar="R",
+                             help="share of requests without a sampled traceparent that are traced "
+                                  "(default: SHARDSERVE_TRACE_RATIO, else 0: only those a caller's "
+                                  "traceparent says sampled)")
         if name == "serve":
             cmd.add_argument("--num-cpus", type=float, help="logical CPUs of the local Ray it starts "
                              "(default: the cores, or room for two index versions if more: a swap "

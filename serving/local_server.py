@@ -26,7 +26,7 @@ from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.index.manifest import Published
 from shardserve.runtime.ports import free_port
-from shardserve.runtime.ray_private import cores
+from shardserve.runtime.ray_private import cores, dashboard
 
 # Every process this command starts (Ray's, its workers, the edge) inherits this variable with a
 # value of the command's own: what a stop finds and ends when an interrupt came before Ray or the
@@ -35,10 +35,11 @@ SERVE_MARK = settings.SERVE_MARK_ENV
 _stopping = False
 
 
-def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replicas_per_shard: int = 1,
-                   num_cpus: float | None = None, edge: bool = True, admission: Admission | None = None,
-                   api_key: str | None = None, access_log: str | None = None,
-                   address: str | None = None, compact_at: int | None = COMPACT_AT,
+def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 8000,
+                   replicas_per_shard: int = 1, num_cpus: float | None = None, edge: bool = True,
+                   admission: Admission | None = None, api_key: str | None = None,
+                   access_log: str | None = None, address: str | None = None,
+                   compact_at: int | None = COMPACT_AT,
                    app_args: dict | None = None) -> None:
     """Start Ray (or join the one at `address` / RAY_ADDRESS) with the fast ingress, deploy, print
     how to query, serve until Ctrl-C or SIGTERM.
@@ -62,7 +63,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
     """
     from shardserve.runtime.ray_session import ensure_ray
 
-    published = Published.open(absolute(index))  # read once, here; a bad index: one line, before Ray starts
+    # read once, here (or by the caller); a bad index: one line, before Ray starts
+    published = index if isinstance(index, Published) else Published.open(absolute(index))
     manifest = published.manifest
     joining = bool(address or os.environ.get("RAY_ADDRESS"))
     if not joining:
@@ -121,6 +123,8 @@ def serve_blocking(index: str, host: str = "127.0.0.1", port: int = 8000, replic
               f"{manifest.dim}, \"k\": 5}}))' | curl -s -H 'content-type: application/json' "
               f"--data-binary @- {url}/v1/search")
         print(f"  ray:    {_ray_line(started)}")
+        print(f"  dashboard: {_dashboard_line()}")
+        print(f"  traces: {_trace_line(app_args or {})}")
         if compactor is not None and compactor.path is not None:
             print(f"  writes: compacted into a new version once {compact_at} wait (--compact-at)")
         print("  Ctrl-C stops it.", flush=True)
@@ -209,6 +213,22 @@ def _check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise ShardserveError(f"{host}:{port} is in use ({exc.strerror}): pick another --port") from None
+
+
+def _dashboard_line() -> str:
+    url, token = dashboard()
+    if url is None:
+        return "none on this cluster"
+    return url + (" (it asks for Ray's token: `ray get-auth-token` prints it)" if token else "")
+
+
+def _trace_line(app_args: dict) -> str:
+    """Where this command's replicas send spans (the nodes' SHARDSERVE_TRACE_* unless overridden)."""
+    config = AppArgs(index="-", **app_args).trace_config("shardserve")
+    if config.endpoint is None:
+        return "off (--trace-endpoint URL: OTLP/HTTP, e.g. Jaeger's http://127.0.0.1:4318/v1/traces)"
+    return (f"OTLP to {config.endpoint}: every request whose traceparent says sampled, and "
+            f"{config.ratio:.2%} of the others (--trace-ratio)")
 
 
 def _ray_line(started: bool) -> str:

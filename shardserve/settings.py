@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shardserve.errors import BadArgument
+
 # --- Data -------------------------------------------------------------------------------------------
 
 #: Directory of the Fashion-MNIST IDX files (`fashion-mnist` as a dataset name).
@@ -91,3 +93,27 @@ def set_serve_mark(mark: str) -> None:
 def serve_mark() -> str | None:
     """This process's serve mark, or None."""
     return os.environ.get(SERVE_MARK_ENV)
+
+
+# --- Tracing ----------------------------------------------------------------------------------------------
+
+#: The OTLP/HTTP traces URL this node's replicas export spans to (e.g. a collector or Jaeger on the
+#: node: http://127.0.0.1:4318/v1/traces), when the app's arguments name none. Unset: no tracing.
+TRACE_ENDPOINT_ENV = "SHARDSERVE_TRACE_ENDPOINT"
+#: The share of requests without a `traceparent` that are traced, in [0, 1] (default 0: only those
+#: whose caller's `traceparent` says sampled).
+TRACE_RATIO_ENV = "SHARDSERVE_TRACE_RATIO"
+
+
+def trace_endpoint() -> str | None:
+    """$SHARDSERVE_TRACE_ENDPOINT, or None when unset or empty."""
+    return os.environ.get(TRACE_ENDPOINT_ENV) or None
+
+
+def trace_ratio() -> float:
+    """$SHARDSERVE_TRACE_RATIO as a number, 0 when unset or empty."""
+    value = os.environ.get(TRACE_RATIO_ENV) or "0"
+    try:
+        return float(value)
+    except ValueError:
+        raise BadArgument(f"{TRACE_RATIO_ENV} must be a number in [0, 1], got {value!r}") from None

@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
+from loadtests.jaeger import Jaeger
 from loadtests.served import wait_for
 from shardserve.embed.model import Embedder
 from shardserve.embed.text_data import real_texts
@@ -38,9 +39,22 @@ def texts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory, texts: list[str]) -> Iterator[str]:
+def jaeger() -> Iterator[Jaeger]:
+    """A real trace store the served app exports to: Jaeger all-in-one (`make jaeger`)."""
+    store = Jaeger().wait_ready()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory, texts: list[str],
+           jaeger: Jaeger) -> Iterator[str]:
     """The corpus (JSON lines: a text and a `bucket` column to filter on) built into a 2-shard IVF
-    index by `build --text-column --embedder`, served as its own app."""
+    index by `build --text-column --embedder`, served as its own app. Traced as a user turns it on
+    (an endpoint, ratio 0): a request is traced when its caller's `traceparent` says sampled, so
+    every other test here runs with tracing on and no request of theirs traced."""
     from deployments.run import deploy, undeploy
     from index_build.job import build_index
 
@@ -52,7 +66,7 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory, texts: list[st
                 embedder="all-MiniLM-L6-v2", metadata_columns=["bucket"])
     url = deploy(str(root / "idx"), port=SERVE_PORT, app_name="text", route_prefix="/text",
                  shard_num_cpus=0.1, router_num_cpus=0.1, embedder_num_cpus=0.1,
-                 embedder_autoscaling=None)
+                 embedder_autoscaling=None, trace_endpoint=jaeger.otlp)
     try:
         yield url
     finally:
@@ -304,3 +318,89 @@ def test_the_edge_gives_text_a_lane_of_its_own(served: str, embedder: Embedder, 
     assert vector_statuses == [200] * 20
     assert set(text_statuses) == {200, 503} and text_statuses.count(200) <= 4 + 2  # 4 taken, and
     # at most the few that found a slot freed while the burst was still arriving
+
+
+def _spans(trace: dict) -> dict[str, list[dict]]:
+    """Jaeger's spans of a trace by operation name, each with its service and parent span id."""
+    by_name: dict[str, list[dict]] = {}
+    for span in trace["spans"]:
+        process = trace["processes"][span["processID"]]
+        parents = [ref["spanID"] for ref in span["references"] if ref["refType"] == "CHILD_OF"]
+        tags = {tag["key"]: tag["value"] for tag in process["tags"]}
+        by_name.setdefault(span["operationName"], []).append(
+            {**span, "service": process["serviceName"], "parent": parents[0] if parents else None,
+             "replica": tags.get("shardserve.replica"), "end": span["startTime"] + span["duration"]})
+    return by_name
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    """`inner` within `outer` in time (Jaeger keeps microseconds: one of slack at each end)."""
+    return outer["startTime"] - 1 <= inner["startTime"] and inner["end"] <= outer["end"] + 1
+
+
+def _traced_search(served: str, jaeger: Jaeger, body: dict, wanted: set[str]) -> tuple[dict, dict, str]:
+    """A search sent as part of a caller's sampled trace: (its answer, its spans by name, the
+    caller's span id), once Jaeger holds every span named in `wanted`."""
+    import secrets
+
+    trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+    response = httpx.post(f"{served}/v1/search", json=body, timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-{caller}-01"})
+    answer = _answer(response)
+    assert response.headers["traceresponse"].split("-")[1] == trace_id  # the answer names its trace
+
+    def complete() -> dict[str, list[dict]] | None:
+        trace = jaeger.trace(trace_id)
+        spans = _spans(trace) if trace else {}
+        return spans if wanted <= set(spans) and len(spans.get("faiss", [])) >= 2 else None
+
+    return answer, wait_for(complete, f"trace {trace_id} with spans {sorted(wanted)}", timeout_s=60,
+                            interval_s=0.5), caller
+
+
+def test_a_traced_search_is_one_trace_across_router_embedder_and_shards(served: str, jaeger: Jaeger,
+                                                                          embedder: Embedder,
+                                                                          texts: list[str]) -> None:
+    """A vector search and a text search, each in a caller's sampled trace, read back from Jaeger:
+    the router's spans under the caller's, the fan-out holding a span from a replica of each
+    shard (its queue wait and FAISS time inside), the embedder's under the text's embed span; the
+    spans' durations agree with the answer's timing_ms. Then Jaeger is SIGKILLed: traced requests
+    are still answered (the export is asynchronous and bounded)."""
+    router = {"search", "parse", "batch wait", "fan-out", "merge", "answer"}
+    shards = {"shard 0", "shard 1", "queue wait", "faiss"}
+    vector = embedder.embed([texts[3]])[0].tolist()
+    answer, spans, caller = _traced_search(served, jaeger, {"vector": vector, "k": 5}, router | shards)
+    (search,), (fan,) = spans["search"], spans["fan-out"]
+    assert search["parent"] == caller and search["service"] == "shardserve-router"
+    for name in router - {"search"}:
+        assert [span["parent"] for span in spans[name]] == [search["spanID"]], name
+        assert _inside(spans[name][0], search), name
+    for position in (0, 1):
+        (shard,) = spans[f"shard {position}"]
+        assert shard["parent"] == fan["spanID"] and shard["service"] == "shardserve-shard"
+        assert _inside(shard, fan)  # every shard's part inside the fan-out
+        for name in ("queue wait", "faiss"):
+            (part,) = [span for span in spans[name] if span["parent"] == shard["spanID"]]
+            assert _inside(part, shard)
+    assert spans["shard 0"][0]["replica"] != spans["shard 1"][0]["replica"]
+    # timing_ms: the search span holds the request's whole time, the fan-out holds the compute
+    timing = answer["timing_ms"]
+    assert search["duration"] >= timing["total"] * 1000 - 1
+    assert fan["duration"] >= timing["compute"] * 1000 - 1
+    assert max(span["duration"] for span in spans["faiss"]) <= fan["duration"]
+
+    text = f"a text no cache holds: {texts[7]}"
+    answer, spans, caller = _traced_search(served, jaeger, {"text": text, "k": 5},
+                                           router | shards | {"embed", "embedder", "model"})
+    (search,), (parse,), (embed,), (model,) = spans["search"], spans["parse"], spans["embed"], spans["model"]
+    (remote,) = spans["embedder"]
+    assert embed["parent"] == parse["spanID"] and remote["parent"] == embed["spanID"]
+    assert remote["service"] == "shardserve-embedder" and model["parent"] == remote["spanID"]
+    assert _inside(embed, parse) and _inside(remote, embed) and _inside(model, remote)
+    assert search["duration"] >= answer["timing_ms"]["total"] * 1000 - 1
+
+    jaeger.kill()
+    for i in range(20):
+        response = httpx.post(f"{served}/v1/search", json={"vector": vector, "k": 5}, timeout=60,
+                              headers={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"})
+        assert response.status_code == 200 and "traceresponse" in response.headers

@@ -4,12 +4,13 @@ and shared with the client), and a validated query."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.errors import ApiError
+from shardserve.tracing import Traced
 
 __all__ = ["KNOWN_PARAMS", "ApiError", "BatchHits", "Coverage", "Limits", "ParsedQuery", "SearchRequest",
            "SearchResponse", "Timing"]
@@ -108,6 +109,7 @@ class ParsedQuery:
     require_full: bool
     include: tuple[str, ...] = ()  # metadata columns to return with every hit
     filter: str | None = None  # canonical JSON of a checked filter (query.filters)
+    trace: Traced | None = field(default=None, compare=False)  # a sampled request's span (shardserve.tracing)
 
     @property
     def group_key(self) -> tuple:

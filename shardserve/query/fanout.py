@@ -16,6 +16,7 @@ import numpy as np
 
 from shardserve.query.api import ParsedQuery
 from shardserve.query.merge import QueryResult, merge_topk
+from shardserve.tracing import Span, Traced, end, now, traceparent
 from shardserve.transport.shard_wire import ShardQuery
 
 # (shard index, the group's query) -> (distances, ids, search ms[, rows a filter matched[, position]])
@@ -66,12 +67,19 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
     if group[0].filter is not None:  # the shards evaluate it on their own metadata
         params["filter"] = group[0].filter
     matrix = group[0].matrix if len(group) == 1 else np.concatenate([q.matrix for q in group])
+    traced = [q.trace for q in group if q.trace is not None]
+    fan = _fan_out_span(traced, num_shards, len(matrix)) if traced else None
     started = time.perf_counter()
     shard_query = await prepare(matrix, k, params)
     prepare_ms = (time.perf_counter() - started) * 1000.0
+    if fan is not None:  # every shard's span is a child of the fan-out's
+        shard_query.trace = traceparent(fan)
     outcomes = await _call_every_shard(call_shard, shard_query, num_shards, timeout_s)
     fanout_ms = (time.perf_counter() - started) * 1000.0
     answered = [o for o in outcomes if not isinstance(o, BaseException)]
+    if fan is not None:
+        end(fan, prepare_ms=round(prepare_ms, 3), **{"shards.answered": len(answered)})
+        merging = now()
     if on_shard_done is not None:
         for shard, outcome in enumerate(outcomes):
             on_shard_done(shard, None if isinstance(outcome, BaseException) else outcome[2])
@@ -85,6 +93,8 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         ids = np.full((len(matrix), k), -1, np.int64)
         first = next((o for o in outcomes if isinstance(o, BaseException)), None)
         error = f"{type(first).__name__}: {first}"[:500] if first is not None else None
+    if fan is not None:
+        traced[0].tracer.child(traced[0].span, "merge", merging, now())
     compute_ms = prepare_ms + max((o[2] for o in answered), default=0.0)
     matched = sum(o[3] for o in answered if len(o) > 3)  # rows the filter let through, all shards
     if on_matched is not None and group[0].filter is not None:
@@ -96,6 +106,14 @@ async def _search_group(group: list[ParsedQuery], positions: list[int], results:
         row += len(query.matrix)
         results[position] = QueryResult(distances[rows], ids[rows], len(answered), num_shards,
                                         compute_ms, fanout_ms, len(matrix), error, matched)
+
+
+def _fan_out_span(traced: list[Traced], num_shards: int, rows: int) -> Span:
+    """The span of one group's calls to every shard, in the first traced request's trace (a batch
+    is one piece of work however many requests share it), linked to the other traced requests'."""
+    first = traced[0]
+    return first.tracer.child(first.span, "fan-out", links=[t.span for t in traced[1:]],
+                              attributes={"shards": num_shards, "rows": rows, "requests.traced": len(traced)})
 
 
 async def _call_every_shard(call_shard: ShardCall, query: ShardQuery, num_shards: int,

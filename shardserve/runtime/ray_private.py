@@ -129,3 +129,17 @@ def cores() -> int:
     from ray._private.utils import get_num_cpus
 
     return int(get_num_cpus())
+
+
+def dashboard() -> tuple[str | None, bool]:
+    """(the dashboard's address on the connected cluster or None, whether it wants Ray's auth token):
+    what `serve`'s banner tells a user, who otherwise meets an "Authentication Token Required" page
+    with nothing saying which token. `ray.init` returns the address, but `ensure_ray` may have joined
+    a cluster; no public API reports either afterwards."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    try:
+        url = ray._private.worker.get_dashboard_url()
+    except Exception:  # not connected, or no dashboard
+        url = None
+    return (f"http://{url}" if url and "://" not in url else url or None), is_token_auth_enabled()

@@ -76,6 +76,7 @@ class Request:
     query: str = ""
     content_type: str = ""
     lane: str = ""  # X-Shardserve-Lane as the edge set it ("text" or "vector"; "" without an edge)
+    traceparent: str = ""  # the caller's W3C trace context (shardserve.tracing checks it), or ""
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -144,6 +145,7 @@ class _Connection(PeerPaced):
         self.in_message = False
         self.url, self.headers_done, self.head_bytes, self.header_count = b"", False, 0, 0
         self.content_type, self.expect_continue, self.declared, self.lane = "", False, -1, ""
+        self.traceparent = ""
         self.body: list[bytes] = []
         self.body_bytes = 0
 
@@ -209,6 +211,8 @@ class _Connection(PeerPaced):
             self.content_type = value.decode("latin-1")
         elif name == b"x-shardserve-lane":
             self.lane = value[:16].decode("latin-1")
+        elif name == b"traceparent":
+            self.traceparent = value[:64].decode("latin-1")
         elif name == b"content-length":
             self.declared = int(value)  # llhttp checked its digits and that it is the only one
             if self.declared > self.front.max_body_bytes:
@@ -238,7 +242,7 @@ class _Connection(PeerPaced):
         target = self.url.decode("latin-1")
         path, _, query = target.partition("?")
         request = Request("GET" if head_only else method, path, b"".join(self.body), query,
-                          self.content_type, self.lane)
+                          self.content_type, self.lane, self.traceparent)
         self.requests += 1
         last = self.requests >= self.front.max_requests_per_connection
         self.ready.append((request, self.parser.should_keep_alive() and not last, head_only))

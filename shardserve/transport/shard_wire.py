@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from shardserve.errors import WireError
+from shardserve.tracing import parse_traceparent
 
 _QUERY = struct.Struct("<4sIIIII")  # magic, n, dim, k, nprobe of the assignment (0 = none), params len
 # magic, n, k, search milliseconds, rows a filter matched, the write-log position answered at
@@ -60,6 +61,7 @@ class ShardQuery:
     params: dict
     assign: np.ndarray | None = None
     coarse: np.ndarray | None = None
+    trace: str = ""  # the W3C `traceparent` of the router's fan-out span, when the batch is traced
     _encoded: bytes | None = field(default=None, repr=False, compare=False)
 
     def encode(self) -> bytes:
@@ -67,7 +69,8 @@ class ShardQuery:
         if self._encoded is None:
             n, dim = self.matrix.shape
             nprobe = 0 if self.assign is None else self.assign.shape[1]
-            params = orjson.dumps(self.params) if self.params else b""
+            sent = {**self.params, "traceparent": self.trace} if self.trace else self.params
+            params = orjson.dumps(sent) if sent else b""
             parts = [_QUERY.pack(_QUERY_MAGIC, n, dim, self.k, nprobe, len(params)),
                      np.ascontiguousarray(self.matrix, np.float32).tobytes()]
             if nprobe:
@@ -115,7 +118,7 @@ class ShardQuery:
             coarse = np.frombuffer(blob, np.float32, n * nprobe, offset).reshape(n, nprobe)
             offset += 4 * n * nprobe
         params = _checked_params(blob[offset:offset + params_len], bounds) if params_len else {}
-        return cls(matrix, k, params, assign, coarse)
+        return cls(matrix, k, params, assign, coarse, params.pop("traceparent", ""))
 
 
 def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
@@ -123,16 +126,20 @@ def _checked_params(raw: bytes, bounds: QueryBounds) -> dict:
         params = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise WireError("params are not JSON") from None
-    if not isinstance(params, dict) or not set(params) <= bounds.params | {"filter"}:
-        raise WireError(f"params must be an object of {sorted(bounds.params)} and a filter")
+    if not isinstance(params, dict) or not set(params) <= bounds.params | {"filter", "traceparent"}:
+        raise WireError(f"params must be an object of {sorted(bounds.params)}, a filter and a traceparent")
     where = params.pop("filter", None)
     if where is not None and (not isinstance(where, str) or len(where) > MAX_FILTER_BYTES):
         raise WireError(f"filter must be a JSON string of at most {MAX_FILTER_BYTES} bytes")
+    trace = params.pop("traceparent", None)
+    if trace is not None and (not isinstance(trace, str) or parse_traceparent(trace) is None):
+        raise WireError("traceparent must be a W3C version-00 traceparent")
     limit = {"nprobe": bounds.nlist, "efSearch": MAX_EF_SEARCH}
     for key, value in params.items():
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit[key]:
             raise WireError(f"param {key} must be an integer in 1..{limit[key]}")
-    return params if where is None else {**params, "filter": where}
+    return {**params, **({} if where is None else {"filter": where}),
+            **({} if trace is None else {"traceparent": trace})}
 
 
 def encode_answer(distances: np.ndarray, ids: np.ndarray, search_ms: float, matched: int = 0,
