@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -121,8 +121,13 @@ lint: install
 bench-build: install data
 	$(BIN)/python -m index_build.bench --dataset fashion-mnist --shards 4 --index IVF1024,Flat
 
-bench: install data vegeta $(INDEX)/manifest.json
+bench: install data vegeta jaeger $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench --index $(INDEX) --dataset fashion-mnist
+	$(BIN)/python -m loadtests.bench_tracing --index $(INDEX) --dataset fashion-mnist
+
+# (f) of `make bench` alone: tracing off, on with sampling off, and 1 % traced to a real Jaeger.
+bench-tracing: install data vegeta jaeger $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.bench_tracing --index $(INDEX) --dataset fashion-mnist
 
 # Process-hygiene knobs A/B, each on a fresh local Ray: loadtests/records/hygiene.json.
 bench-hygiene: install data vegeta $(INDEX)/manifest.json

@@ -7,7 +7,7 @@ import os
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.autoscaling import autoscaling_config
 from shardserve.runtime.ray_session import SERVING_NODE_ENV
@@ -178,6 +178,13 @@ class AppArgs(BaseModel):
         None, ge=0.0, le=1.0, description="share of requests without a sampled `traceparent` that are "
                                           "traced (one whose caller's traceparent says sampled always "
                                           "is); null: SHARDSERVE_TRACE_RATIO, else 0")
+
+    @field_validator("trace_endpoint")
+    @classmethod
+    def _trace_url(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None:
+            TraceConfig(endpoint=endpoint)  # an http(s) URL, or a BadArgument (a ValueError) saying so
+        return endpoint
 
     def trace_config(self, service: str) -> TraceConfig:
         """Where this app's replicas of `service` (router, shard, embedder) send spans, and how many."""

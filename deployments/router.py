@@ -201,6 +201,16 @@ def _text_front(a: AppArgs) -> TextFront:
                      a.max_texts, a.max_text_chars)
 
 
+async def _health(router: "Router") -> Reply:
+    """GET /v1/health: 200 when every shard of the served index answers, else 503 with Retry-After."""
+    try:
+        infos = await router.active.shard_infos(timeout_s=5.0)
+    except Exception as exc:  # a shard not (yet) up: not ready
+        return _error(ApiError(503, None, f"not ready: {type(exc).__name__}", router.args.retry_after_s))
+    return _json({"status": "ok", "shards": len(infos), "index": router.active.manifest.index_version,
+                  "links": router.active.link_counts()})
+
+
 def _summary(router: "Router") -> Reply:
     """GET /v1/index: the version served, its limits, and those of text requests."""
     active = router.active
@@ -246,9 +256,11 @@ async def _parsed(router: "Router", index_set: IndexSet, request: HttpRequest,
 
 
 async def _parsed_traced(router: "Router", index_set: IndexSet, request: HttpRequest,
-                         span: Span) -> tuple[ParsedQuery, Embedded | None]:
-    """_parsed of a traced request: its parse (and embedding) as spans, and the query carrying its
-    trace into the batch."""
+                         span: Span | None) -> tuple[ParsedQuery, Embedded | None]:
+    """_parsed; for a traced request (`span`), its parse (and embedding) as spans, and the query
+    carrying its trace into the batch."""
+    if span is None:
+        return await _parsed(router, index_set, request)
     parse = router.tracer.child(span, "parse")
     try:
         query, embedded = await _parsed(router, index_set, request, parse)
@@ -257,13 +269,28 @@ async def _parsed_traced(router: "Router", index_set: IndexSet, request: HttpReq
     return dataclasses.replace(query, trace=Traced(router.tracer, span, now())), embedded
 
 
-def _batch_waits(items: list[tuple[IndexSet, ParsedQuery]]) -> None:
+def _batch_waits(tracer: Tracer, items: list[tuple[IndexSet, ParsedQuery]]) -> None:
     """Each traced request's wait for its batch, from joining the queue to the batch's start."""
+    if not tracer.on:
+        return
     started = now()
     for _, query in items:
         if (traced := query.trace) is not None:
             traced.tracer.child(traced.span, "batch wait", traced.queued, started,
                                 {"batch.requests": len(items)})
+
+
+def _rendered(router: "Router", span: Span | None, started: float, query: ParsedQuery, result: QueryResult,
+              index_set: IndexSet, extra: list[list[dict]] | None, embedded: Embedded | None) -> Reply:
+    """A search's 200: its answer rendered (as a span of a traced request), `timing_ms` counted from
+    `started` (a perf_counter reading)."""
+    rendering = now() if span is not None else 0.0
+    total_ms = (time.perf_counter() - started) * 1000.0
+    reply = Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra,
+                                     _described(embedded, index_set)))
+    if span is not None:
+        router.tracer.child(span, "answer", rendering, now())
+    return _traced_reply(reply, span)
 
 
 def _traced_reply(reply: Reply, span: Span | None) -> Reply:
@@ -373,8 +400,7 @@ class Router(ReportsCoresWanted):
         self.metrics.follow(self.active.manifest, self.active.generation)
         self.in_flight, self.in_flight_by_generation = 0, Counter[int]()
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
-        self.writes = _write_front(self.active.log, a, self.metrics)
-        self.text = _text_front(a)
+        self.writes, self.text = _write_front(self.active.log, a, self.metrics), _text_front(a)
         self.tracer = Tracer(a.trace_config("shardserve-router"), {"shardserve.replica": self.replica_id})
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
                                        size_of=lambda item: len(item[1].matrix))
@@ -406,15 +432,15 @@ class Router(ReportsCoresWanted):
             return await (_embed_route(self, request) if route == "/v1/embed"
                           else _write(self, request, route == "/v1/upsert"))
         if method == "GET" and route in ("/v1/health", "/v1/index"):
-            return await self.health() if route == "/v1/health" else _summary(self)
+            return await _health(self) if route == "/v1/health" else _summary(self)
         if method == "GET" and (docs := docs_reply(route, root)) is not None:
             return docs
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
     async def search(self, request: HttpRequest) -> Reply:
         """k nearest neighbours of one vector (`vector`) or of a batch (`vectors`), JSON or .npy."""
-        span = self.tracer.begin("search", request.traceparent)  # None unless this request is traced
-        started, status, index_set = time.perf_counter(), 200, None  # inside the span: it holds timing_ms
+        span = self.tracer.begin("search", request.traceparent)  # None unless traced; it holds timing_ms
+        started, status, index_set = time.perf_counter(), 200, None
         try:
             if self.in_flight >= self.args.max_in_flight:  # shed before any parsing: a fast 503
                 self.metrics.shed.inc()
@@ -423,23 +449,14 @@ class Router(ReportsCoresWanted):
             self.in_flight += 1
             index_set = self.active  # answered by this version only, even mid-swap
             self.in_flight_by_generation[index_set.generation] += 1
-            if span is None:
-                query, embedded = await _parsed(self, index_set, request)
-            else:
-                query, embedded = await _parsed_traced(self, index_set, request, span)
+            query, embedded = await _parsed_traced(self, index_set, request, span)
             result: QueryResult = await self.batcher.submit((index_set, query))
             if result.answered == 0 and result.error:
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
                 raise error
             extra = await _included(self, index_set, query, result)
-            rendering = now() if span is not None else 0.0
-            total_ms = (time.perf_counter() - started) * 1000.0
-            reply = Reply(200, render_search(query, result, total_ms, index_set.manifest.index_version, extra,
-                                             _described(embedded, index_set)))
-            if span is not None:
-                self.tracer.child(span, "answer", rendering, now())
-            return _traced_reply(reply, span)
+            return _rendered(self, span, started, query, result, index_set, extra, embedded)
         except ApiError as error:
             status = error.status
             return _traced_reply(_error(error), span)
@@ -453,20 +470,10 @@ class Router(ReportsCoresWanted):
                 self.in_flight_by_generation[index_set.generation] -= 1
             self.metrics.observe_request(started, status)
 
-    async def health(self) -> Reply:
-        """200 when every shard of the served index answers, else 503 with Retry-After."""
-        try:
-            infos = await self.active.shard_infos(timeout_s=5.0)
-        except Exception as exc:  # a shard not (yet) up: not ready
-            return _error(ApiError(503, None, f"not ready: {type(exc).__name__}", self.args.retry_after_s))
-        return _json({"status": "ok", "shards": len(infos), "index": self.active.manifest.index_version,
-                      "links": self.active.link_counts()})
-
     async def _search_batch(self, items: list[tuple[IndexSet, ParsedQuery]]) -> list[QueryResult]:
         """Whatever is in flight is one batch: one call per shard per (k, params) group and version."""
         a = self.args
-        if self.tracer.on:
-            _batch_waits(items)
+        _batch_waits(self.tracer, items)
         results = await search_grouped(items, lambda index_set, queries: index_set.search(
             queries, self.executor, a.shard_timeout_s, a.hedge_after_ms / 1000.0, self.metrics))
         self.metrics.observe_batch(items, results, self.in_flight)

@@ -170,10 +170,10 @@ def run_baseline(bench: Bench, index: str) -> None:
 
 
 @contextlib.contextmanager
-def served(index: str, log: Path) -> Iterator[str]:
-    """`shardserve serve INDEX` exactly as a user starts it (only the port differs from the default),
-    healthy; stopped with Ctrl-C afterwards, as the admission run stops it (loadtests.shedding.ctrl_c:
-    SIGINT to its session, then its processes given time to leave)."""
+def served(index: str, log: Path, flags: tuple[str, ...] = ()) -> Iterator[str]:
+    """`shardserve serve INDEX [FLAGS]` exactly as a user starts it (only the port differs from the
+    default), healthy; stopped with Ctrl-C afterwards, as the admission run stops it
+    (loadtests.shedding.ctrl_c: SIGINT to its session, then its processes given time to leave)."""
     from deployments.run import wait_until_healthy
     from loadtests.shedding import ctrl_c
     from shardserve.runtime.ray_private import local_cluster_running
@@ -184,7 +184,7 @@ def served(index: str, log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{EDGE_PORT}"
     with log.open("ab") as sink:
         process = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", index,
-                                    "--port", str(EDGE_PORT)], stdout=sink, stderr=subprocess.STDOUT,
+                                    "--port", str(EDGE_PORT), *flags], stdout=sink, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
         wait_until_healthy(url, timeout_s=300)

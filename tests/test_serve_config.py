@@ -40,6 +40,18 @@ def test_generated_config_is_valid_serve_schema(tmp_path: Path) -> None:
     assert config["http_options"] == {"host": "127.0.0.1", "port": 9001}
 
 
+def test_trace_flags_become_app_args_and_a_bad_ratio_is_one_line(tmp_path: Path) -> None:
+    url = "http://127.0.0.1:4318/v1/traces"
+    config = yaml.safe_load(run_cli("serve-config", str(tmp_path), "--trace-endpoint", url,
+                                    "--trace-ratio", "0.25").stdout)
+    for app in config["applications"]:
+        assert (app["args"]["trace_endpoint"], app["args"]["trace_ratio"]) == (url, 0.25)
+    refused = run_cli("serve-config", str(tmp_path), "--trace-ratio", "2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "[0, 1]" in refused.stderr
+    refused = run_cli("serve-config", str(tmp_path), "--trace-endpoint", "127.0.0.1:4318")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "http(s) URL" in refused.stderr
+
+
 @pytest.mark.release  # the schema test above checks the config on every CI run
 def test_serve_run_of_generated_config(ray_cluster, tmp_path: Path) -> None:
     index = tmp_path / "idx"
