@@ -366,16 +366,21 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            "c1_p50_serve_http_minus_front_ms": (">=", 0.0)}
 
 
-def main() -> None:
-    cli = argparse.ArgumentParser(description=__doc__)
+def bench_cli(description: str | None, name: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments every part of `make bench` takes."""
+    cli = argparse.ArgumentParser(description=description)
     cli.add_argument("--index", required=True, help="the 4-shard index directory")
     cli.add_argument("--dataset", default="fashion-mnist")
     cli.add_argument("--nprobe", type=int, default=16)
     cli.add_argument("--k", type=int, default=10)
     cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
-    cli.add_argument("--rounds", type=int, default=2, help="headline rounds of each side, alternating")
-    cli.add_argument("--name", default="bench")
-    args = cli.parse_args()
+    cli.add_argument("--rounds", type=int, default=rounds, help="rounds of each side, alternating")
+    cli.add_argument("--name", default=name)
+    return cli
+
+
+def main() -> None:
+    args = bench_cli(__doc__, "bench", 2).parse_args()
     vegeta()  # built, or say what to run before anything starts
     from shardserve.runtime.ray_session import apply_serving_node_env
 

@@ -9,13 +9,12 @@ by 32 closed-loop vegeta clients. CPU per request counts every process of the se
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from loadtests.bench import Bench, served
+from loadtests.bench import Bench, bench_cli, served
 from loadtests.jaeger import Jaeger
 from loadtests.record import new_record, save
 from loadtests.vegeta_run import vegeta
@@ -53,15 +52,7 @@ def ratios(sides: dict) -> dict:
 
 
 def main() -> None:
-    cli = argparse.ArgumentParser(description=__doc__)
-    cli.add_argument("--index", required=True)
-    cli.add_argument("--dataset", default="fashion-mnist")
-    cli.add_argument("--nprobe", type=int, default=16)
-    cli.add_argument("--k", type=int, default=10)
-    cli.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
-    cli.add_argument("--rounds", type=int, default=3)
-    cli.add_argument("--name", default="bench-tracing")
-    args = cli.parse_args()
+    args = bench_cli(__doc__, "bench-tracing", 3).parse_args()
     vegeta()
     from deployments.config import AppArgs
     from shardserve.index.manifest import Published
