@@ -605,7 +605,23 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "autoscale": autoscale_table(load("autoscale.json")),
             "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
             "text-bench": text_bench_table(load("bench-text.json")),
-            "text-autoscale": text_autoscale_table(load("autoscale-text.json"))}
+            "text-autoscale": text_autoscale_table(load("autoscale-text.json")),
+            "bench-tracing": tracing_table(load("bench-tracing.json"))}
+
+
+def tracing_table(record: dict) -> str:
+    """`make bench` (f): `shardserve serve` with tracing off, on with sampling off, and 1 % traced."""
+    rows = ["| `shardserve serve` | rounds | req/s at 32 clients | CPU ms per request | p99 |",
+            "|---|---|---|---|---|"]
+    names = {"tracing-off": "no trace endpoint (default)", "tracing-ratio0": "endpoint, ratio 0",
+             "tracing-1pct": "endpoint, 1 % traced to Jaeger"}
+    for side, row in record["headline"].items():
+        rows.append(f"| {names.get(side, side)} | {row['rounds']} | {row['qps_c32']:,.1f} | "
+                    f"{row['cpu_ms_per_request_c32']:.3f} | {row['p99_ms_c32']:.2f} ms |")
+    rows += ["", "| ratio | value | target | met |", "|---|---|---|---|"]
+    rows += [f"| {name} | {check['value']} | {check['target']} | {'yes' if check['met'] else 'no'} |"
+             for name, check in record["ratios"].items()]
+    return "\n".join(rows)
 
 
 def _rss_growth(samples: list[dict], after_s: float = 60.0) -> tuple[str, float]:
