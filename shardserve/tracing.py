@@ -39,6 +39,9 @@ from shardserve.errors import BadArgument
 # W3C Trace Context, version 00: 55 characters, lower-case hex, neither id all zeros.
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 MAX_QUEUED_SPANS = 4096  # per process; past it spans are dropped
+# Traced requests a process starts per second at most, whatever the callers' traceparents say: a
+# client that marks every request sampled cannot make every request pay for its spans.
+MAX_TRACED_PER_S = 100.0
 EXPORT_BATCH = 512
 EXPORT_EVERY_S = 1.0
 EXPORT_TIMEOUT_S = 2.0
@@ -52,6 +55,7 @@ class TraceConfig:
     endpoint: str | None = None
     ratio: float = 0.0
     service: str = "shardserve"
+    max_per_s: float = MAX_TRACED_PER_S
 
     @classmethod
     def resolve(cls, endpoint: str | None, ratio: float | None, service: str) -> TraceConfig:
@@ -105,6 +109,7 @@ class Tracer:
                  exporter: SpanExporter | None = None):
         self.config = config
         self.on = config.endpoint is not None or exporter is not None
+        self._budget, self._refilled = config.max_per_s, time.monotonic()  # a token bucket of 1 s
         self._provider: TracerProvider | None = None
         self._tracer: trace.Tracer | None = None
         if not self.on:
@@ -138,9 +143,22 @@ class Tracer:
                 return None
         elif self.config.ratio <= 0.0 or random.random() >= self.config.ratio:
             return None
+        if not self._take():
+            return None
         context = trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None else None
         return self._tracer.start_span(name, context, kind, attributes,  # type: ignore[return-value]
                                        start_time=None if start is None else _ns(start))
+
+    def _take(self) -> bool:
+        """One traced request from the bucket (refilled at `max_per_s`, holding at most a second's)."""
+        clock = time.monotonic()
+        rate = self.config.max_per_s
+        self._budget = min(rate, self._budget + (clock - self._refilled) * rate)
+        self._refilled = clock
+        if self._budget < 1.0:
+            return False
+        self._budget -= 1.0
+        return True
 
     def child(self, parent: Span | SpanContext, name: str, start: float | None = None,
               end: float | None = None, attributes: Mapping[str, Any] | None = None,

@@ -82,7 +82,7 @@ def test_the_callers_decision_wins_and_the_ratio_decides_for_the_rest() -> None:
     everyone, _ = _tracer(ratio=1.0)
     root = everyone.begin("search")
     assert root is not None and root.parent is None  # a trace of its own
-    some, _ = _tracer(ratio=0.5)
+    some, _ = _tracer(ratio=0.5)  # 400 draws, within the budget of a second
     drawn = [some.begin("search") is not None for _ in range(400)]
     assert 0 < sum(drawn) < 400
 
@@ -189,7 +189,7 @@ def test_a_stuck_trace_store_never_holds_a_request() -> None:
     """Spans past the bounded queue are dropped while the export waits: ending them never waits
     for the store (were it to, this thread would block for good and the join below would fail)."""
     stuck = _Stuck()
-    tracer = Tracer(TraceConfig(ratio=1.0), exporter=stuck)
+    tracer = Tracer(TraceConfig(ratio=1.0, max_per_s=1e9), exporter=stuck)
     done = threading.Event()
 
     def requests() -> None:
@@ -208,3 +208,13 @@ def test_a_stuck_trace_store_never_holds_a_request() -> None:
     finally:
         stuck.release.set()
         tracer.shutdown()
+
+
+def test_callers_cannot_make_every_request_pay_for_spans() -> None:
+    """A flood of requests all marked sampled: past the per-process budget they go untraced (and are
+    answered as any other), then the budget refills."""
+    tracer = Tracer(TraceConfig(max_per_s=50.0), exporter=InMemorySpanExporter())
+    traced = [tracer.begin("search", SAMPLED) is not None for _ in range(500)]
+    assert 50 <= sum(traced) < 500 and traced[:50] == [True] * 50 and not traced[-1]
+    tracer._refilled -= 1.0  # a second later, as the clock would have it
+    assert tracer.begin("search", SAMPLED) is not None
