@@ -16,7 +16,9 @@ def test_settle_freezes_what_exists_so_a_full_collection_walks_only_what_came_af
     kept = [[i] for i in range(10_000)]  # start-up's objects (lists are tracked)
     try:
         frozen = settle()
-        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        # another thread of this process (pytest-xdist's channel) may free a frozen object
+        # meanwhile, which leaves the count; nothing but a freeze adds to it
+        assert frozen >= len(kept) and frozen - 100 <= gc.get_freeze_count() <= frozen
         assert all(o is not kept for o in gc.get_objects(generation=2))  # not walked any more
     finally:
         gc.unfreeze()

@@ -33,9 +33,23 @@ SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
 
 
-def _tracer(ratio: float = 0.0) -> tuple[Tracer, InMemorySpanExporter]:
+_made: list[Tracer] = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_tracers():
+    """Each tracer's export thread ends with its test: none lives on into another test of this
+    process (one that counts the objects the garbage collector holds, say)."""
+    yield
+    while _made:
+        _made.pop().shutdown()
+
+
+def _tracer(ratio: float = 0.0, **config: float) -> tuple[Tracer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    return Tracer(TraceConfig(ratio=ratio), {"shardserve.replica": "r1"}, exporter), exporter
+    tracer = Tracer(TraceConfig(ratio=ratio, **config), {"shardserve.replica": "r1"}, exporter)
+    _made.append(tracer)
+    return tracer, exporter
 
 
 def _finished(tracer: Tracer, exporter: InMemorySpanExporter) -> dict[str, object]:
@@ -213,7 +227,7 @@ def test_a_stuck_trace_store_never_holds_a_request() -> None:
 def test_callers_cannot_make_every_request_pay_for_spans() -> None:
     """A flood of requests all marked sampled: past the per-process budget they go untraced (and are
     answered as any other), then the budget refills."""
-    tracer = Tracer(TraceConfig(max_per_s=50.0), exporter=InMemorySpanExporter())
+    tracer, _ = _tracer(max_per_s=50.0)
     traced = [tracer.begin("search", SAMPLED) is not None for _ in range(500)]
     assert 50 <= sum(traced) < 500 and traced[:50] == [True] * 50 and not traced[-1]
     tracer._refilled -= 1.0  # a second later, as the clock would have it
