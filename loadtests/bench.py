@@ -366,6 +366,19 @@ TARGETS = {"qps_c32_vs_uvicorn": (">=", 1.0), "cpu_per_request_c32_vs_uvicorn": 
            "c1_p50_serve_http_minus_front_ms": (">=", 0.0)}
 
 
+def checked(measured: dict, targets: dict) -> dict:
+    """Each targeted ratio's value, its target ("op bound") and whether it is met."""
+    return {name: {"value": measured[name], "target": f"{op} {bound}",
+                   "met": measured[name] >= bound if op == ">=" else measured[name] <= bound}
+            for name, (op, bound) in targets.items()}
+
+
+def index_fields(manifest: Any, params: dict) -> dict:
+    """What a bench record says of the index it ran on."""
+    return {"version": manifest.index_version, "factory": manifest.index_factory,
+            "shards": len(manifest.shards), "replicas": 1, "params": params}
+
+
 def bench_cli(description: str | None, name: str, rounds: int) -> argparse.ArgumentParser:
     """The arguments every part of `make bench` takes."""
     cli = argparse.ArgumentParser(description=description)
@@ -412,12 +425,8 @@ def main() -> None:
         run_headline(bench, os.path.abspath(args.index), args.rounds)
         summary = headline(bench.levels)
     measured = ratios(bench.levels, limit, summary)
-    checks = {name: {"value": measured[name], "target": f"{op} {bound}",
-                     "met": measured[name] >= bound if op == ">=" else measured[name] <= bound}
-              for name, (op, bound) in TARGETS.items()}
-    record = new_record(args.name, bench.levels,
-                        {"version": manifest.index_version, "factory": manifest.index_factory,
-                         "shards": len(manifest.shards), "replicas": 1, "params": params},
+    checks = checked(measured, TARGETS)
+    record = new_record(args.name, bench.levels, index_fields(manifest, params),
                         baselines={"in_process": limit}, headline=summary, ratios=checks,
                         idle_percent_of_a_core=bench.idle,
                         not_covered=["open-loop overload (see sweep.sh -r / autoscaling issue)",

@@ -14,7 +14,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from loadtests.bench import Bench, bench_cli, served
+from loadtests.bench import Bench, bench_cli, checked, index_fields, served
 from loadtests.jaeger import Jaeger
 from loadtests.record import new_record, save
 from loadtests.vegeta_run import vegeta
@@ -78,12 +78,8 @@ def main() -> None:
         jaeger.stop()
     sides, manifest = summary(bench.levels), published.manifest
     measured = ratios(sides)
-    checks = {name: {"value": measured[name], "target": f"{op} {bound}",
-                     "met": measured[name] >= bound if op == ">=" else measured[name] <= bound}
-              for name, (op, bound) in TARGETS.items()}
-    record = new_record(args.name, bench.levels,
-                        {"version": manifest.index_version, "factory": manifest.index_factory,
-                         "shards": len(manifest.shards), "replicas": 1, "params": params},
+    checks = checked(measured, TARGETS)
+    record = new_record(args.name, bench.levels, index_fields(manifest, params),
                         headline=sides, ratios=checks, also=measured, idle_percent_of_a_core=bench.idle,
                         not_covered=["a trace store on another machine",
                                      "text requests (the embedder's spans)", "writes (not traced yet)"])
