@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -55,6 +55,20 @@ ssh-tools:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq openssh-server openssh-client rsync \
 	  || { echo "error: could not apt-get install openssh-server rsync (need root or sudo)" >&2; exit 1; }; fi
 
+# `shardserve serve --prometheus-port` runs Debian's prometheus; the dashboard test drives Debian's
+# chromium (tests/test_dashboard_browser.py, through Playwright: no browser is downloaded).
+prometheus:
+	@if ! [ -x /usr/bin/prometheus ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus \
+	  || { echo "error: could not apt-get install prometheus (need root or sudo)" >&2; exit 1; }; fi
+
+browser: prometheus
+	@if ! [ -x /usr/bin/chromium ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends chromium \
+	  || { echo "error: could not apt-get install chromium (need root or sudo)" >&2; exit 1; }; fi
+
 vegeta: $(VEGETA)
 # Pinned by loadtests/vegeta/go.mod + go.sum (`go install ...@latest` is refused by the module proxy).
 $(VEGETA): loadtests/vegeta/go.mod loadtests/vegeta/go.sum loadtests/vegeta/tools.go
@@ -87,7 +101,7 @@ $(TEXT_INDEX)/manifest.json: | install text
 demo-text: install text haproxy $(TEXT_INDEX)/manifest.json
 	$(BIN)/shardserve serve $(TEXT_INDEX) --port 8000
 
-test: install data text vegeta jaeger haproxy redis
+test: install data text vegeta jaeger haproxy redis browser
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	@# the tests without Ray on every core, then the Ray tests one at a time on one session's Ray
@@ -107,12 +121,12 @@ test-ha: install data vegeta redis
 
 # Before a release, beside `make test`: the long loads (compaction under load, the late shard,
 # autoscaling's round trips) and the rest of the start-up stop matrix. About 10 minutes.
-test-release: install data text vegeta haproxy redis
+test-release: install data text vegeta haproxy redis browser
 	$(BIN)/python -m pytest -q -ra --durations=15 -m release
 
 # Pure tests only (no Ray, dataset, haproxy or notebook kernel), on every core: about a minute on 2, no root needed.
 test-fast: install
-	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook and not release"
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow and not cluster and not ha and not data and not haproxy and not redis and not notebook and not release and not browser"
 
 lint: install
 	$(BIN)/ruff check .

@@ -112,6 +112,8 @@ class AppArgs(BaseModel):
     max_k: int = Field(100, ge=1)
     max_vectors: int = Field(1024, ge=1, description="vectors per batch request")
     max_write_points: int = Field(1000, ge=1, description="ids per upsert or delete request")
+    max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "
+                                                              "answers at most")
     max_work: int = Field(
         65536, ge=1, description="query vectors x probes (nprobe or efSearch) one request may ask for; "
                                  "more gets a 422 naming the limit (FAISS cannot be stopped mid-scan)")

@@ -30,6 +30,7 @@ from shardserve.runtime.ray_private import deployment_handle_unchecked
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.transport.shard_wire import ShardQuery, decode_answer
 from shardserve.writes.locate import LogAddress, log_address
+from shardserve.writes.points import PointsQuery, ScrollQuery, page, picked, rendered
 from shardserve.writes.roll import gathered
 
 logger = logging.getLogger("ray.serve")
@@ -128,10 +129,8 @@ class IndexSet:
             return None
         per_query = real_ids(result)
         wanted = sorted({int(i) for ids in per_query for i in ids})
-        calls = [handle.options(method_name="metadata", request_serialization="cloudpickle",
-                                response_serialization="cloudpickle").remote(wanted, list(query.include))
-                 for handle in self.shards]
-        found = combine(await asyncio.wait_for(asyncio.gather(*calls), timeout_s), len(wanted))
+        answers = await self._each_shard("metadata", timeout_s, wanted, list(query.include))
+        found = combine(answers, len(wanted))
         by_id = dict(zip(wanted, found, strict=True))
         return [[by_id[int(i)] or {} for i in ids] for ids in per_query]
 
@@ -141,10 +140,33 @@ class IndexSet:
         how many in all; the arrow schema the shards hold metadata in) through Serve (a side path,
         like `metadata`). Over `limit` in all: no ids, the count only (a shard over it sends its
         count alone)."""
-        calls = [handle.options(method_name="ids_matching", request_serialization="cloudpickle",
-                                response_serialization="cloudpickle").remote(where, limit)
+        return gathered(await self._each_shard("ids_matching", timeout_s, where, limit), limit)
+
+    async def _each_shard(self, method: str, timeout_s: float, *args: object) -> list:
+        """`method(*args)` on a replica of every shard, through Serve (a side path, as `metadata`)."""
+        calls = [handle.options(method_name=method, request_serialization="cloudpickle",
+                                response_serialization="cloudpickle").remote(*args)
                  for handle in self.shards]
-        return gathered(await asyncio.wait_for(asyncio.gather(*calls), timeout_s), limit)
+        return list(await asyncio.wait_for(asyncio.gather(*calls), timeout_s))
+
+    async def points(self, query: PointsQuery, timeout_s: float) -> list[dict]:
+        """A get by ids: the points held, in the order asked (shardserve.writes.points)."""
+        ids = list(query.ids)
+        found, vectors = picked(await self._each_shard("points", timeout_s, ids, list(query.include),
+                                                       query.vectors), len(ids))
+        return rendered(ids, found, vectors, query.vectors)
+
+    async def scroll(self, query: ScrollQuery, timeout_s: float) -> tuple[list[dict], int | None]:
+        """A scroll page: its points, and the cursor of the next page (None: this was the last)."""
+        ids, more = page(await self._each_shard("scroll", timeout_s, query.after, query.limit + 1,
+                                                query.filter), query.limit)
+        if not len(ids):
+            return [], None
+        points = await self.points(PointsQuery(tuple(ids.tolist()), query.include, query.vectors), timeout_s)
+        return points, int(ids[-1]) if more else None
+
+    async def count(self, where: str | None, timeout_s: float) -> int:
+        return sum(await self._each_shard("count", timeout_s, where))
 
     def link_counts(self) -> list[int]:
         """Replicas reached over a link, per shard (0: that shard is called through Serve)."""

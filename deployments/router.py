@@ -44,7 +44,7 @@ from shardserve.query.fanout import search_grouped
 from shardserve.query.merge import QueryResult
 from shardserve.query.openapi import docs_reply
 from shardserve.query.parse import is_npy, parse_query, receive_body
-from shardserve.query.render import coverage_error, index_summary, render_search
+from shardserve.query.render import coverage_error, index_summary, render_search, windowed
 from shardserve.query.scan_choice import shares_scan
 from shardserve.runtime.heap import give_back, settled
 from shardserve.runtime.procfs import lower_priority
@@ -57,6 +57,7 @@ from shardserve.writes.accept import (
     Evaluated,
     Matches,
     WriteFront,
+    WriteTrace,
     delete_matching,
 )
 from shardserve.writes.delta import MAX_DELTA_ROWS
@@ -64,6 +65,7 @@ from shardserve.writes.follow import LogBehind
 from shardserve.writes.locate import LogAddress
 from shardserve.writes.log import LogMoved
 from shardserve.writes.parse import delete_filter
+from shardserve.writes.points import parse_count, parse_points, parse_scroll
 from shardserve.writes.redis_log import LogUnavailable
 
 logger = logging.getLogger("ray.serve")
@@ -112,7 +114,7 @@ def _write_front(log: LogAddress | None, a: AppArgs, metrics: RouterMetrics) -> 
 
 async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
     """An upsert or a delete: 200 with its log position once it is durable (shardserve.writes.accept)."""
-    async def answer() -> Reply:
+    async def answer(span: Span | None) -> Reply:
         active = router.active  # one version: its manifest checks the body, its log takes it
         npy = is_npy(request.content_type)  # ids then vectors as .npy arrays (writes.parse)
         body, served = request.body, lambda: _served(router)
@@ -124,16 +126,50 @@ async def _write(router: "Router", request: HttpRequest, upsert: bool) -> Reply:
             payload, texts_ = texts
             router.writes.check_upsert(upsert_body(payload, np.ones((len(texts_), active.manifest.dim),
                                                                     np.float32)), active.manifest, active.log)
-            embedded = await _embed(router, active, texts_, "texts")
+            embedded = await _embed(router, active, texts_, "texts", span)
             body, served = upsert_body(payload, embedded.vectors), _same_model(router, active.manifest)
         if not upsert and not npy and _filter(active, body) is not None:  # deleted by id once found
             return _json(await delete_matching(router.writes, lambda: _evaluate(router, body),
                                                served=lambda: _served(router)))
-        return _json(await router.writes.accept(
-            body, upsert, active.manifest, active.log,
-            served=served, npy=npy))  # `served` read again once its turn comes
+        trace = None if span is None else WriteTrace(traceparent(span))
+        accepted = await router.writes.accept(body, upsert, active.manifest, active.log, served=served,
+                                              npy=npy, trace=trace)  # `served` read again at its turn
+        if span is None or trace is None:
+            return _json(accepted)
+        _write_spans(router.tracer, span, trace)
+        rendering = now()  # the acknowledgement: the durable write's 200, rendered
+        reply = _json(accepted)
+        router.tracer.child(span, "answer", rendering, now())
+        return reply
 
-    return await _counted(router, "upsert" if upsert else "delete", answer)
+    return await _traced_route(router, "upsert" if upsert else "delete", request, answer,
+                               "upsert" if upsert else "delete")
+
+
+def _write_spans(tracer: Tracer, span: Span, trace: WriteTrace) -> None:
+    """A traced write's way through the write front, as spans: its parse, then its log append from
+    joining the queue to its commit, holding the group commit it rode in (one transaction and one
+    fsync for the `requests` queued together)."""
+    tracer.child(span, "parse", trace.arrived, trace.queued)
+    append = tracer.child(span, "log append", trace.queued, trace.committed)
+    tracer.child(append, "group commit", trace.commit_started, trace.committed,
+                 attributes={"requests": trace.group})
+
+
+async def _traced_route(router: "Router", route: str, request: HttpRequest,
+                        answer: Callable[[Span | None], Awaitable[Reply]], name: str) -> Reply:
+    """`answer(span)` counted as `_counted` does, and a trace of its own when sampled: the route's
+    span (`name`; `span`, None when not traced) and the trace named in the reply."""
+    span = router.tracer.begin(name, request.traceparent)
+    if span is None:
+        return await _counted(router, route, lambda: answer(None))
+    status = 500
+    try:
+        reply = await _counted(router, route, lambda: answer(span))
+        status = reply.status
+        return _traced_reply(reply, span)
+    finally:
+        end(span, **{"http.response.status_code": status})
 
 
 def _same_model(router: "Router", embedded_for: Manifest) -> Callable[[], tuple]:
@@ -184,15 +220,47 @@ async def _embed(router: "Router", active: IndexSet, texts: list[str], field: st
 
 async def _embed_route(router: "Router", request: HttpRequest) -> Reply:
     """POST /v1/embed: the vectors of `texts` under the served index's model."""
-    async def answer() -> Reply:
+    async def answer(span: Span | None) -> Reply:
         active = router.active
         texts = embed_request(request.body, router.args.max_texts, router.args.max_text_chars)
-        embedded = await _embed(router, active, texts, "texts")
+        embedded = await _embed(router, active, texts, "texts", span)
         return Reply(200, orjson.dumps({"vectors": embedded.vectors, **embedded.describe(active.manifest),
                                         "dim": embedded.vectors.shape[1]},
                                        option=orjson.OPT_SERIALIZE_NUMPY))
 
-    return await _counted(router, "embed", answer)
+    return await _traced_route(router, "embed", request, answer, "embed request")
+
+
+POINT_ROUTES = ("/v1/points", "/v1/count", "/v1/scroll")
+
+
+async def _points_route(router: "Router", request: HttpRequest, route: str) -> Reply:
+    """POST /v1/points (get by ids), /v1/count and /v1/scroll (shardserve.writes.points): each
+    shard answers once it applied every write committed before, as for a search."""
+    async def answer() -> Reply:
+        active, timeout_s, max_page = router.active, router.args.shard_timeout_s * 4, router.args.max_page
+        manifest = active.manifest
+        try:
+            if route == "/v1/points":
+                points = await active.points(parse_points(request.body, manifest, max_page), timeout_s)
+                return _points_reply({"points": points, "index": manifest.index_version})
+            if route == "/v1/count":
+                return _json({"count": await active.count(parse_count(request.body, manifest), timeout_s),
+                              "index": manifest.index_version})
+            points, after = await active.scroll(parse_scroll(request.body, manifest, max_page), timeout_s)
+            return _points_reply({"points": points, "next": after, "index": manifest.index_version})
+        except ApiError:
+            raise
+        except Exception as exc:  # a shard late, restarting, behind the log, or the log unreadable
+            logger.warning("%s: a shard did not answer: %r", route, exc)
+            raise ApiError(503, None, f"not every shard answered: {type(exc).__name__}",
+                           router.args.retry_after_s) from None
+
+    return await _counted(router, route.rsplit("/", 1)[1], answer)
+
+
+def _points_reply(payload: dict) -> Reply:
+    return Reply(200, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 def _text_front(a: AppArgs) -> TextFront:
@@ -392,7 +460,7 @@ class Router(ReportsCoresWanted):
     async def __init__(self, control: DeploymentHandle, args: dict):  # type: ignore[misc]  # Serve awaits it
         self.args = a = AppArgs.model_validate(args)
         self.limits = Limits(a.max_k, a.max_vectors, a.max_work, a.max_body_bytes, a.max_write_points,
-                             MAX_DELTA_ROWS)
+                             MAX_DELTA_ROWS, max_page=a.max_page)
         self.control, self.use_links = control, a.shard_transport == "link"
         self.replica_id = (context := serve.get_replica_context()).replica_id.unique_id
         self.active = await _first_index(control, self.replica_id, a, context.app_name, self.use_links)
@@ -431,6 +499,8 @@ class Router(ReportsCoresWanted):
         if method == "POST" and route in ("/v1/upsert", "/v1/delete", "/v1/embed"):
             return await (_embed_route(self, request) if route == "/v1/embed"
                           else _write(self, request, route == "/v1/upsert"))
+        if method == "POST" and route in POINT_ROUTES:
+            return await _points_route(self, request, route)
         if method == "GET" and route in ("/v1/health", "/v1/index"):
             return await _health(self) if route == "/v1/health" else _summary(self)
         if method == "GET" and (docs := docs_reply(route, root)) is not None:
@@ -455,6 +525,7 @@ class Router(ReportsCoresWanted):
                 logger.warning("no shard answered: %s", result.error)
             if error := coverage_error(query, result, self.args.retry_after_s):
                 raise error
+            result = windowed(query, result, index_set.manifest.metric != "l2")
             extra = await _included(self, index_set, query, result)
             return _rendered(self, span, started, query, result, index_set, extra, embedded)
         except ApiError as error:

@@ -29,6 +29,7 @@ from shardserve.transport.shard_link import InFlight, LinkLimits, serve_link, sh
 from shardserve.transport.shard_wire import ShardQuery, encode_answer
 from shardserve.writes.follow import LogBehind, ShardWrites
 from shardserve.writes.locate import log_address
+from shardserve.writes.log import Entry
 
 INLINE_ROWS = 32  # query rows up to which a search runs on the event loop (a short IVF scan)
 ANNOUNCE_EVERY_S = 2.0  # the directory forgets a replica after 3 missed announcements
@@ -77,6 +78,8 @@ class ShardDeployment:
         self.tracer = Tracer(TraceConfig.resolve(trace_endpoint, trace_ratio, "shardserve-shard"),
                              {"shardserve.shard": manifest.shards[shard].name,
                               "shardserve.replica": serve.get_replica_context().replica_id.unique_id})
+        if self.tracer.on:  # a traced write's apply here: a span in the write's trace
+            self.writes.on_applied = self._applied
         self.faiss_threads = faiss_threads
         self.shard = shard
         self.link_in_flight = InFlight()
@@ -155,6 +158,16 @@ class ShardDeployment:
         end(span, ended, **{"log.position": answer[4]})
         return encode_answer(*answer)
 
+    def _applied(self, entries: list[Entry], started: float, ended: float) -> None:
+        """This replica's apply of traced writes (ShardWrites.on_applied): a span under each write's
+        own span, from the log read to the last request applied, however long after its 200."""
+        for entry in entries:
+            parent = parse_traceparent(entry.trace or "")
+            if parent is not None and parent.trace_flags.sampled and self.tracer.allow():
+                self.tracer.child(parent, "apply", started, ended, kind=SpanKind.CONSUMER,
+                                  attributes={"log.position": entry.position, "operations": len(entry.ops),
+                                              "requests": len(entries)})
+
     async def _follow_log(self) -> None:
         """Apply new writes while idle too, in the search thread: the next search finds less to do."""
         loop = asyncio.get_running_loop()
@@ -214,6 +227,24 @@ class ShardDeployment:
         float32 on both)."""
         metadata = self.searcher.metadata
         return (*self.writes.ids_matching(where, limit), None if metadata is None else metadata.table.schema)
+
+    def points(self, ids: list[int], columns: list[str],
+               vectors: bool) -> tuple[list[dict | None], np.ndarray | None, int]:
+        """A get by ids: the `columns` (and vectors) of those `ids` this shard holds live, and the
+        log position that state is at (ShardWrites.points)."""
+        return self.writes.points(ids, columns, vectors)
+
+    def scroll(self, after: int | None, limit: int, where: str | None) -> np.ndarray:
+        """A scroll page's part: this shard's first `limit` live ids past `after` (passing `where`)."""
+        ids, _ = self.writes.live_ids(where)
+        return ids[0 if after is None else int(np.searchsorted(ids, after, "right")):][:limit]
+
+    def count(self, where: str | None) -> int:
+        """This shard's live points (passing `where`), every committed write applied."""
+        if where is None:
+            self.writes.catch_up()
+            return self.writes.live_rows()
+        return len(self.writes.live_ids(where)[0])
 
     def info(self) -> dict:
         return {"name": self.searcher.name, "ntotal": self.writes.live_rows(),

@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> None:
                    replicas_per_shard=args.replicas_per_shard, num_cpus=args.num_cpus,
                    edge=not args.no_edge, admission=admission, api_key=api_key,
                    access_log=args.access_log, address=args.address, compact_at=args.compact_at,
-                   app_args=_traced(args, _serve_app_args(args.arg)))
+                   app_args=_traced(args, _serve_app_args(args.arg)), prometheus_port=args.prometheus_port)
 
 
 def _deploy(args: argparse.Namespace) -> None:
@@ -370,6 +370,13 @@ def _at_least(minimum: int):
 _POSITIVE = _at_least(1)
 
 
+def _port(text: str) -> int:
+    value = _POSITIVE(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is at most 65535, got {value}")
+    return value
+
+
 def _ratio(text: str) -> float:
     try:
         value = float(text)
@@ -476,6 +483,10 @@ def parser() -> argparse.ArgumentParser:
                              "(HAProxy's HTTP log format: time queued at the edge, the router's, the total)")
             cmd.add_argument("--no-edge", action="store_true", help="no HAProxy edge in front of Serve "
                              "(overload is then shed by the router, later and slower)")
+            cmd.add_argument("--prometheus-port", type=_port, metavar="PORT",
+                             help="run Debian's Prometheus on 127.0.0.1:PORT with the scrape configuration "
+                                  "of the Ray this command starts, and point Ray's dashboard at it "
+                                  "(e.g. 9090; default: none)")
 
     swap = sub.add_parser("swap", help="replace the served index with no downtime (recall-gated)")
     swap.add_argument("index_dir", nargs="?", help="the new index directory or URI")

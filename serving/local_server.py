@@ -22,11 +22,13 @@ from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
 from deployments.run import APP_NAME, absolute, deploy, undeploy
 from serving.compactor import COMPACT_AT, AutoCompactor
 from serving.edge import Admission, EdgeProcess, haproxy_binary
+from serving.prometheus import HOST as PROMETHEUS_HOST
+from serving.prometheus import PrometheusProcess, prometheus_binary
 from shardserve import settings
 from shardserve.errors import ShardserveError
 from shardserve.index.manifest import Published
 from shardserve.runtime.ports import free_port
-from shardserve.runtime.ray_private import cores, dashboard
+from shardserve.runtime.ray_private import cores, dashboard, session_dir
 
 # Every process this command starts (Ray's, its workers, the edge) inherits this variable with a
 # value of the command's own: what a stop finds and ends when an interrupt came before Ray or the
@@ -40,7 +42,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
                    admission: Admission | None = None, api_key: str | None = None,
                    access_log: str | None = None, address: str | None = None,
                    compact_at: int | None = COMPACT_AT,
-                   app_args: dict | None = None) -> None:
+                   app_args: dict | None = None, prometheus_port: int | None = None) -> None:
     """Start Ray (or join the one at `address` / RAY_ADDRESS) with the fast ingress, deploy, print
     how to query, serve until Ctrl-C or SIGTERM.
 
@@ -54,6 +56,9 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
             and swap to it (serving.compactor; None: its default); 0: only by hand. Only on a Ray
             this command starts.
         app_args: application settings (deployments.config.AppArgs fields), as `--arg KEY=JSON`.
+        prometheus_port: run Debian's Prometheus on 127.0.0.1 at this port with the scrape
+            configuration of the Ray this command starts (serving.prometheus), and point Ray's
+            dashboard at it. Only with a Ray this command starts.
         address: a Ray cluster to join. Without it (and without RAY_ADDRESS) this command starts a
             Ray of its own even when another runs on this machine: a second `serve` runs beside
             the first, never inside it (ensure_ray).
@@ -69,6 +74,15 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
     joining = bool(address or os.environ.get("RAY_ADDRESS"))
     if not joining:
         _check_port_free(host, port)  # a port in use: one line now, not after a minute of start-up
+    if prometheus_port is not None:
+        if joining:
+            raise ShardserveError("--prometheus-port runs Prometheus for the Ray this command starts: on a "
+                                  "cluster, run it on the head (docs/operations.md, \"Metrics\")")
+        if prometheus_binary() is None:
+            raise ShardserveError("--prometheus-port: prometheus not found (Debian package `prometheus`; "
+                                  "`make prometheus`)")
+        _check_port_free(PROMETHEUS_HOST, prometheus_port)
+        os.environ["RAY_PROMETHEUS_HOST"] = f"http://{PROMETHEUS_HOST}:{prometheus_port}"  # the dashboard's
     global _stopping
     _stopping = False
     mark = f"{os.getpid()}-{secrets.token_hex(8)}"
@@ -78,6 +92,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
     # stop during start-up runs the `finally` below too.
     _on_stop_raise()
     front: EdgeProcess | None = None
+    metrics: PrometheusProcess | None = None
     compactor: AutoCompactor | None = None
     compact_at = COMPACT_AT if compact_at is None else compact_at
     if num_cpus is None and not joining:
@@ -87,6 +102,9 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
         started = ensure_ray(num_cpus=num_cpus, serving_node=True, dashboard=True, address=address,
                              join_local=False)
         _on_stop_raise()  # again: ray.init sets its own SIGTERM handler (stack dump, cluster left up)
+        if prometheus_port is not None:  # held before it starts: a stop inside start() still finds it
+            metrics = PrometheusProcess(session_dir(), prometheus_port)
+            metrics.start()
         # A joined cluster's Serve already listens where its owner put it: the edge is ours to add
         # only in front of a Serve this command starts.
         use_edge = edge and started and haproxy_binary() is not None
@@ -124,6 +142,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
               f"--data-binary @- {url}/v1/search")
         print(f"  ray:    {_ray_line(started)}")
         print(f"  dashboard: {_dashboard_line()}")
+        print(f"  metrics: {_metrics_line(metrics)}")
         print(f"  traces: {_trace_line(app_args or {})}")
         if compactor is not None and compactor.path is not None:
             print(f"  writes: compacted into a new version once {compact_at} wait (--compact-at)")
@@ -135,7 +154,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
     finally:
         if compactor is not None:
             compactor.stop()
-        _stop(front, joining, mark)
+        _stop(front, joining, mark, metrics)
 
 
 def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool = False) -> int:
@@ -164,7 +183,8 @@ def _wait_for_warm_pool(timeout_s: float = 60.0) -> None:
               "while the node has a core idle", flush=True)
 
 
-def _stop(front: EdgeProcess | None, joining: bool, mark: str) -> None:
+def _stop(front: EdgeProcess | None, joining: bool, mark: str,
+          metrics: PrometheusProcess | None = None) -> None:
     """End what this command started, in order: the edge first (no new requests reach a router
     being torn down), then our Ray (or, on a joined cluster, only our apps), then any process still
     carrying this command's mark (what an interrupt inside ray.init or Popen left unnamed)."""
@@ -179,6 +199,8 @@ def _stop(front: EdgeProcess | None, joining: bool, mark: str) -> None:
     try:
         if front is not None:
             front.stop()
+        if metrics is not None:
+            metrics.stop()
         if not joining:
             # Our own Ray: every app on it is ours, and ending Ray ends them. serve.shutdown() first
             # would wait for the controller to drain (an ingress lingers 30 s) what Ctrl-C is meant
@@ -220,6 +242,13 @@ def _dashboard_line() -> str:
     if url is None:
         return "none on this cluster"
     return url + (" (it asks for Ray's token: `ray get-auth-token` prints it)" if token else "")
+
+
+def _metrics_line(metrics: PrometheusProcess | None) -> str:
+    if metrics is None:
+        return "Prometheus off (--prometheus-port 9090 runs it on this Ray's scrape configuration)"
+    return (f"Prometheus at {metrics.url} (e.g. {metrics.url}/graph?g0.expr="
+            "rate(ray_shardserve_request_latency_ms_count[1m]); the dashboard queries it too)")
 
 
 def _trace_line(app_args: dict) -> str:

@@ -12,6 +12,6 @@ fan-out, the one top-k merge, shard search), `transport` (the router's HTTP door
 their wire format), `runtime` (Ray sessions, processes, ports).
 """
 
-from shardserve.client import ApiError, AsyncClient, Client, Hits
+from shardserve.client import ApiError, AsyncClient, Client, Hits, Point
 
-__all__ = ["ApiError", "AsyncClient", "Client", "Hits"]
+__all__ = ["ApiError", "AsyncClient", "Client", "Hits", "Point"]

@@ -168,6 +168,32 @@ def _delete_body(ids: Any, filter: dict | None) -> bytes:
     return orjson.dumps({"filter": filter} if filter is not None else {"ids": [int(i) for i in ids]})
 
 
+@dataclass
+class Point:
+    """A stored point: its id, its metadata columns, and its vector when asked for."""
+
+    id: int
+    metadata: dict
+    vector: np.ndarray | None = None
+
+
+def _points(payload: dict) -> list[Point]:
+    return [Point(p["id"], p["metadata"], None if "vector" not in p else np.asarray(p["vector"], np.float32))
+            for p in payload["points"]]
+
+
+def _get_body(ids: Any, include: list[str] | None, vectors: bool) -> bytes:
+    return orjson.dumps({"ids": [int(i) for i in ids], "vectors": vectors,
+                         **({} if include is None else {"include": include})})
+
+
+def _scroll_body(after: int | None, limit: int, filter: dict | None, include: list[str] | None,
+                 vectors: bool) -> bytes:
+    return orjson.dumps({"after": after, "limit": limit, "vectors": vectors,
+                         **({} if filter is None else {"filter": filter}),
+                         **({} if include is None else {"include": include})})
+
+
 class Client:
     """A blocking client of a shardserve endpoint. Arguments:
     url: the endpoint, e.g. http://127.0.0.1:8000, or a list of a cluster's edges (see above).
@@ -226,6 +252,23 @@ class Client:
         now. Returns {"position", "deleted"} once durable and visible ("position" None when a filter
         matched nothing: nothing was written)."""
         return _answer(self._send("POST", "/v1/delete", _delete_body(ids, filter)))
+
+    def get(self, ids: Any, include: list[str] | None = None, vectors: bool = False) -> list[Point]:
+        """The points held among `ids`, in the order asked (an unknown or deleted id is left out),
+        with their metadata columns (`include`: those named; default all) and vectors if asked."""
+        return _points(_answer(self._send("POST", "/v1/points", _get_body(ids, include, vectors))))
+
+    def count(self, filter: dict | None = None) -> int:
+        """The points held now (those a search's `filter` matches, when given)."""
+        return int(_answer(self._send("POST", "/v1/count", orjson.dumps({"filter": filter})))["count"])
+
+    def scroll(self, after: int | None = None, limit: int = 100, filter: dict | None = None,
+               include: list[str] | None = None, vectors: bool = False) -> tuple[list[Point], int | None]:
+        """One page of the points held, in ascending id order past `after`, and the `after` of the
+        next page (None: the last page)."""
+        body = _scroll_body(after, limit, filter, include, vectors)
+        payload = _answer(self._send("POST", "/v1/scroll", body))
+        return _points(payload), payload["next"]
 
     def health(self) -> dict:
         return _answer(self._send("GET", "/v1/health"))
@@ -289,6 +332,19 @@ class AsyncClient:
 
     async def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         return _answer(await self._send("POST", "/v1/delete", _delete_body(ids, filter)))
+
+    async def get(self, ids: Any, include: list[str] | None = None, vectors: bool = False) -> list[Point]:
+        return _points(_answer(await self._send("POST", "/v1/points", _get_body(ids, include, vectors))))
+
+    async def count(self, filter: dict | None = None) -> int:
+        return int(_answer(await self._send("POST", "/v1/count", orjson.dumps({"filter": filter})))["count"])
+
+    async def scroll(self, after: int | None = None, limit: int = 100, filter: dict | None = None,
+                     include: list[str] | None = None,
+                     vectors: bool = False) -> tuple[list[Point], int | None]:
+        payload = _answer(await self._send("POST", "/v1/scroll",
+                                           _scroll_body(after, limit, filter, include, vectors)))
+        return _points(payload), payload["next"]
 
     async def health(self) -> dict:
         return _answer(await self._send("GET", "/v1/health"))

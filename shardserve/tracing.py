@@ -149,6 +149,11 @@ class Tracer:
         return self._tracer.start_span(name, context, kind, attributes,  # type: ignore[return-value]
                                        start_time=None if start is None else _ns(start))
 
+    def allow(self) -> bool:
+        """Whether a span of work not begun at a door (a replica's apply of a traced write) may be
+        recorded now: tracing on and the per-second budget not spent."""
+        return self._tracer is not None and self._take()
+
     def _take(self) -> bool:
         """One traced request from the bucket (refilled at `max_per_s`, holding at most a second's)."""
         clock = time.monotonic()

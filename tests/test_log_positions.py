@@ -535,3 +535,51 @@ def test_a_search_that_finds_its_view_dropped_after_catching_up_answers_log_behi
         with pytest.raises(follow.LogBehind):
             call()
     writer.close()
+
+
+# D: a traced write's trace context, kept with it for the replicas
+
+TRACED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_a_traced_writes_traceparent_is_kept_with_it_and_told_to_the_replica(engine: Engine, index) -> None:
+    """The log keeps a traced request's `traceparent` (an untraced one keeps none), and a replica
+    tells `on_applied` exactly the traced requests of each read it applied, with the read's times."""
+    writer = engine.writer()
+    running = replica(index, engine.address)
+    told: list[tuple[list[int], float, float]] = []
+    running.on_applied = lambda entries, start, end: told.append(([e.position for e in entries], start, end))
+    before = time.time()
+    assert writer.append(upsert(1, "a"), trace=TRACED) == 1
+    assert writer.append(upsert(2, "b")) == 2
+    assert writer.append([Delete(NEW + 1000)], trace=TRACED) == 3
+    assert [(e.position, e.trace) for e in writer.entries(0)] == [(1, TRACED), (2, None), (3, TRACED)]
+    assert running.catch_up() == 3
+    ((positions, start, end),) = told
+    assert positions == [1, 3] and before <= start <= end <= time.time()
+    assert writer.append(upsert(4, "c")) == 4 and running.catch_up() == 4
+    assert len(told) == 1  # a read with no traced request: nothing told
+    writer.close()
+
+
+def test_a_log_of_schema_2_keeps_its_epochs_for_a_reader_and_gains_traces_when_a_writer_opens_it(
+        tmp_path: Path) -> None:
+    """A log an earlier shardserve wrote (schema 2: epochs, no trace column): a reader opened before
+    any new writer reads its epochs as they are and no trace; a writer adds the column, and the
+    reader then reads traces too."""
+    path = tmp_path / "log.sqlite"
+    first = WriteLog(path)
+    assert first.append(upsert(1, "old")) == 1
+    first.close()
+    with sqlite3.connect(path) as old:
+        old.execute("ALTER TABLE requests DROP COLUMN trace")
+        old.execute("PRAGMA user_version = 2")
+    reader = WriteLog(path, readonly=True)
+    (entry,) = reader.entries(0)
+    assert entry.epoch != 0 and entry.trace is None and reader.tip().epoch == entry.epoch
+    writer = WriteLog(path)  # migrates to the current schema
+    assert writer.append(upsert(2, "new"), trace=TRACED) == 2
+    assert [(e.position, e.trace) for e in reader.entries(0)] == [(1, None), (2, TRACED)]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == sqlite_log.SCHEMA_VERSION
+    writer.close()
+    reader.close()

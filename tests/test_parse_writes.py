@@ -18,7 +18,7 @@ from shardserve.index.manifest import DatasetInfo, Manifest
 from shardserve.query.api import ApiError
 from shardserve.query.filters import check_filter
 from shardserve.query.parse import parse_npy_request
-from shardserve.writes.accept import WriteFront, delete_matching
+from shardserve.writes.accept import WriteFront, WriteTrace, delete_matching
 from shardserve.writes.follow import READ_REQUESTS
 from shardserve.writes.locate import open_log
 from shardserve.writes.log import LogMoved, WriteLog
@@ -881,3 +881,33 @@ def test_an_index_kind_compaction_cannot_fold_writes_into_is_501_before_anything
         assert answer.value.status == 501 and "IVF64,PQ2+4" in answer.value.message
     assert not Path(front.path).exists() or open_log(front.path).last_position() == 0
     _upsert(front, manifest, 1, 1)  # the same front, an index of a kind that compacts: taken
+
+
+def test_traced_writes_are_stamped_in_order_and_their_group_commit_logs_their_trace(tmp_path: Path) -> None:
+    """Three writes queued behind a busy writes thread ride one group commit: the two traced ones
+    are stamped parsed ≤ queued ≤ commit began ≤ committed with the group's 3 requests, and the log
+    keeps each one's traceparent (the untraced one's: none)."""
+    front, manifest = _front(tmp_path)
+    traced = [WriteTrace(f"00-{n:032x}-{n:016x}-01") for n in (1, 2)]
+    held = threading.Event()
+
+    async def three() -> list[dict]:
+        front._thread.submit(held.wait, 30)  # the writes thread busy: all three queue behind it
+        bodies = [orjson.dumps({"ids": [n], "vectors": [V]}) for n in (1, 2, 3)]
+        writes = [front.accept(bodies[0], True, manifest, trace=traced[0]),
+                  front.accept(bodies[1], True, manifest),
+                  front.accept(bodies[2], True, manifest, trace=traced[1])]
+        tasks = [asyncio.ensure_future(write) for write in writes]
+        await asyncio.sleep(0)  # each task runs up to its wait: parsed and queued
+        held.set()
+        return list(await asyncio.gather(*tasks))
+
+    assert [answer["position"] for answer in asyncio.run(three())] == [1, 2, 3]
+    for trace in traced:
+        assert 0 < trace.arrived <= trace.queued <= trace.commit_started <= trace.committed
+        assert trace.group == 3
+    assert traced[0].commit_started == traced[1].commit_started  # one commit
+    log = open_log(tmp_path / "idx" / "log.sqlite", readonly=True)
+    assert [entry.trace for entry in log.entries(0)] == [traced[0].traceparent, None, traced[1].traceparent]
+    log.close()
+    front.close()

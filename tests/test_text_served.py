@@ -329,7 +329,8 @@ def _spans(trace: dict) -> dict[str, list[dict]]:
         tags = {tag["key"]: tag["value"] for tag in process["tags"]}
         by_name.setdefault(span["operationName"], []).append(
             {**span, "service": process["serviceName"], "parent": parents[0] if parents else None,
-             "replica": tags.get("shardserve.replica"), "end": span["startTime"] + span["duration"]})
+             "replica": tags.get("shardserve.replica"), "shard": tags.get("shardserve.shard"),
+             "end": span["startTime"] + span["duration"]})
     return by_name
 
 
@@ -338,13 +339,15 @@ def _inside(inner: dict, outer: dict) -> bool:
     return outer["startTime"] - 1 <= inner["startTime"] and inner["end"] <= outer["end"] + 1
 
 
-def _traced_search(served: str, jaeger: Jaeger, body: dict, wanted: set[str]) -> tuple[dict, dict, str]:
-    """A search sent as part of a caller's sampled trace: (its answer, its spans by name, the
-    caller's span id), once Jaeger holds every span named in `wanted`."""
+def _traced_search(served: str, jaeger: Jaeger, body: dict, wanted: set[str], route: str = "/v1/search",
+                   at_least: tuple[str, int] = ("faiss", 2)) -> tuple[dict, dict, str]:
+    """A request (a search unless `route` says) sent as part of a caller's sampled trace: (its
+    answer, its spans by name, the caller's span id), once Jaeger holds every span named in
+    `wanted`, and `at_least` spans of one name (each shard's)."""
     import secrets
 
     trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
-    response = httpx.post(f"{served}/v1/search", json=body, timeout=60,
+    response = httpx.post(f"{served}{route}", json=body, timeout=60,
                           headers={"traceparent": f"00-{trace_id}-{caller}-01"})
     answer = _answer(response)
     assert response.headers["traceresponse"].split("-")[1] == trace_id  # the answer names its trace
@@ -352,10 +355,43 @@ def _traced_search(served: str, jaeger: Jaeger, body: dict, wanted: set[str]) ->
     def complete() -> dict[str, list[dict]] | None:
         trace = jaeger.trace(trace_id)
         spans = _spans(trace) if trace else {}
-        return spans if wanted <= set(spans) and len(spans.get("faiss", [])) >= 2 else None
+        name, count = at_least
+        return spans if wanted <= set(spans) and len(spans.get(name, [])) >= count else None
 
     return answer, wait_for(complete, f"trace {trace_id} with spans {sorted(wanted)}", timeout_s=60,
                             interval_s=0.5), caller
+
+
+def _a_traced_write_and_embed(served: str, jaeger: Jaeger, texts: list[str]) -> None:
+    """A text upsert in a caller's trace: its parse, embedding (the embedder's span under it), log
+    append (the group commit it rode in inside), answer, and each shard replica's apply of it, all
+    under the write's span; a POST /v1/embed likewise, with its embedder's span."""
+    router = {"upsert", "embed", "parse", "log append", "group commit", "answer"}
+    body = {"ids": [900_101], "texts": [f"a traced write no cache holds: {texts[11]}"]}
+    answer, spans, caller = _traced_search(served, jaeger, body, router | {"embedder", "model"},
+                                           "/v1/upsert", ("apply", 2))
+    (write,), (append,), (commit,), (embed,) = spans["upsert"], spans["log append"], spans["group commit"], \
+        spans["embed"]
+    assert write["parent"] == caller and write["service"] == "shardserve-router" and answer["upserted"] == 1
+    for name in ("embed", "parse", "log append", "answer"):
+        assert [span["parent"] for span in spans[name]] == [write["spanID"]], name
+        assert _inside(spans[name][0], write), name
+    assert commit["parent"] == append["spanID"] and _inside(commit, append)
+    assert spans["embedder"][0]["parent"] == embed["spanID"]
+    assert embed["end"] <= spans["parse"][0]["startTime"] + 1  # embedded, then parsed and logged
+    applies = spans["apply"]
+    assert {span["parent"] for span in applies} == {write["spanID"]}
+    assert {span["service"] for span in applies} == {"shardserve-shard"}
+    assert len({span["shard"] for span in applies}) == 2  # a replica of each shard applied it
+    assert all(span["end"] >= commit["startTime"] for span in applies)  # it read the committed write
+
+    answer, spans, caller = _traced_search(served, jaeger, {"texts": [f"an embedding, traced: {texts[12]}"]},
+                                           {"embed request", "embed", "embedder", "model"}, "/v1/embed",
+                                           ("embedder", 1))
+    (request,), (embed,) = spans["embed request"], spans["embed"]
+    assert request["parent"] == caller and embed["parent"] == request["spanID"]
+    assert len(answer["vectors"]) == 1
+    assert spans["embedder"][0]["parent"] == embed["spanID"] and _inside(embed, request)
 
 
 def test_a_traced_search_is_one_trace_across_router_embedder_and_shards(served: str, jaeger: Jaeger,
@@ -364,7 +400,8 @@ def test_a_traced_search_is_one_trace_across_router_embedder_and_shards(served: 
     """A vector search and a text search, each in a caller's sampled trace, read back from Jaeger:
     the router's spans under the caller's, the fan-out holding a span from a replica of each
     shard (its queue wait and FAISS time inside), the embedder's under the text's embed span; the
-    spans' durations agree with the answer's timing_ms. Then Jaeger is SIGKILLed: traced requests
+    spans' durations agree with the answer's timing_ms. A traced write and embedding likewise
+    (`_a_traced_write_and_embed`). Then Jaeger is SIGKILLed: traced requests
     are still answered (the export is asynchronous and bounded)."""
     router = {"search", "parse", "batch wait", "fan-out", "merge", "answer"}
     shards = {"shard 0", "shard 1", "queue wait", "faiss"}
@@ -399,6 +436,7 @@ def test_a_traced_search_is_one_trace_across_router_embedder_and_shards(served: 
     assert _inside(embed, parse) and _inside(remote, embed) and _inside(model, remote)
     assert search["duration"] >= answer["timing_ms"]["total"] * 1000 - 1
 
+    _a_traced_write_and_embed(served, jaeger, texts)
     jaeger.kill()
     for i in range(20):
         response = httpx.post(f"{served}/v1/search", json={"vector": vector, "k": 5}, timeout=60,

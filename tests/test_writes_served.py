@@ -400,3 +400,74 @@ def test_with_a_redis_write_log_writes_compaction_and_a_sigkill_of_the_server_ke
         finally:
             for name in env:
                 del os.environ[name]
+
+
+def _everything(client: Client, limit: int, **options) -> list[int]:
+    """Every id a scroll walks through, page by page (each page ascending past the last)."""
+    ids: list[int] = []
+    after = None
+    while True:
+        points, after = client.scroll(after=after, limit=limit, include=[], **options)
+        assert points or after is None  # an empty page is the last
+        assert [p.id for p in points] == sorted(p.id for p in points)
+        assert not ids or not points or points[0].id > ids[-1]
+        ids += [p.id for p in points]
+        if after is None:
+            return ids
+
+
+def test_get_count_and_scroll_answer_exactly_what_is_held(writable) -> None:
+    """The point API against what the index holds after each write: a count equals the ids a
+    scroll walks through (no id twice, whatever the page size), a get answers the latest metadata
+    and vector of each id held (a base row, a new point, an overwrite that moved shards) and leaves
+    out deleted and unknown ids, filters count and scroll the same points a search's do; a search's
+    offset and score threshold cut its hits."""
+    url, data = writable
+    rng = np.random.default_rng(11)
+    with Client(url) as client:
+        before = _everything(client, 1000)
+        assert len(before) == len(set(before)) == client.count() and before == sorted(before)
+        assert _everything(client, 7)[:50] == before[:50]  # pages of 7: the same order
+
+        new = [(9 << 50) + i for i in range(30)]
+        vectors = np.stack([_vector(rng) for _ in new])
+        client.upsert(new, vectors, metadata=[{"caption": "point api"} for _ in new])
+        base_id = before[len(before) // 2]
+        moved = _vector(rng) + 60.0  # an overwrite far from its row: it may route to the other shard
+        client.upsert([base_id], moved[None], metadata=[{"caption": "point api moved"}])
+        client.delete(new[:5])
+        held = sorted(set(before) | set(new[5:]))
+        assert _everything(client, 100) == held and client.count() == len(held)
+
+        got = client.get([new[7], new[2], base_id, 12345678, new[9]], vectors=True)
+        assert [p.id for p in got] == [new[7], base_id, new[9]]  # asked order; deleted and unknown left out
+        assert got[0].metadata == {"caption": "point api"} and np.array_equal(got[0].vector, vectors[7])
+        assert got[1].metadata == {"caption": "point api moved"} and np.allclose(got[1].vector, moved)
+        other = before[0]
+        (base,) = client.get([other], vectors=True)
+        row = int(np.flatnonzero(data.ids == other)[0])
+        assert np.allclose(base.vector, data.base[row]) and base.metadata == {"caption": f"caption {row}"}
+        assert client.get([new[8]], include=[])[0].metadata == {}
+
+        mine = {"caption": "point api"}
+        assert client.count(filter=mine) == 25
+        assert _everything(client, 10, filter=mine) == new[5:]
+        assert client.count(filter={"caption": "point api moved"}) == 1
+
+        hits = client.search(vectors[10], k=10)
+        skipped = client.search(vectors[10], k=5, offset=5)
+        assert skipped.ids.tolist() == hits.ids[5:].tolist()
+        cut = float(hits.distances[3])
+        near = client.search(vectors[10], k=10, score_threshold=cut)
+        assert near.ids.tolist() == hits.ids[hits.distances <= cut].tolist()
+
+        for route, body, field in [
+                ("/v1/points", {"ids": []}, "ids"), ("/v1/points", {"ids": list(range(1001))}, "ids"),
+                ("/v1/points", {"ids": [-1]}, "ids"),
+                ("/v1/points", {"ids": [1], "include": ["nope"]}, "include"),
+                ("/v1/points", {"ids": [1], "vectors": 1}, "vectors"), ("/v1/scroll", {"limit": 0}, "limit"),
+                ("/v1/scroll", {"after": "a"}, "after"), ("/v1/count", {"filter": {"nope": 1}}, "filter"),
+                ("/v1/search", {"vector": vectors[0].tolist(), "k": 90, "offset": 20}, "offset")]:
+            refused = httpx.post(f"{url}{route}", json=body, timeout=30)
+            assert refused.status_code == 422 and refused.json()["field"] == field, refused.text
+        client.delete(new[5:])

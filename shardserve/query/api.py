@@ -36,6 +36,31 @@ class SearchRequest(BaseModel):
                           "{\"label\": {\"$in\": [1, 3]}}, {\"$and\": [...]}, {\"$or\": [...]}; operators "
                           "$eq $ne $gt $gte $lt $lte $in $nin; \"$id\" filters ids. The answer's "
                           "`matched` counts the rows that match")
+    offset: int = Field(0, ge=0, description="hits skipped first (k + offset <= max_k)")
+    score_threshold: float | None = Field(
+        None, description="hits past it left out: a distance above it (l2), a similarity below it "
+                          "(ip, cosine)")
+
+
+class PointsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: list[int] = Field(description="ids to get (at most max_page); those not held are left out")
+    include: list[str] | None = Field(None, description="metadata columns answered (default all)")
+    vectors: bool = Field(False, description="answer each point's vector too")
+
+
+class ScrollRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    after: int | None = Field(None, description="the previous page's `next` (None: from the first id)")
+    limit: int = Field(100, ge=1, description="points a page (<= max_page)")
+    filter: dict | None = Field(None, description="as a search's")
+    include: list[str] | None = Field(None, description="metadata columns answered (default all)")
+    vectors: bool = Field(False, description="answer each point's vector too")
+
+
+class CountRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    filter: dict | None = Field(None, description="as a search's (None: every point)")
 
 
 class Coverage(BaseModel):
@@ -109,6 +134,8 @@ class ParsedQuery:
     require_full: bool
     include: tuple[str, ...] = ()  # metadata columns to return with every hit
     filter: str | None = None  # canonical JSON of a checked filter (query.filters)
+    offset: int = 0  # hits skipped: the shards are asked for k (offset included), the first `offset` dropped
+    threshold: float | None = None  # hits past this distance (l2) or below this score (ip, cosine) dropped
     trace: Traced | None = field(default=None, compare=False)  # a sampled request's span (shardserve.tracing)
 
     @property
@@ -141,3 +168,4 @@ class Limits:
     max_write_backlog_bytes: int = 1 << 30  # shardserve.writes.accept.MAX_BACKLOG_BYTES
     max_metadata_bytes: int = 16 * 1024  # a point's (shardserve.writes.parse.MAX_METADATA_BYTES)
     max_string_bytes: int = 8 * 1024  # a string value's (shardserve.writes.parse.MAX_STRING_BYTES)
+    max_page: int = 1000  # points a get by ids or a scroll page answers (shardserve.writes.points)

@@ -13,7 +13,16 @@ import orjson
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 
-from shardserve.query.api import DeleteRequest, SearchRequest, SearchResponse, UpsertRequest, WriteResponse
+from shardserve.query.api import (
+    CountRequest,
+    DeleteRequest,
+    PointsRequest,
+    ScrollRequest,
+    SearchRequest,
+    SearchResponse,
+    UpsertRequest,
+    WriteResponse,
+)
 from shardserve.query.parse import NPY_CONTENT_TYPE
 from shardserve.transport.http_front import Reply
 
@@ -44,6 +53,23 @@ def _describe() -> FastAPI:
     @app.post("/v1/delete", response_model=WriteResponse, responses=writes)
     def delete(request: DeleteRequest) -> WriteResponse:  # pragma: no cover - schema only
         """Delete points by id; a 200 means no later search answers them."""
+        raise NotImplementedError
+
+    points = {**_ERRORS, 503: {"description": "a shard did not answer in time (Retry-After)"}}
+
+    @app.post("/v1/points", responses=points)
+    def get_points(request: PointsRequest) -> dict:  # pragma: no cover - schema only
+        """The points held among `ids`, in the order asked: {"points": [{"id", "metadata", "vector"?}]}."""
+        raise NotImplementedError
+
+    @app.post("/v1/count", responses=points)
+    def count(request: CountRequest) -> dict:  # pragma: no cover - schema only
+        """The points held now, those `filter` matches when given: {"count"}."""
+        raise NotImplementedError
+
+    @app.post("/v1/scroll", responses=points)
+    def scroll(request: ScrollRequest) -> dict:  # pragma: no cover - schema only
+        """A page of the points held in ascending id order past `after`: {"points", "next"}."""
         raise NotImplementedError
 
     @app.get("/v1/health", responses={503: {"description": "a shard is not loaded"}})

@@ -105,7 +105,8 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
         raise ApiError(422, "body", f"body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):
         raise ApiError(422, "body", "body must be a JSON object")
-    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full", "include", "filter"}
+    unknown = set(payload) - {"vector", "vectors", "k", "params", "require_full", "include", "filter",
+                              "offset", "score_threshold"}
     if unknown:
         raise ApiError(422, sorted(unknown)[0], f"unknown field(s) {sorted(unknown)}")
     single = "vector" in payload
@@ -117,13 +118,22 @@ def parse_search_request(body: bytes, dim: int, max_k: int, max_vectors: int,
     k = payload.get("k", 10)
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= max_k:
         raise ApiError(422, "k", f"k must be an integer in [1, {max_k}], got {k!r}")
+    offset = payload.get("offset", 0)
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset <= max_k - k:
+        raise ApiError(422, "offset", f"offset must be an integer in [0, max_k - k] = [0, {max_k - k}], "
+                                      f"got {offset!r}")
+    threshold = payload.get("score_threshold")
+    if threshold is not None and (not isinstance(threshold, int | float) or isinstance(threshold, bool)
+                                  or not math.isfinite(threshold)):
+        raise ApiError(422, "score_threshold", f"score_threshold must be a finite number, got {threshold!r}")
     require_full = payload.get("require_full", False)
     if not isinstance(require_full, bool):
         raise ApiError(422, "require_full", "require_full must be true or false")
     where = None if payload.get("filter") is None else check_filter(payload["filter"], kinds or {},
                                                                            shard_rows)
-    return ParsedQuery(matrix=matrix, k=k, params=_params(payload.get("params")), single=single,
-                       require_full=require_full, include=_include(payload.get("include")), filter=where)
+    return ParsedQuery(matrix=matrix, k=k + offset, params=_params(payload.get("params")), single=single,
+                       require_full=require_full, include=_include(payload.get("include")), filter=where,
+                       offset=offset, threshold=None if threshold is None else float(threshold))
 
 
 NPY_CONTENT_TYPE = "application/x-npy"

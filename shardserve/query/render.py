@@ -22,6 +22,19 @@ def hits(ids: np.ndarray, distances: np.ndarray) -> dict:
     return {"ids": ids, "distances": distances}  # numpy: orjson writes float32 at its own precision
 
 
+def windowed(query: ParsedQuery, result: QueryResult, ip: bool) -> QueryResult:
+    """The hits a request asked for: its first `offset` dropped (the shards were asked for them
+    too), and those past its `score_threshold` (a larger distance under l2, a smaller score under
+    ip and cosine) padded out as FAISS pads (id -1), so that `hits` leaves them out."""
+    if not query.offset and query.threshold is None:
+        return result
+    ids, distances = result.ids[:, query.offset:], result.distances[:, query.offset:]
+    if query.threshold is not None:
+        past = distances < query.threshold if ip else distances > query.threshold
+        ids = np.where(past, -1, ids)
+    return dataclasses.replace(result, ids=ids, distances=distances)
+
+
 def coverage_error(query: ParsedQuery, result: QueryResult, retry_after_s: float) -> ApiError | None:
     """503 when no shard answered, or fewer than all and the client asked for `require_full`;
     otherwise the (possibly partial) answer stands and its coverage says how many shards it has."""
@@ -77,6 +90,7 @@ def index_summary(manifest: Manifest, supported: Collection[str], limits: Limits
         "max_filter_delete_points": limits.max_filter_delete_points,
         "max_write_backlog_bytes": limits.max_write_backlog_bytes,
         "max_metadata_bytes": limits.max_metadata_bytes, "max_string_bytes": limits.max_string_bytes,
+        "max_page": limits.max_page,
         "log_position": manifest.log_position,
         "metadata_kinds": manifest.dataset.metadata_kinds,
         "embedder": None if manifest.embedder is None else manifest.embedder.model_dump(),

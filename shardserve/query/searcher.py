@@ -300,6 +300,11 @@ class ShardSearcher:
             distances = np.hstack([distances, np.full((len(ids), pad), worst, np.float32)])
         return distances, ids
 
+    def stored_vectors(self, ids: np.ndarray) -> np.ndarray:
+        """The vectors the index holds for these ids (each one it holds; a lossy index's decoded
+        codes, not what was added). Thread-safe."""
+        return self._vectors(ids)
+
     def _vectors(self, ids: np.ndarray) -> np.ndarray:
         """The stored vectors of these ids (IVF: through its direct map, made on first use; an
         IndexIDMap2, Flat, HNSW or refined index: by id)."""

@@ -7,8 +7,11 @@ version warns once: read these functions against that version's source before tr
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import ray
+
+from shardserve.errors import ServingError
 
 CHECKED_RAY = "2.60."
 if not ray.__version__.startswith(CHECKED_RAY):
@@ -143,3 +146,12 @@ def dashboard() -> tuple[str | None, bool]:
     except Exception:  # not connected, or no dashboard
         url = None
     return (f"http://{url}" if url and "://" not in url else url or None), is_token_auth_enabled()
+
+
+def session_dir() -> Path:
+    """The connected Ray's session directory on this node (where its dashboard writes the
+    Prometheus configuration of the session, `metrics/prometheus/prometheus.yml`)."""
+    node = ray._private.worker._global_node
+    if node is None:
+        raise ServingError("not connected to Ray: no session directory")
+    return Path(node.get_session_dir_path())

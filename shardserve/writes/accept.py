@@ -21,10 +21,11 @@ import asyncio
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 import pyarrow as pa
@@ -116,6 +117,20 @@ async def delete_matching(front: WriteFront, evaluate: Callable[[], Awaitable[Ev
 Served = Callable[[], tuple[Manifest, "LogAddress | None"]]
 
 
+@dataclass
+class WriteTrace:
+    """A traced write's way through the front: the `traceparent` the log keeps with it (each replica
+    records its apply under it), and when (`time.time()`) it was parsed, queued for the writes
+    thread, and when the group commit it rode in began and ended, with that group's requests."""
+
+    traceparent: str
+    arrived: float = 0.0
+    queued: float = 0.0
+    commit_started: float = 0.0
+    committed: float = 0.0
+    group: int = 0
+
+
 @dataclass(frozen=True, eq=False)  # one request is itself only: found in the queue by identity
 class Queued:
     """A write request parsed on the event loop, waiting for the writes thread (WriteFront._drain)."""
@@ -128,6 +143,7 @@ class Queued:
     npy: bool
     ops: list[Op]
     done: Future
+    trace: WriteTrace | None = field(default=None)
 
 
 def _settle(done: Future, answer: dict | None = None, error: BaseException | None = None) -> None:
@@ -179,7 +195,7 @@ class WriteFront:
     async def accept(self, body: bytes | FilterDelete, upsert: bool, manifest: Manifest,
                      log: LogAddress | None | Same = SAME,
                      served: Callable[[], tuple[Manifest, LogAddress | None]] | None = None,
-                     npy: bool = False) -> dict:
+                     npy: bool = False, trace: WriteTrace | None = None) -> dict:
         """A write request from an event loop (`npy`: a .npy body): parsed here, as a search is,
         then appended in the writes thread; a 503 at once when `max_waiting` are already waiting
         for it. `log`: the served version's log, when a swap may have moved the server onto another
@@ -187,6 +203,7 @@ class WriteFront:
         evaluated (delete_matching); LogMoved if `log` is no longer the one served. `served`: read
         again in the writes thread just before the append, since a swap may land while the request
         waits behind others there (a body is then parsed again against the version served).
+        `trace`: a traced write's, stamped on its way (and its traceparent logged with it).
 
         Why the parse is not in the writes thread: the router's event loop is busy with searches,
         and every time a thread beside it runs Python code, it takes the GIL from the loop (a
@@ -207,8 +224,12 @@ class WriteFront:
             if isinstance(body, FilterDelete):
                 return await asyncio.get_running_loop().run_in_executor(
                     self._thread, self._filter_delete, body, manifest, path, served)
+            if trace is not None:
+                trace.arrived = time.time()
             ops = self._parse(body, upsert, manifest, npy)
-            queued = Queued(body, upsert, manifest, path, served, npy, ops, Future())
+            queued = Queued(body, upsert, manifest, path, served, npy, ops, Future(), trace)
+            if trace is not None:
+                trace.queued = time.time()
             self._queued.append(queued)
             if not self._drain_due:  # else a drain not started yet takes this one too
                 self._drain_due = True
@@ -312,18 +333,28 @@ class WriteFront:
             else:
                 _settle(item.done, {"position": position, "upserted" if item.upsert else "deleted": len(ops)})
 
+        traces = [item.trace for item, _ in items]
+        traced = any(trace is not None for trace in traces)
+        logged = [None if t is None else t.traceparent for t in traces] if traced else None
         with self._lock:
-            self._log_requests([ops for _, ops in items], manifest, answer)
+            started = time.time() if traced else 0.0
+            self._log_requests([ops for _, ops in items], manifest, answer, traces=logged)
+        if traced:
+            for trace in traces:
+                if trace is not None:
+                    trace.commit_started, trace.committed, trace.group = started, time.time(), len(items)
         return True
 
     def _log_requests(self, requests: list[list[Op]], manifest: Manifest,
-                      answer: Callable[[int, int | ApiError], None], unless_past: int | None = None) -> None:
+                      answer: Callable[[int, int | ApiError], None], unless_past: int | None = None,
+                      traces: Sequence[str | None] | None = None) -> None:
         """The one append: `requests` to this front's log past `manifest`'s position, in order, each
         `answer`ed by its index with its position once it is on disk, or with the 503 that refused it
         alone (it would take the backlog past its bound). SQLite takes them in one transaction (a
         group commit), Redis one script call each (answered as each lands). `unless_past`: the
-        conditional append of a delete by filter (LogMoved, nothing written). Errors (the log
-        unavailable, LogMoved) are raised for the requests not answered yet. Caller holds _lock."""
+        conditional append of a delete by filter (LogMoved, nothing written). `traces`: each request's
+        traceparent (None: none traced), logged with it. Errors (the log unavailable, LogMoved) are
+        raised for the requests not answered yet. Caller holds _lock."""
         assert self.path is not None, "callers answer a front without a log with no_log()"
         if self._log is None:
             self._log = open_log(self.path)
@@ -342,12 +373,13 @@ class WriteFront:
         if not taken:
             return
         assert unless_past is None or len(requests) == 1, "a conditional append is one request"
-        together = (self._log.append_many([ops for _, ops, _, _ in taken], manifest.log_position, unless_past)
-                    if isinstance(self._log, WriteLog) else None)
+        logged = [None if traces is None else traces[n] for n, _, _, _ in taken]
+        together = (self._log.append_many([ops for _, ops, _, _ in taken], manifest.log_position, unless_past,
+                                          logged) if isinstance(self._log, WriteLog) else None)
         for at, (n, ops, adding, size) in enumerate(taken):
             try:
-                position = (self._log.append(ops, manifest.log_position, unless_past) if together is None
-                            else together[at])
+                position = (self._log.append(ops, manifest.log_position, unless_past, logged[at])
+                            if together is None else together[at])
             except OutcomeUnknown as exc:  # this one may be written; those after it were never sent
                 self._exact = False  # the next backlog check counts the log
                 answer(n, ApiError(503, None, str(exc), self.retry_after_s))

@@ -277,6 +277,15 @@ class ShardDelta:
         """The live delta ids whose (latest) metadata pass a checked filter; caller holds `lock`."""
         return self._ids[self.matching_rows(where)]
 
+    def live_ids(self) -> np.ndarray:
+        """Every live id of the delta, in no order; caller holds `lock`."""
+        return self._ids[np.flatnonzero(self._live.mask[:self._used])]
+
+    def point(self, id_: int) -> tuple[np.ndarray, dict | None] | None:
+        """(its vector, its metadata) for a live id of the delta, else None; caller holds `lock`."""
+        row = self._slot.get(id_)
+        return None if row is None else (self._vectors[row], self._meta[row])
+
     def search(self, query: ShardQuery, plan: FilterPlan | None = None,
                matched: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The delta's top-k of a batch, unfiltered (`plan` None) or the way the shard's filter

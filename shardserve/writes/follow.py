@@ -42,7 +42,8 @@ from shardserve.writes.log import READ_BYTES as LOG_READ_BYTES
 from shardserve.writes.log import Entry, Tip
 from shardserve.writes.redis_log import LogUnavailable
 from shardserve.writes.route import WriteRoute
-from shardserve.writes.shard import ShardWithDelta
+from shardserve.writes.shard import ShardWithDelta, base_points
+from shardserve.writes.tombstones import members, stored_ids
 
 logger = logging.getLogger(__name__)
 # Requests read from the log at once while catching up, and their bytes of vectors and metadata
@@ -87,6 +88,10 @@ class ShardWrites:
         self._rebuild_failed: str | None = None  # why the last rebuild stopped, if it did
         self._rebuild_after = 0.0  # a rebuild that failed is tried again from then on
         self._log_down_until = 0.0
+        self._base_ids: np.ndarray | None = None  # the base's ids, sorted (made on first use)
+        # told the traced requests of each read it applied, with when the read began and ended
+        # (`time.time()`): the replica's part of each write's trace. None: nothing is timed.
+        self.on_applied: Callable[[list[Entry], float, float], None] | None = None
 
     @property
     def position(self) -> int:
@@ -144,6 +149,7 @@ class ShardWrites:
         if self._lost is not None or not _holds(tip, position, epoch):
             raise self._behind(log, self._lost or self._why(position, tip.position))
         while self.position < tip.position:
+            started = time.time() if self.on_applied is not None else 0.0
             entries = log.entries(self.position, READ_REQUESTS, max_bytes=READ_BYTES)
             if not entries:
                 break
@@ -161,7 +167,17 @@ class ShardWrites:
                     raise self._behind(log, f"shard {self.shard}: applying request {entry.position} "
                                             f"failed ({type(exc).__name__}: {exc})") from exc
                 self._applied = (entry.position, entry.epoch)
+            if self.on_applied is not None and (traced := [entry for entry in entries if entry.trace]):
+                self._tell(traced, started)
         return self.position
+
+    def _tell(self, traced: list[Entry], started: float) -> None:
+        """on_applied, whose failure is only logged: the requests are applied whatever it does."""
+        assert self.on_applied is not None
+        try:
+            self.on_applied(traced, started, time.time())
+        except Exception:
+            logger.exception("shard %d: on_applied failed", self.shard)
 
     def _why(self, position: int, newest: int) -> str:
         return (f"shard {self.shard}: the write log no longer holds request {position} as this replica "
@@ -259,6 +275,37 @@ class ShardWrites:
         found, position = view.ids_matching(where) if view is not None else (self.searcher.selected(where),
                                                                               position)
         return (found if len(found) <= limit else found[:0]), len(found), position
+
+    def live_ids(self, where: str | None = None) -> tuple[np.ndarray, int]:
+        """(every live id, passing a checked filter `where` when given, ascending and distinct; the
+        log position that state is at), once every committed request is applied: a scroll's and a
+        count's. It costs a pass over the shard's ids."""
+        resets = self._resets
+        position = self.catch_up()
+        view = self._current(resets)
+        if view is not None:
+            return view.live_ids(where)
+        if where is not None:
+            return np.unique(self.searcher.selected(where)), position
+        if self._base_ids is None:  # the base never changes: sorted once
+            self._base_ids = np.sort(stored_ids(self.searcher.index))
+        return self._base_ids, position
+
+    def points(self, ids: list[int], columns: list[str],
+               vectors: bool) -> tuple[list[dict | None], np.ndarray | None, int]:
+        """ShardWithDelta.points, once every committed request is applied: a get by ids."""
+        resets = self._resets
+        position = self.catch_up()
+        view = self._current(resets)
+        if view is not None:
+            return view.points(ids, columns, vectors)
+        if self._base_ids is None:
+            self._base_ids = np.sort(stored_ids(self.searcher.index))
+        held = members(self._base_ids, ids)
+        found: list[dict | None] = [None] * len(ids)
+        matrix = np.zeros((len(ids), self.searcher.dim), np.float32) if vectors else None
+        base_points(self.searcher, ids, np.flatnonzero(held).tolist(), columns, found, matrix)
+        return found, matrix, position
 
     def _current(self, resets: int) -> ShardWithDelta | None:
         """The view to answer with, read after a catch-up that began with `resets` views dropped:

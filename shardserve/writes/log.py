@@ -32,6 +32,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -43,14 +44,15 @@ from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     position INTEGER PRIMARY KEY AUTOINCREMENT,
     ops INTEGER NOT NULL,
     epoch INTEGER,
     prev INTEGER,
-    bytes INTEGER
+    bytes INTEGER,
+    trace TEXT
 );
 CREATE TABLE IF NOT EXISTS ops (
     position INTEGER NOT NULL,
@@ -61,11 +63,13 @@ CREATE TABLE IF NOT EXISTS ops (
     PRIMARY KEY (position, seq)
 ) WITHOUT ROWID;
 """
-# The columns schema 2 added to `requests`: its writer's epoch, the epoch of the request at
-# position - 1 when it was written (NULL: none there), the bytes of its vectors and metadata. A
-# writer adds them to a log of schema 1 when it opens it; the requests already there keep NULL
-# (epoch 0, no prev, their bytes counted from their operations when read).
-_ADDED = {"epoch": "INTEGER", "prev": "INTEGER", "bytes": "INTEGER"}
+# The columns schemas 2 and 3 added to `requests`: its writer's epoch, the epoch of the request at
+# position - 1 when it was written (NULL: none there), the bytes of its vectors and metadata (2);
+# the W3C `traceparent` of a traced write (NULL: not traced), whose span each replica's apply is
+# recorded under (3). A writer adds them to an older log when it opens it; the requests already
+# there keep NULL (epoch 0, no prev, their bytes counted from their operations when read, untraced).
+_ADDED = {"epoch": "INTEGER", "prev": "INTEGER", "bytes": "INTEGER", "trace": "TEXT"}
+EPOCHS_SCHEMA, TRACE_SCHEMA = 2, 3  # the schema that added each
 WRITE_LOG = "writes/log.sqlite"  # in the index directory, beside manifest.json and versions/
 BUSY_TIMEOUT_MS = 10_000  # a reader or a checkpoint holding a lock: wait, do not fail the write
 # Bytes of vectors and metadata one read returns at most (always one request at least): a request
@@ -91,12 +95,13 @@ class Tip(NamedTuple):
 class Entry(NamedTuple):
     """A request as a follower reads it: its position, its writer's epoch (0: written before
     epochs), the epoch the request before it had when it was written (None: no request there, or
-    not known), and its operations."""
+    not known), its operations, and the `traceparent` of its write when traced (None: not)."""
 
     position: int
     epoch: int
     prev: int | None
     ops: list[Op]
+    trace: str | None = None
 
 
 def new_epoch() -> int:
@@ -139,13 +144,13 @@ class WriteLog:
         self._db.execute("PRAGMA synchronous = FULL")
         if self._db.execute("PRAGMA synchronous").fetchone()[0] != 2:
             raise WriteLogError(f"write log {self.path}: synchronous=FULL was not applied")
-        self._current = self._schema_current()  # a reader of a log of schema 1 reads it as such
+        self._schema = self._schema_version()  # a reader of an older log reads it as such
         # this writer's epoch, the one it takes when it finds the log lost requests, and the newest
         # position it appended (the log's newest below it: lost requests)
         self._epoch, self._fresh, self._high = new_epoch(), new_epoch(), 0
 
     def _migrate(self) -> None:
-        """A log of schema 1 gets schema 2's columns (in one transaction, whichever writer first)."""
+        """An older log gets the current schema's columns (in one transaction, whichever writer first)."""
         cursor = self._db.cursor()
         cursor.execute("BEGIN IMMEDIATE")
         try:
@@ -164,42 +169,48 @@ class WriteLog:
                 cursor.execute("ROLLBACK")
             raise
 
-    def _schema_current(self) -> bool:
-        return bool(self._db.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION)
+    def _schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None) -> int:
+    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None,
+               trace: str | None = None) -> int:
         """Write one request (all its operations, or none) and return its log position, once the
         commit is on disk: the caller may acknowledge it then. The position is past `after` (the
         served version's): a log that lost its newest requests (a file restored from a backup)
         never hands out a position a replica of that version would skip as already applied (one
         that applied lost requests past it tells them by their epochs). `unless_past`: raise
         LogMoved instead, writing nothing, when the log holds a request past that position (checked
-        in the same transaction as the write: a delete by filter evaluated at that position)."""
-        return self.append_many([ops], after, unless_past)[0]
+        in the same transaction as the write: a delete by filter evaluated at that position).
+        `trace`: the traced write's `traceparent` (validated by the caller), kept for the replicas."""
+        return self.append_many([ops], after, unless_past, [trace])[0]
 
-    def append_many(self, requests: list[list[Op]], after: int = 0,
-                    unless_past: int | None = None) -> list[int]:
+    def append_many(self, requests: list[list[Op]], after: int = 0, unless_past: int | None = None,
+                    traces: Sequence[str | None] | None = None) -> list[int]:
         """Write several requests in one transaction (all of them, or none), at consecutive
         positions, and return them once the commit is on disk: a group commit, one fsync for the
-        requests that waited behind each other (WriteFront). `after`, `unless_past`: as `append`."""
+        requests that waited behind each other (WriteFront). `after`, `unless_past`, `traces` (one
+        a request, or None): as `append`."""
         if not requests or not all(requests):
             raise BadArgument("a write request needs at least one operation")
+        traces = [None] * len(requests) if traces is None else traces
+        if len(traces) != len(requests):
+            raise BadArgument(f"{len(traces)} traces for {len(requests)} requests")
         rows = [[_row(seq, op) for seq, op in enumerate(ops)] for ops in requests]
         positions, epochs = [], []
         with self._lock:
             cursor = self._db.cursor()
             cursor.execute("BEGIN IMMEDIATE")  # the write lock now: no other writer interleaves
             try:
-                for ops, request_rows in zip(requests, rows, strict=True):
+                for ops, request_rows, trace in zip(requests, rows, traces, strict=True):
                     # the newest position read and the request's row written in one statement: a
                     # router appends beside its searches, and each statement is a GIL hand-off there
                     size = sum(len(v or b"") + len(m or b"") for _, _, v, m in request_rows)
                     row = cursor.execute(_INSERT_REQUEST, (after, len(ops), unless_past, self._high,
-                                                           self._fresh, self._epoch, size)).fetchall()
+                                                           self._fresh, self._epoch, size, trace)).fetchall()
                     if not row:
                         raise LogMoved(f"the log is at {_newest(cursor)}, past {unless_past}")
                     positions.append(int(row[0][0]))
@@ -230,29 +241,29 @@ class WriteLog:
     def entries(self, after: int, limit: int = 1000, vectors: bool = True,
                 max_bytes: int = READ_BYTES) -> list[Entry]:
         """`read`, with each request's epochs (a follower checks that the log still holds the
-        request it applied last: the first one's `prev` is its epoch)."""
+        request it applied last: the first one's `prev` is its epoch) and trace."""
         vector = "o.vector" if vectors else "CASE WHEN o.vector IS NULL THEN NULL ELSE x'' END"
         with self._lock:
-            if not self._current:  # a writer may have migrated it since: reads are rarer than tips
-                self._current = self._schema_current()
-            found = self._db.execute(_read_statement(vector, self._current),
+            if self._schema < SCHEMA_VERSION:  # a writer may have migrated it: reads are rarer than tips
+                self._schema = self._schema_version()
+            found = self._db.execute(_read_statement(vector, self._schema),
                                      (after, limit, max_bytes)).fetchall()
         requests: dict[int, list[Op]] = {}
-        heads: dict[int, tuple[int, int, int | None]] = {}
-        for position, count, epoch, prev, id_, vector_, metadata in found:
+        heads: dict[int, tuple[int, int, int | None, str | None]] = {}
+        for position, count, epoch, prev, trace, id_, vector_, metadata in found:
             requests.setdefault(position, []).append(_op(id_, vector_, metadata))
-            heads[position] = count, epoch, prev
-        for position, (count, _, _) in heads.items():
+            heads[position] = count, epoch, prev, trace
+        for position, (count, _, _, _) in heads.items():
             if len(requests[position]) != count:  # SQLite's transactions make this impossible
                 raise WriteLogError(f"write log {self.path}: request {position} holds "
                                     f"{len(requests[position])} of its {count} operations")
-        return [Entry(position, int(heads[position][1]), heads[position][2], ops)
-                for position, ops in requests.items()]
+        return [Entry(position, int(head[1]), head[2], ops, head[3])
+                for position, ops in requests.items() for head in (heads[position],)]
 
     def tip(self) -> Tip:
         """The newest position and the epoch of the request there, in one statement (a replica
         makes it before every search, where it made `last_position`: one statement still)."""
-        if not self._current:
+        if self._schema < EPOCHS_SCHEMA:
             return Tip(self.last_position(), None)
         with self._lock:
             try:
@@ -333,10 +344,10 @@ _NEWEST = "coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'requests'), 0
 # A request's row at max(newest, after) + 1, unless the log is past `unless_past` (NULL: always),
 # with the writer's epoch, or its fresh one when the log's newest is below the newest position it
 # wrote (?4), and the epoch of the request before it (NULL: none there). ?1 after, ?2 its operations,
-# ?3 unless_past, ?5 the fresh epoch, ?6 the writer's, ?7 its bytes.
-_INSERT_REQUEST = ("INSERT INTO requests (position, ops, epoch, prev, bytes) "
+# ?3 unless_past, ?5 the fresh epoch, ?6 the writer's, ?7 its bytes, ?8 its traceparent.
+_INSERT_REQUEST = ("INSERT INTO requests (position, ops, epoch, prev, bytes, trace) "
                    "SELECT at + 1, ?2, CASE WHEN newest < ?4 THEN ?5 ELSE ?6 END, "
-                   "(SELECT coalesce(epoch, 0) FROM requests WHERE position = at), ?7 "
+                   "(SELECT coalesce(epoch, 0) FROM requests WHERE position = at), ?7, ?8 "
                    f"FROM (SELECT newest, max(newest, ?1) AS at FROM (SELECT {_NEWEST} AS newest)) "
                    "WHERE ?3 IS NULL OR newest <= ?3 RETURNING position, epoch")
 _TIP = ("SELECT seq, (SELECT coalesce(epoch, 0) FROM requests WHERE position = seq) "
@@ -346,15 +357,18 @@ _COUNTED = ("(SELECT coalesce(sum(length(vector)), 0) + coalesce(sum(length(meta
             "FROM ops WHERE ops.position = requests.position)")
 
 
-def _read_statement(vector: str, current: bool) -> str:
+def _read_statement(vector: str, schema: int) -> str:
     """The requests past ?1, at most ?2 of them and ?3 bytes (the first whatever its size), joined to
-    their operations: the byte budget is a running sum over the requests the limit took first."""
-    epoch, prev, size = (("coalesce(epoch, 0)", "prev", f"coalesce(bytes, {_COUNTED})") if current
-                         else ("0", "NULL", _COUNTED))
-    return (f"SELECT r.position, r.ops, r.epoch, r.prev, o.id, {vector}, o.metadata FROM "
-            "(SELECT position, ops, epoch, prev, size, "
+    their operations: the byte budget is a running sum over the requests the limit took first.
+    `schema`: the log's (an older one lacks the columns added since)."""
+    epoch, prev, size = (("coalesce(epoch, 0)", "prev", f"coalesce(bytes, {_COUNTED})")
+                         if schema >= EPOCHS_SCHEMA else ("0", "NULL", _COUNTED))
+    trace = "trace" if schema >= TRACE_SCHEMA else "NULL"
+    return (f"SELECT r.position, r.ops, r.epoch, r.prev, r.trace, o.id, {vector}, o.metadata FROM "
+            "(SELECT position, ops, epoch, prev, trace, size, "
             "sum(size) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS upto FROM "
-            f"(SELECT position, ops, {epoch} AS epoch, {prev} AS prev, {size} AS size FROM requests "
+            f"(SELECT position, ops, {epoch} AS epoch, {prev} AS prev, {trace} AS trace, {size} AS size "
+            "FROM requests "
             "WHERE position > ?1 ORDER BY position LIMIT ?2)) AS r "
             "JOIN ops AS o ON o.position = r.position WHERE r.upto <= ?3 OR r.upto = r.size "
             "ORDER BY o.position, o.seq")

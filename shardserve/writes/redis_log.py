@@ -20,7 +20,8 @@ index's root location, in braces so a Redis Cluster keeps its keys in one slot):
   ids (int64), one kind byte per operation (1 upsert, 0 delete), the upserts' float32 vectors and
   their metadata (one orjson list), its bytes (vectors and each point's metadata), the running
   totals of operations, upserts and bytes, so that a backlog is two lookups, not a scan, its
-  writer's epoch and the epoch of the request before it (`prev`);
+  writer's epoch and the epoch of the request before it (`prev`), and a traced write's
+  `traceparent` (`trace`, only on those);
 - `<prefix>:totals`, those running totals at the newest request.
 
 A request is appended by one Lua script (XADD, then the counters): Redis runs it whole, so a reader
@@ -65,7 +66,8 @@ READ_TIMEOUT_S = 1.0  # a reader (a search catching up): then it serves what it 
 # conditional append, WriteLog.append's `unless_past`) a log already past it gets -1, nothing
 # written. The request takes the writer's epoch (ARGV[10]), or its fresh one (ARGV[11]) when the
 # log's newest is below the newest position the writer appended (ARGV[9]: the log lost requests),
-# and records the epoch at the position before it (none: ''). ARGV[12]: its bytes. XADD runs
+# and records the epoch at the position before it (none: ''). ARGV[12]: its bytes; ARGV[13]: its
+# traceparent ('': not traced, no field). XADD runs
 # first: if it refuses, the script has written nothing (Redis does not undo a script's earlier
 # writes). Epochs stay strings here: Lua's numbers hold 53 bits.
 _APPEND = """
@@ -99,9 +101,13 @@ local ops = tonumber(totals[1] or '0') + tonumber(ARGV[5])
 local upserts = tonumber(totals[2] or '0') + tonumber(ARGV[6])
 local bytes = tonumber(totals[3] or '0') + tonumber(ARGV[12])
 local id = string.format('%d-0', position)
-redis.call('XADD', KEYS[2], id, 'ids', ARGV[1], 'kinds', ARGV[2], 'vectors', ARGV[3],
-           'metadata', ARGV[4], 'bytes', ARGV[12], 'ops_total', ops, 'upserts_total', upserts,
-           'bytes_total', bytes, 'epoch', epoch, 'prev', prev or '')
+local fields = {'ids', ARGV[1], 'kinds', ARGV[2], 'vectors', ARGV[3], 'metadata', ARGV[4],
+                'bytes', ARGV[12], 'ops_total', ops, 'upserts_total', upserts, 'bytes_total', bytes,
+                'epoch', epoch, 'prev', prev or ''}
+if ARGV[13] ~= '' then
+  fields[#fields + 1], fields[#fields + 2] = 'trace', ARGV[13]
+end
+redis.call('XADD', KEYS[2], id, unpack(fields))
 redis.call('SET', KEYS[1], string.format('%d', position))
 redis.call('SET', KEYS[4], epoch)
 redis.call('HSET', KEYS[3], 'ops', ops, 'upserts', upserts, 'bytes', bytes)
@@ -220,12 +226,13 @@ class RedisWriteLog:
         with _unavailable(self.address):
             return bool(self._db.exists(self._seq))
 
-    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None) -> int:
+    def append(self, ops: list[Op], after: int = 0, unless_past: int | None = None,
+               trace: str | None = None) -> int:
         """Write one request (all its operations, or none) and return its log position (past
         `after`, the served version's), once Redis answered (after its fsync): the caller may
         acknowledge it then. LogUnavailable when Redis cannot be reached: nothing written;
         OutcomeUnknown (a LogUnavailable) when the script was sent and no answer came: it may have
-        been written. `unless_past`: as WriteLog.append (checked inside the script)."""
+        been written. `unless_past`, `trace`: as WriteLog.append (checked inside the script)."""
         if not ops:
             raise BadArgument("a write request needs at least one operation")
         if self.readonly:
@@ -243,7 +250,7 @@ class RedisWriteLog:
             try:
                 position, epoch = self._run_append([ids.tobytes(), kinds.tobytes(), vectors, metadata,
                                                     len(ops), len(upserts), after, condition, self._high,
-                                                    self._epoch, self._fresh, size])
+                                                    self._epoch, self._fresh, size, trace or ""])
             except OutcomeUnknown:
                 # Redis may hold it under this epoch and lose it in a failover: the next request
                 # must not be taken, at that same position, for the one a replica applied
@@ -292,16 +299,16 @@ class RedisWriteLog:
 
     def entries(self, after: int, limit: int = 1000, vectors: bool = True,
                 max_bytes: int = READ_BYTES) -> list[Entry]:
-        """`read`, with each request's epochs (WriteLog.entries)."""
+        """`read`, with each request's epochs and trace (WriteLog.entries)."""
         with _unavailable(self.address):
             found: Any = self._read(keys=[self._stream],
                                     args=[after, limit, max_bytes, "1" if vectors else "0"])
         entries = []
         for entry_id, flat in found:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            prev = fields.get(b"prev")
+            prev, trace = fields.get(b"prev"), fields.get(b"trace")
             entries.append(Entry(_position(entry_id), int(fields.get(b"epoch", 0)),
-                                 int(prev) if prev else None, _ops(fields)))
+                                 int(prev) if prev else None, _ops(fields), trace and trace.decode()))
         return entries
 
     def tip(self) -> Tip:

@@ -32,6 +32,21 @@ from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.delta import ShardDelta
 
 
+def base_points(searcher: ShardSearcher, ids: list[int], slots: list[int], columns: list[str],
+                found: list[dict | None], matrix: np.ndarray | None) -> None:
+    """Fill in `found` (each `columns`' value, {} without metadata) and `matrix` (when given) at
+    `slots`, whose ids the base holds live, from the base's metadata and stored vectors."""
+    if not slots:
+        return
+    wanted = [ids[s] for s in slots]
+    rows = (searcher.metadata.lookup(wanted, columns) if searcher.metadata is not None and columns
+            else [{} for _ in slots])
+    for slot, row in zip(slots, rows, strict=True):
+        found[slot] = row if row is not None else {c: None for c in columns}
+    if matrix is not None:
+        matrix[slots] = searcher.stored_vectors(np.array(wanted, np.int64))
+
+
 class ShardWithDelta:
     def __init__(self, searcher: ShardSearcher, delta: ShardDelta):
         self.searcher, self.delta = searcher, delta
@@ -93,6 +108,44 @@ class ShardWithDelta:
             if exclude is not None:
                 selected = selected[~np.isin(selected, exclude.ids)]
             return np.union1d(selected, self.delta.matching(where)), self.delta.position
+
+    def live_ids(self, where: str | None = None) -> tuple[np.ndarray, int]:
+        """(every live id, passing a checked filter `where` when given, ascending and distinct; the
+        log position that state is at)."""
+        if where is not None:
+            return self.ids_matching(where)
+        with self.delta.lock:
+            exclude = self.delta.tombstones.exclusion()
+            written = self.delta.live_ids()
+            position = self.delta.position
+        base = self.delta.tombstones.base_ids  # sorted, never changed
+        if exclude is not None:
+            base = base[~np.isin(base, exclude.ids)]
+        return np.union1d(base, written), position
+
+    def points(self, ids: list[int], columns: list[str],
+               vectors: bool) -> tuple[list[dict | None], np.ndarray | None, int]:
+        """Per id, its latest `columns` when this shard holds it live (None: not here, or deleted),
+        the vectors of all `ids` when asked (the absent ones' rows zeros), and the log position
+        that state is at."""
+        found: list[dict | None] = [None] * len(ids)
+        matrix = np.zeros((len(ids), self.searcher.dim), np.float32) if vectors else None
+        base_slots = []
+        with self.delta.lock:
+            for slot, id_ in enumerate(ids):
+                point = self.delta.point(id_)
+                if point is not None:
+                    meta = point[1]
+                    found[slot] = {c: None if meta is None else meta.get(c) for c in columns}
+                    if matrix is not None:
+                        matrix[slot] = point[0]
+                elif id_ not in self.delta.tombstones:
+                    base_slots.append(slot)
+            position = self.delta.position
+        held = self.delta.tombstones.in_base(np.array([ids[s] for s in base_slots], np.int64))
+        base_points(self.searcher, ids, [s for s, here in zip(base_slots, held, strict=True) if here],
+                    columns, found, matrix)
+        return found, matrix, position
 
     def lookup(self, ids: list[int], columns: list[str]) -> list[dict | None]:
         """Per id, its latest `columns` (None: not in this shard, or deleted): the delta's for its

@@ -38,6 +38,14 @@ def stored_ids(index: faiss.Index) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
+def members(ordered: np.ndarray, ids: np.ndarray | list[int]) -> np.ndarray:
+    """Which of `ids` are in `ordered` (ascending), by binary search."""
+    ids = np.asarray(ids, np.int64)
+    if not len(ordered):
+        return np.zeros(len(ids), bool)
+    return ordered[np.minimum(np.searchsorted(ordered, ids), len(ordered) - 1)] == ids
+
+
 class Tombstones:
     """The base ids hidden so far (`hide`), and `exclusion()`, the snapshot to search with."""
 
@@ -61,11 +69,7 @@ class Tombstones:
 
     def in_base(self, ids: np.ndarray) -> np.ndarray:
         """Which of `ids` the base index holds."""
-        ids = np.asarray(ids, np.int64)
-        if not len(self.base_ids):
-            return np.zeros(len(ids), bool)
-        at = np.minimum(np.searchsorted(self.base_ids, ids), len(self.base_ids) - 1)
-        return self.base_ids[at] == ids
+        return members(self.base_ids, ids)
 
     def hide(self, id_: int) -> bool:
         """Leave a base id out of every search from now on (False: not in the base, or hidden)."""
