@@ -112,6 +112,13 @@ class AppArgs(BaseModel):
     max_k: int = Field(100, ge=1)
     max_vectors: int = Field(1024, ge=1, description="vectors per batch request")
     max_write_points: int = Field(1000, ge=1, description="ids per upsert or delete request")
+    collections_dir: str | None = Field(
+        None, description="where collections live (their catalogue and index directories; a local disk): "
+                          "default the served index's directory/collections")
+    max_collections: int = Field(10_000, ge=1, description="collections that may exist at once (a create "
+                                                           "past it is a 409)")
+    max_collections_held: int = Field(1024, ge=1, description="collections one router replica holds loaded "
+                                                              "at most (the least recently used let go)")
     max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "
                                                               "answers at most")
     max_work: int = Field(

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from deployments.autoscaling import ReportsCoresWanted
+from deployments.collections import CollectionsFront, default_root
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
 from deployments.metrics import RouterMetrics
@@ -240,6 +242,11 @@ async def _points_route(router: "Router", request: HttpRequest, route: str) -> R
     async def answer() -> Reply:
         active, timeout_s, max_page = router.active, router.args.shard_timeout_s * 4, router.args.max_page
         manifest = active.manifest
+        if router.in_flight >= router.args.max_in_flight:  # admitted as searches are: a fast 503
+            router.metrics.shed.inc()
+            raise ApiError(503, None, f"overloaded: {router.in_flight} requests in flight",
+                           router.args.retry_after_s)
+        router.in_flight += 1
         try:
             if route == "/v1/points":
                 points = await active.points(parse_points(request.body, manifest, max_page), timeout_s)
@@ -249,12 +256,13 @@ async def _points_route(router: "Router", request: HttpRequest, route: str) -> R
                               "index": manifest.index_version})
             points, after = await active.scroll(parse_scroll(request.body, manifest, max_page), timeout_s)
             return _points_reply({"points": points, "next": after, "index": manifest.index_version})
-        except ApiError:
-            raise
-        except Exception as exc:  # a shard late, restarting, behind the log, or the log unreadable
+        except (TimeoutError, LogBehind, LogUnavailable, RayActorError,
+                ActorUnavailableError) as exc:  # a shard late, restarting or behind its log
             logger.warning("%s: a shard did not answer: %r", route, exc)
             raise ApiError(503, None, f"not every shard answered: {type(exc).__name__}",
                            router.args.retry_after_s) from None
+        finally:
+            router.in_flight -= 1
 
     return await _counted(router, route.rsplit("/", 1)[1], answer)
 
@@ -470,6 +478,8 @@ class Router(ReportsCoresWanted):
         self.executor = ThreadPoolExecutor(1, "quantizer", faiss.omp_set_num_threads, (1,))  # large batches
         self.writes, self.text = _write_front(self.active.log, a, self.metrics), _text_front(a)
         self.tracer = Tracer(a.trace_config("shardserve-router"), {"shardserve.replica": self.replica_id})
+        root = Path(a.collections_dir) if a.collections_dir else default_root(a.index)
+        self.collections = CollectionsFront(root, a, self.limits)
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
                                        size_of=lambda item: len(item[1].matrix))
         _shape_batches(self.batcher, a, self.active.manifest)
@@ -501,6 +511,8 @@ class Router(ReportsCoresWanted):
                           else _write(self, request, route == "/v1/upsert"))
         if method == "POST" and route in POINT_ROUTES:
             return await _points_route(self, request, route)
+        if route == "/v1/collections" or route.startswith("/v1/collections/"):
+            return await _counted(self, "collections", lambda: self.collections.respond(request, route))
         if method == "GET" and route in ("/v1/health", "/v1/index"):
             return await _health(self) if route == "/v1/health" else _summary(self)
         if method == "GET" and (docs := docs_reply(route, root)) is not None:

@@ -236,8 +236,7 @@ class ShardDeployment:
 
     def scroll(self, after: int | None, limit: int, where: str | None) -> np.ndarray:
         """A scroll page's part: this shard's first `limit` live ids past `after` (passing `where`)."""
-        ids, _ = self.writes.live_ids(where)
-        return ids[0 if after is None else int(np.searchsorted(ids, after, "right")):][:limit]
+        return self.writes.page(after, limit, where)
 
     def count(self, where: str | None) -> int:
         """This shard's live points (passing `where`), every committed write applied."""

@@ -23,10 +23,12 @@ answer, a 503 included, is the edge's answer: overload is not failed over.
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -72,7 +74,7 @@ def _hits(result: dict, shared: dict) -> Hits:
 
 
 def _answer(response: httpx.Response) -> dict:
-    if response.status_code == 200:
+    if response.status_code in (200, 201):  # 201: a collection created
         return orjson.loads(response.content)
     try:
         payload = orjson.loads(response.content)
@@ -205,6 +207,7 @@ class Client:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self._edges = _Edges(url, lambda base: httpx.Client(base_url=base, timeout=timeout, headers=headers))
+        self._base = "/v1"  # a collection's client: /v1/collections/NAME
 
     def _send(self, method: str, path: str, body: bytes | None = None,
               headers: dict | None = None) -> httpx.Response:
@@ -221,54 +224,79 @@ class Client:
                     raise
                 edge, tried = following, tried + 1
 
+    def _post(self, operation: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+        """POST to this client's index or collection: /v1/OPERATION or /v1/collections/NAME/OPERATION."""
+        return self._send("POST", f"{self._base}/{operation}", body, headers)
+
     def search(self, vector: np.ndarray | None = None, k: int = 10, params: dict | None = None,
                include: list[str] | None = None, *, text: str | None = None, **options: Any) -> Hits:
         """The k nearest neighbours of one vector, or of one text (an index built from text: the
         server embeds it with the index's model; `extra["embedding"]` says if it was truncated).
         `options`: other request fields, e.g. require_full, filter."""
         body = _body(vector, text, True, k, params, include, options)
-        return _single(_answer(self._send("POST", "/v1/search", body)))
+        return _single(_answer(self._post("search", body)))
 
     def search_batch(self, vectors: np.ndarray | None = None, k: int = 10, params: dict | None = None,
                      include: list[str] | None = None, *, texts: Sequence[str] | None = None,
                      **options: Any) -> list[Hits]:
         """The k nearest neighbours of every row of `vectors`, or of every text, in one request."""
         body = _body(vectors, texts, False, k, params, include, options)
-        return _batch(_answer(self._send("POST", "/v1/search", body)))
+        return _batch(_answer(self._post("search", body)))
 
     def upsert(self, ids: Any, vectors: np.ndarray | None = None, metadata: list[dict | None] | None = None,
                *, texts: Sequence[str] | None = None) -> dict:
         """Insert or replace points (ids int64 >= 0, one vector row or one text each, metadata
         aligned or None). Texts are embedded by the server before the write is logged. Returns
         {"position", "upserted"} once the write is durable and visible to every later search."""
-        return _answer(self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata, texts)))
+        return _answer(self._post("upsert", *_upsert_body(ids, vectors, metadata, texts)))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """float32 (len(texts), dim): the texts embedded by the served index's model (its cache first)."""
-        return _vectors(_answer(self._send("POST", "/v1/embed", _embed_body(texts))))
+        return _vectors(_answer(self._post("embed", _embed_body(texts))))
 
     def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
         """Delete points by id (an unknown id is no error), or every point a search's `filter` matches
         now. Returns {"position", "deleted"} once durable and visible ("position" None when a filter
         matched nothing: nothing was written)."""
-        return _answer(self._send("POST", "/v1/delete", _delete_body(ids, filter)))
+        return _answer(self._post("delete", _delete_body(ids, filter)))
 
     def get(self, ids: Any, include: list[str] | None = None, vectors: bool = False) -> list[Point]:
         """The points held among `ids`, in the order asked (an unknown or deleted id is left out),
         with their metadata columns (`include`: those named; default all) and vectors if asked."""
-        return _points(_answer(self._send("POST", "/v1/points", _get_body(ids, include, vectors))))
+        return _points(_answer(self._post("points", _get_body(ids, include, vectors))))
 
     def count(self, filter: dict | None = None) -> int:
         """The points held now (those a search's `filter` matches, when given)."""
-        return int(_answer(self._send("POST", "/v1/count", orjson.dumps({"filter": filter})))["count"])
+        return int(_answer(self._post("count", orjson.dumps({"filter": filter})))["count"])
 
     def scroll(self, after: int | None = None, limit: int = 100, filter: dict | None = None,
                include: list[str] | None = None, vectors: bool = False) -> tuple[list[Point], int | None]:
         """One page of the points held, in ascending id order past `after`, and the `after` of the
         next page (None: the last page)."""
         body = _scroll_body(after, limit, filter, include, vectors)
-        payload = _answer(self._send("POST", "/v1/scroll", body))
+        payload = _answer(self._post("scroll", body))
         return _points(payload), payload["next"]
+
+    def create_collection(self, name: str, dim: int, metric: str = "l2", *,
+                          metadata: dict[str, str] | None = None, **spec: Any) -> Client:
+        """Create an empty collection (served exactly, grown into `index` past `grow_at` rows) and
+        return its client. `metadata`: column -> kind ("string", "bool", "number", "int64", ...)."""
+        body = orjson.dumps({"name": name, "dim": dim, "metric": metric, "metadata": metadata or {}, **spec})
+        _answer(self._send("POST", "/v1/collections", body))
+        return self.collection(name)
+
+    def collection(self, name: str) -> Client:
+        """A client of the collection `name`: search, upsert, delete, get, count and scroll there."""
+        sub = copy.copy(self)
+        sub._base = f"/v1/collections/{quote(name, safe='')}"
+        return sub
+
+    def collections(self) -> list[dict]:
+        return list(_answer(self._send("GET", "/v1/collections"))["collections"])
+
+    def drop_collection(self, name: str) -> dict:
+        """Drop a collection: its points and files go; the name may be used again."""
+        return _answer(self._send("DELETE", f"/v1/collections/{quote(name, safe='')}"))
 
     def health(self) -> dict:
         return _answer(self._send("GET", "/v1/health"))
@@ -295,6 +323,7 @@ class AsyncClient:
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
         self._edges = _Edges(url, lambda base: httpx.AsyncClient(base_url=base, timeout=timeout,
                                                                  headers=headers))
+        self._base = "/v1"
 
     async def _send(self, method: str, path: str, body: bytes | None = None,
                     headers: dict | None = None) -> httpx.Response:
@@ -311,40 +340,60 @@ class AsyncClient:
                     raise
                 edge, tried = following, tried + 1
 
+    async def _post(self, operation: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+        return await self._send("POST", f"{self._base}/{operation}", body, headers)
+
     async def search(self, vector: np.ndarray | None = None, k: int = 10, params: dict | None = None,
                      include: list[str] | None = None, *, text: str | None = None, **options: Any) -> Hits:
         body = _body(vector, text, True, k, params, include, options)
-        return _single(_answer(await self._send("POST", "/v1/search", body)))
+        return _single(_answer(await self._post("search", body)))
 
     async def search_batch(self, vectors: np.ndarray | None = None, k: int = 10, params: dict | None = None,
                            include: list[str] | None = None, *, texts: Sequence[str] | None = None,
                            **options: Any) -> list[Hits]:
         body = _body(vectors, texts, False, k, params, include, options)
-        return _batch(_answer(await self._send("POST", "/v1/search", body)))
+        return _batch(_answer(await self._post("search", body)))
 
     async def upsert(self, ids: Any, vectors: np.ndarray | None = None,
                      metadata: list[dict | None] | None = None, *,
                      texts: Sequence[str] | None = None) -> dict:
-        return _answer(await self._send("POST", "/v1/upsert", *_upsert_body(ids, vectors, metadata, texts)))
+        return _answer(await self._post("upsert", *_upsert_body(ids, vectors, metadata, texts)))
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
-        return _vectors(_answer(await self._send("POST", "/v1/embed", _embed_body(texts))))
+        return _vectors(_answer(await self._post("embed", _embed_body(texts))))
 
     async def delete(self, ids: Any = None, *, filter: dict | None = None) -> dict:
-        return _answer(await self._send("POST", "/v1/delete", _delete_body(ids, filter)))
+        return _answer(await self._post("delete", _delete_body(ids, filter)))
 
     async def get(self, ids: Any, include: list[str] | None = None, vectors: bool = False) -> list[Point]:
-        return _points(_answer(await self._send("POST", "/v1/points", _get_body(ids, include, vectors))))
+        return _points(_answer(await self._post("points", _get_body(ids, include, vectors))))
 
     async def count(self, filter: dict | None = None) -> int:
-        return int(_answer(await self._send("POST", "/v1/count", orjson.dumps({"filter": filter})))["count"])
+        return int(_answer(await self._post("count", orjson.dumps({"filter": filter})))["count"])
 
     async def scroll(self, after: int | None = None, limit: int = 100, filter: dict | None = None,
                      include: list[str] | None = None,
                      vectors: bool = False) -> tuple[list[Point], int | None]:
-        payload = _answer(await self._send("POST", "/v1/scroll",
+        payload = _answer(await self._send("POST", f"{self._base}/scroll",
                                            _scroll_body(after, limit, filter, include, vectors)))
         return _points(payload), payload["next"]
+
+    async def create_collection(self, name: str, dim: int, metric: str = "l2", *,
+                                metadata: dict[str, str] | None = None, **spec: Any) -> AsyncClient:
+        body = orjson.dumps({"name": name, "dim": dim, "metric": metric, "metadata": metadata or {}, **spec})
+        _answer(await self._send("POST", "/v1/collections", body))
+        return self.collection(name)
+
+    def collection(self, name: str) -> AsyncClient:
+        sub = copy.copy(self)
+        sub._base = f"/v1/collections/{quote(name, safe='')}"
+        return sub
+
+    async def collections(self) -> list[dict]:
+        return list(_answer(await self._send("GET", "/v1/collections"))["collections"])
+
+    async def drop_collection(self, name: str) -> dict:
+        return _answer(await self._send("DELETE", f"/v1/collections/{quote(name, safe='')}"))
 
     async def health(self) -> dict:
         return _answer(await self._send("GET", "/v1/health"))

@@ -45,6 +45,14 @@ def test_live_ids_counts_and_points_follow_every_write(index, tmp_path: Path) ->
     def check() -> None:
         live, _ = replica.live_ids()
         assert live.tolist() == sorted(held)
+        ordered = sorted(held)
+        for _page in range(4):  # pages from random cursors, of random sizes, as a scroll reads them
+            after = None if rng.random() < 0.2 else int(rng.choice(ordered + [1 << 62]))
+            limit = int(rng.integers(1, 3000))
+            past = [i for i in ordered if after is None or i > after]
+            assert replica.page(after, limit).tolist() == past[:limit]
+            new, where = [i for i in past if held[i][1] == "new"], orjson.dumps({"caption": "new"}).decode()
+            assert replica.page(after, limit, where).tolist() == new[:limit]
         for caption in ("new", "caption 7", "gone"):
             where = orjson.dumps({"caption": caption}).decode()
             wanted = sorted(i for i, (_, c) in held.items() if c == caption)

@@ -175,7 +175,8 @@ class WriteFront:
 
     def __init__(self, path: LogAddress | None, max_points: int = MAX_WRITE_POINTS,
                  max_backlog: int = MAX_DELTA_ROWS, retry_after_s: int = 1, max_waiting: int = 256,
-                 on_commit: Callable[[int], None] | None = None, max_backlog_bytes: int = MAX_BACKLOG_BYTES):
+                 on_commit: Callable[[int], None] | None = None, max_backlog_bytes: int = MAX_BACKLOG_BYTES,
+                 thread: ThreadPoolExecutor | None = None, create_log: bool = True):
         self.path, self.max_points, self.max_backlog = path, max_points, max_backlog
         self.max_backlog_bytes = max_backlog_bytes
         self.on_commit = on_commit  # told the requests of each commit (the router's metric)
@@ -185,7 +186,10 @@ class WriteFront:
         # (the log, its base position, counted up to, upserts, their bytes): one tuple, replaced whole
         self._counted: tuple[LogAddress | None, int, int, int, int] = (path, -1, 0, 0, 0)
         self._exact = False  # `_counted` is the log's count: every request since it was ours
-        self._thread = ThreadPoolExecutor(1, "writes")
+        # the writes thread: its own, or one shared by many fronts (a collection each), not closed here
+        self._own_thread = thread is None
+        self._create_log = create_log  # False: the log must exist (a collection's: made with it)
+        self._thread = ThreadPoolExecutor(1, "writes") if thread is None else thread
         self._queued: deque[Queued] = deque()  # parsed, in arrival order, for the next group commit
         # a drain is submitted and has not read the queue yet: a request queued now is its, so one
         # hand-off to the writes thread per group, not per request (set on the loop, cleared there)
@@ -326,23 +330,23 @@ class WriteFront:
         if self.path is None:
             raise self.no_log()
 
+        traces = [item.trace for item, _ in items]
+        traced = any(trace is not None for trace in traces)
+        logged = [None if t is None else t.traceparent for t in traces] if traced else None
+        started = time.time() if traced else 0.0
+
         def answer(n: int, position: int | ApiError) -> None:
             item, ops = items[n]
+            trace = item.trace
+            if trace is not None:  # stamped before its answer: the router reads it once answered
+                trace.commit_started, trace.committed, trace.group = started, time.time(), len(items)
             if isinstance(position, ApiError):
                 _settle(item.done, error=position)
             else:
                 _settle(item.done, {"position": position, "upserted" if item.upsert else "deleted": len(ops)})
 
-        traces = [item.trace for item, _ in items]
-        traced = any(trace is not None for trace in traces)
-        logged = [None if t is None else t.traceparent for t in traces] if traced else None
         with self._lock:
-            started = time.time() if traced else 0.0
             self._log_requests([ops for _, ops in items], manifest, answer, traces=logged)
-        if traced:
-            for trace in traces:
-                if trace is not None:
-                    trace.commit_started, trace.committed, trace.group = started, time.time(), len(items)
         return True
 
     def _log_requests(self, requests: list[list[Op]], manifest: Manifest,
@@ -357,7 +361,7 @@ class WriteFront:
         raised for the requests not answered yet. Caller holds _lock."""
         assert self.path is not None, "callers answer a front without a log with no_log()"
         if self._log is None:
-            self._log = open_log(self.path)
+            self._log = open_log(self.path, create=self._create_log)
         taken: list[tuple[int, list[Op], int, int]] = []
         backlog: tuple[int, int] | None = None
         for n, ops in enumerate(requests):
@@ -414,7 +418,7 @@ class WriteFront:
             with self._lock:
                 try:
                     if self._log is None and self.path is not None:
-                        self._log = open_log(self.path)
+                        self._log = open_log(self.path, create=self._create_log)
                     if self._log is None:
                         raise self.no_log()
                     self._carry(carried)
@@ -512,9 +516,12 @@ class WriteFront:
             self._counted = (path, base, position, counted + upserts, counted_bytes + size)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
-        if self._log is not None:
-            self._log.close()
+        if self._own_thread:
+            self._thread.shutdown(wait=True)
+        with self._lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None
 
     def no_log(self) -> ApiError:
         return ApiError(501, None, "writes need the index on a local disk (the write log is a SQLite "

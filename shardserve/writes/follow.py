@@ -291,6 +291,21 @@ class ShardWrites:
             self._base_ids = np.sort(stored_ids(self.searcher.index))
         return self._base_ids, position
 
+    def page(self, after: int | None, limit: int, where: str | None = None) -> np.ndarray:
+        """A scroll page's part: the first `limit` live ids past `after` (passing a checked filter
+        `where`), ascending, once every committed request is applied. Unfiltered, it costs about
+        its own size; filtered, a pass over the ids that match."""
+        if where is not None:
+            ids, _ = self.live_ids(where)
+        else:
+            resets = self._resets
+            self.catch_up()
+            view = self._current(resets)
+            if view is not None:
+                return view.page(after, limit)
+            ids, _ = self.live_ids()
+        return ids[0 if after is None else int(np.searchsorted(ids, after, "right")):][:limit]
+
     def points(self, ids: list[int], columns: list[str],
                vectors: bool) -> tuple[list[dict | None], np.ndarray | None, int]:
         """ShardWithDelta.points, once every committed request is applied: a get by ids."""
@@ -316,6 +331,13 @@ class ShardWrites:
         if self._resets != resets or self._lost is not None:
             raise self._refusal()
         return view
+
+    def close(self) -> None:
+        """Let go of the log's connection (a replica letting this shard go); a later read opens it again."""
+        with self._lock:
+            log, self._log = self._log, None
+        if log is not None:
+            log.close()
 
     def live_rows(self) -> int:
         delta = self.delta

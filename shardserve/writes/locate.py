@@ -44,10 +44,12 @@ def log_address(index: str | Location) -> LogAddress | None:
     return log_path(index)
 
 
-def open_log(address: LogAddress, readonly: bool = False) -> Log:
+def open_log(address: LogAddress, readonly: bool = False, create: bool = True) -> Log:
+    """The log at `address`; `create` False: a SQLite log must exist already (a collection's, which
+    its creation made: a write racing its drop never makes its directory again)."""
     if isinstance(address, RedisLogAddress):
         return RedisWriteLog(address, readonly=readonly)
-    return WriteLog(address, readonly=readonly)
+    return WriteLog(address, readonly=readonly, create=create)
 
 
 def log_exists(address: LogAddress | None) -> bool:

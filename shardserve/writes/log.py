@@ -44,7 +44,7 @@ from shardserve.index.manifest import MANIFEST, VERSIONS_DIR
 from shardserve.index.storage import Location
 from shardserve.writes.ops import Delete, Op, Upsert
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     position INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -63,13 +63,15 @@ CREATE TABLE IF NOT EXISTS ops (
     PRIMARY KEY (position, seq)
 ) WITHOUT ROWID;
 """
-# The columns schemas 2 and 3 added to `requests`: its writer's epoch, the epoch of the request at
-# position - 1 when it was written (NULL: none there), the bytes of its vectors and metadata (2);
-# the W3C `traceparent` of a traced write (NULL: not traced), whose span each replica's apply is
-# recorded under (3). A writer adds them to an older log when it opens it; the requests already
-# there keep NULL (epoch 0, no prev, their bytes counted from their operations when read, untraced).
+# The columns added to `requests` since schema 1: its writer's epoch, the epoch of the request at
+# position - 1 when it was written (NULL: none there), the bytes of its vectors and metadata (schema
+# 2); the W3C `traceparent` of a traced write (NULL: not traced), whose span each replica's apply is
+# recorded under. A writer adds them to an older log when it opens it; the requests already there
+# keep NULL (epoch 0, no prev, their bytes counted from their operations when read, untraced).
+# `trace` is optional, found by its column, not by a schema version: a writer of an earlier release
+# (which refuses a log whose version is above its own) still appends to a log that has it, NULL.
 _ADDED = {"epoch": "INTEGER", "prev": "INTEGER", "bytes": "INTEGER", "trace": "TEXT"}
-EPOCHS_SCHEMA, TRACE_SCHEMA = 2, 3  # the schema that added each
+EPOCHS_SCHEMA = 2
 WRITE_LOG = "writes/log.sqlite"  # in the index directory, beside manifest.json and versions/
 BUSY_TIMEOUT_MS = 10_000  # a reader or a checkpoint holding a lock: wait, do not fail the write
 # Bytes of vectors and metadata one read returns at most (always one request at least): a request
@@ -114,10 +116,11 @@ class LogMoved(ShardserveError, RuntimeError):
 
 
 class WriteLog:
-    """`WriteLog(path)` opens (creating) the log to append to; `WriteLog(path, readonly=True)` reads
-    what a writer in another process committed. Safe across threads (one connection, one lock)."""
+    """`WriteLog(path)` opens (creating) the log to append to (`create=False`: only if it exists);
+    `WriteLog(path, readonly=True)` reads what a writer in another process committed. Safe across
+    threads (one connection, one lock)."""
 
-    def __init__(self, path: str | Path, readonly: bool = False):
+    def __init__(self, path: str | Path, readonly: bool = False, create: bool = True):
         if sqlite3.sqlite_version_info < (3, 35):  # INSERT ... RETURNING (append)
             raise WriteLogError(f"the write log needs SQLite 3.35 or newer; Python here links "
                                 f"{sqlite3.sqlite_version}")
@@ -128,6 +131,9 @@ class WriteLog:
             uri = f"file:{self.path}?mode=rw"
             self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA query_only = ON")
+        elif not create:  # an existing log only (FileNotFound-like sqlite3.OperationalError otherwise)
+            self._db = sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, isolation_level=None,
+                                       check_same_thread=False)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -145,6 +151,7 @@ class WriteLog:
         if self._db.execute("PRAGMA synchronous").fetchone()[0] != 2:
             raise WriteLogError(f"write log {self.path}: synchronous=FULL was not applied")
         self._schema = self._schema_version()  # a reader of an older log reads it as such
+        self._traced = self._has_trace()
         # this writer's epoch, the one it takes when it finds the log lost requests, and the newest
         # position it appended (the log's newest below it: lost requests)
         self._epoch, self._fresh, self._high = new_epoch(), new_epoch(), 0
@@ -171,6 +178,9 @@ class WriteLog:
 
     def _schema_version(self) -> int:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def _has_trace(self) -> bool:
+        return any(row[1] == "trace" for row in self._db.execute("PRAGMA table_info(requests)").fetchall())
 
     def close(self) -> None:
         with self._lock:
@@ -244,9 +254,9 @@ class WriteLog:
         request it applied last: the first one's `prev` is its epoch) and trace."""
         vector = "o.vector" if vectors else "CASE WHEN o.vector IS NULL THEN NULL ELSE x'' END"
         with self._lock:
-            if self._schema < SCHEMA_VERSION:  # a writer may have migrated it: reads are rarer than tips
-                self._schema = self._schema_version()
-            found = self._db.execute(_read_statement(vector, self._schema),
+            if self._schema < SCHEMA_VERSION or not self._traced:  # a writer may have migrated it
+                self._schema, self._traced = self._schema_version(), self._has_trace()
+            found = self._db.execute(_read_statement(vector, self._schema, self._traced),
                                      (after, limit, max_bytes)).fetchall()
         requests: dict[int, list[Op]] = {}
         heads: dict[int, tuple[int, int, int | None, str | None]] = {}
@@ -357,13 +367,14 @@ _COUNTED = ("(SELECT coalesce(sum(length(vector)), 0) + coalesce(sum(length(meta
             "FROM ops WHERE ops.position = requests.position)")
 
 
-def _read_statement(vector: str, schema: int) -> str:
+def _read_statement(vector: str, schema: int, traced: bool) -> str:
     """The requests past ?1, at most ?2 of them and ?3 bytes (the first whatever its size), joined to
     their operations: the byte budget is a running sum over the requests the limit took first.
-    `schema`: the log's (an older one lacks the columns added since)."""
+    `schema`, `traced`: the log's version, and whether it has the trace column (an older log lacks
+    the columns added since)."""
     epoch, prev, size = (("coalesce(epoch, 0)", "prev", f"coalesce(bytes, {_COUNTED})")
                          if schema >= EPOCHS_SCHEMA else ("0", "NULL", _COUNTED))
-    trace = "trace" if schema >= TRACE_SCHEMA else "NULL"
+    trace = "trace" if traced else "NULL"
     return (f"SELECT r.position, r.ops, r.epoch, r.prev, r.trace, o.id, {vector}, o.metadata FROM "
             "(SELECT position, ops, epoch, prev, trace, size, "
             "sum(size) OVER (ORDER BY position ROWS UNBOUNDED PRECEDING) AS upto FROM "

@@ -123,6 +123,31 @@ class ShardWithDelta:
             base = base[~np.isin(base, exclude.ids)]
         return np.union1d(base, written), position
 
+    def page(self, after: int | None, limit: int) -> np.ndarray:
+        """The first `limit` live ids past `after`, ascending: the base's sorted ids read from the
+        cursor on, a chunk at a time, less the hidden ones, merged with the delta's (no pass over
+        the whole base: a scroll page costs its own size, plus a sort of the delta's ids)."""
+        with self.delta.lock:
+            exclude = self.delta.tombstones.exclusion()
+            written = np.sort(self.delta.live_ids())
+        base = self.delta.tombstones.base_ids  # sorted, never changed
+        start = 0 if after is None else int(np.searchsorted(base, after, "right"))
+        if after is not None:
+            written = written[np.searchsorted(written, after, "right"):]
+        taken: list[np.ndarray] = []
+        held, chunk = 0, max(2 * limit, 1024)
+        while held < limit and start < len(base):
+            part = base[start:start + chunk]
+            start += len(part)
+            if exclude is not None:
+                part = part[~np.isin(part, exclude.ids)]
+            taken.append(part)
+            held += len(part)
+        ids = np.concatenate(taken) if taken else np.zeros(0, np.int64)
+        if held >= limit:  # past the base's last id taken, only what no base id precedes
+            written = written[written <= ids[limit - 1]]
+        return np.union1d(ids, written)[:limit]
+
     def points(self, ids: list[int], columns: list[str],
                vectors: bool) -> tuple[list[dict | None], np.ndarray | None, int]:
         """Per id, its latest `columns` when this shard holds it live (None: not here, or deleted),

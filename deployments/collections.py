@@ -1,0 +1,339 @@
+"""Collections in the router: `/v1/collections` (create, list, describe, drop) and each
+collection's own search, writes and point API under `/v1/collections/{name}/`.
+
+A collection is an index directory like any (index_build.empty makes it, empty and flat), under the
+collections directory, named in its catalogue (shardserve.collection.catalogue). Creating one
+starts no process and deploys no application: every router replica answers it itself, holding its
+(small) index and following its write log as a shard replica does (shardserve.writes.follow), so a
+200 to a write is visible to the next request through any replica. Its exact searches run in the
+router's search thread (FAISS releases the GIL), never on the event loop. A replica holds at most
+`max_collections_held` collections (the least recently used are let go, and loaded again from disk
+when asked); a dropped one is let go at its next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import orjson
+from pydantic import ValidationError
+
+from deployments.config import AppArgs
+from index_build.empty import create_empty
+from shardserve.collection.catalogue import Catalogue, Entry, NameTaken
+from shardserve.collection.spec import CollectionSpec
+from shardserve.errors import ShardserveError
+from shardserve.index.manifest import Manifest, Published, read_shard_checked
+from shardserve.query.api import ApiError, Limits, ParsedQuery
+from shardserve.query.merge import QueryResult
+from shardserve.query.parse import is_npy, parse_query
+from shardserve.query.render import render_search, windowed
+from shardserve.query.searcher import ShardSearcher
+from shardserve.transport.http_front import Reply
+from shardserve.transport.http_front import Request as HttpRequest
+from shardserve.transport.shard_wire import ShardQuery
+from shardserve.writes.accept import WriteFront, delete_matching
+from shardserve.writes.delta import MAX_DELTA_ROWS
+from shardserve.writes.follow import LogBehind, ShardWrites
+from shardserve.writes.log import log_path
+from shardserve.writes.parse import delete_filter
+from shardserve.writes.points import (
+    PointsQuery,
+    page,
+    parse_count,
+    parse_points,
+    parse_scroll,
+    picked,
+    rendered,
+)
+from shardserve.writes.redis_log import LogUnavailable
+from shardserve.writes.roll import gathered
+
+logger = logging.getLogger("ray.serve")
+
+ROUTE = re.compile(r"/v1/collections(?:/([^/]+)(?:/([a-z]+))?)?")
+OPERATIONS = frozenset({"search", "upsert", "delete", "points", "count", "scroll"})
+
+
+def default_root(index: str) -> Path | None:
+    """Where `shardserve serve DIR` keeps its collections: DIR/collections, for an index on a local
+    disk (None otherwise: they need a local disk, as the write log does)."""
+    log = log_path(index)
+    return None if log is None else log.parent.parent / "collections"
+
+
+@dataclass
+class Held:
+    """A collection a router replica answers: its catalogue entry, its published version, its index
+    and writes as a shard replica follows them, and its write front."""
+
+    entry: Entry
+    manifest: Manifest
+    writes: ShardWrites
+    front: WriteFront
+    log: Path
+    # the manifest requests are checked against: its shard counted at the rows the collection may
+    # hold (a filter's work bound: comparisons x rows), not the empty base's 0
+    checks: Manifest
+
+
+class CollectionsFront:
+    """One router replica's collections (`respond` answers every /v1/collections route)."""
+
+    def __init__(self, root: Path | None, args: AppArgs, limits: Limits):
+        self.root, self.args, self.limits = root, args, limits
+        # their own threads: a collection's scan or read never queues in front of the index's work
+        self.executor = ThreadPoolExecutor(1, "collections", faiss.omp_set_num_threads, (1,))
+        self._writes_thread = ThreadPoolExecutor(1, "collection-writes")  # shared by every collection
+        self._catalogue: Catalogue | None = None
+        self._held: OrderedDict[int, Held] = OrderedDict()
+        self._loading: dict[int, asyncio.Future] = {}  # one load per collection, whoever asks first
+
+    async def catalogue(self) -> Catalogue:
+        """The catalogue, opened (and recovered) on first use, off the event loop."""
+        if self._catalogue is None:
+            if self.root is None:
+                raise ApiError(501, None, "collections need a local directory: the index is on remote "
+                                          "storage (set the app argument collections_dir)")
+            try:
+                opened = await asyncio.to_thread(Catalogue, self.root)
+            except (OSError, sqlite3.Error) as exc:
+                raise ApiError(501, None, f"collections directory {self.root} is not writable ({exc}): "
+                                          "set the app argument collections_dir") from None
+            if self._catalogue is None:
+                self._catalogue = opened
+            else:  # another request opened it meanwhile
+                opened.close()
+        return self._catalogue
+
+    async def _read(self, function: Callable, *args: object):
+        """A catalogue read or change, off the event loop (SQLite may wait for another writer's lock)."""
+        catalogue = await self.catalogue()
+        return await asyncio.to_thread(getattr(catalogue, function.__name__), *args)
+
+    async def respond(self, request: HttpRequest, route: str) -> Reply:
+        match = ROUTE.fullmatch(route)
+        if match is None:
+            return _json({"error": f"no route {request.method} {route}", "field": None}, 404)
+        name, operation = match[1], match[2]
+        method = request.method
+        if name is None:
+            if method == "POST":
+                return await self._create(request.body)
+            if method == "GET":
+                return _json({"collections": [_described(e) for e in await self._read(Catalogue.live)]})
+        elif operation is None:
+            if method == "GET":
+                held = await self._held_named(name)
+                await self._run(held.writes.catch_up)
+                return _json({**_described(held.entry), "count": held.writes.live_rows()})
+            if method == "DELETE":
+                return await self._drop(name)
+        elif method == "POST" and operation in OPERATIONS:
+            held = await self._held_named(name)
+            try:
+                return await getattr(self, f"_{operation}")(held, request)
+            except (LogBehind, LogUnavailable) as exc:
+                raise ApiError(503, None, f"collection {name!r} is catching up with its log: {exc}",
+                               self.args.retry_after_s) from None
+        return _json({"error": f"no route {method} {route}", "field": None}, 404)
+
+    async def _create(self, body: bytes) -> Reply:
+        try:
+            spec = CollectionSpec.model_validate_json(body or b"{}")
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            field = ".".join(str(part) for part in error["loc"]) or "body"
+            raise ApiError(422, field, f"{field}: {error['msg']}") from None
+        catalogue = await self.catalogue()
+        if len(await self._read(Catalogue.live)) >= self.args.max_collections:
+            raise ApiError(409, None, f"this server holds its maximum of {self.args.max_collections} "
+                                      "collections (max_collections): drop one first")
+        try:
+            entry = await asyncio.to_thread(catalogue.create, spec, create_empty)
+        except NameTaken as exc:
+            raise ApiError(409, "name", str(exc)) from None
+        except OSError as exc:  # nothing of it is left (Catalogue.create)
+            raise ApiError(507, None, f"the collection could not be written: {exc.strerror or exc}") from None
+        return _json(_described(entry), 201)
+
+    async def _drop(self, name: str) -> Reply:
+        entry = await self._read(Catalogue.drop, name)
+        if entry is None:
+            raise _missing(name)
+        self._let_go(entry.id)
+        return _json({"dropped": name, "id": entry.id})
+
+    async def _held_named(self, name: str) -> Held:
+        """The live collection `name`, loaded in this replica (a 404 when there is none; a copy of
+        a dropped one of that name, loaded before, is let go here)."""
+        entry = await self._read(Catalogue.get, name)
+        for stale in [cid for cid, kept in self._held.items()
+                      if kept.entry.name == name and (entry is None or cid != entry.id)]:
+            self._let_go(stale)
+        if entry is None:
+            raise _missing(name)
+        if entry.id not in self._held:
+            self._held[entry.id] = await self._loaded(entry)
+            idle = [cid for cid, kept in self._held.items() if not kept.front.waiting and cid != entry.id]
+            for collection_id in idle[:max(len(self._held) - self.args.max_collections_held, 0)]:
+                self._let_go(collection_id)  # the least recently used with no write waiting
+        self._held.move_to_end(entry.id)
+        return self._held[entry.id]
+
+    async def _loaded(self, entry: Entry) -> Held:
+        """`entry` loaded in a thread, once, whoever asks for it meanwhile (a 404 if it was dropped
+        while it loaded: its files gone)."""
+        loading = self._loading.get(entry.id)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(self._load, entry))
+            self._loading[entry.id] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(entry.id, None))
+        try:
+            held: Held = await asyncio.shield(loading)
+        except (OSError, ShardserveError) as exc:
+            logger.info("collection %s did not load: %r", entry.name, exc)
+            raise _missing(entry.name) from None
+        if entry.id in self._held:  # another request's load of it finished first: one copy kept
+            return self._held[entry.id]
+        return held
+
+    def _load(self, entry: Entry) -> Held:
+        published = Published.open(str(entry.path))
+        manifest, location = published.manifest, published.version
+        searcher = ShardSearcher.load(location, manifest, 0, mmap=True)
+        log = entry.path / "writes" / "log.sqlite"
+        trained = manifest.trained
+        writes = ShardWrites(searcher, 0, 1, log, manifest.log_position,
+                             lambda: read_shard_checked(location, trained) if trained else None)
+        writes.catch_up(True)
+        front = WriteFront(log, self.args.max_write_points, retry_after_s=self.args.retry_after_s,
+                           thread=self._writes_thread, create_log=False)
+        shard = manifest.shards[0].model_copy(update={"num_vectors": MAX_DELTA_ROWS})
+        return Held(entry, manifest, writes, front, log, manifest.model_copy(update={"shards": [shard]}))
+
+    def _let_go(self, collection_id: int) -> None:
+        held = self._held.pop(collection_id, None)
+        if held is not None:
+            held.front.close()
+            held.writes.close()
+
+    def _served(self, held: Held) -> Callable[[], tuple[Manifest, Path]]:
+        """`served` for a write: a 404 (nothing written) when the collection was dropped meanwhile."""
+        def served() -> tuple[Manifest, Path]:  # in the writes thread
+            assert self._catalogue is not None
+            entry = self._catalogue.get(held.entry.name)
+            if entry is None or entry.id != held.entry.id:
+                raise _missing(held.entry.name)
+            return held.manifest, held.log
+        return served
+
+    async def _search(self, held: Held, request: HttpRequest) -> Reply:
+        started = time.perf_counter()
+        query = parse_query(request, held.checks, frozenset(), self.limits)
+        result = windowed(query, await self._answer(held, query), held.manifest.metric != "l2")
+        metadata = None
+        if query.include:
+            columns, metadata = list(query.include), []
+            for ids in result.ids:
+                rows = await self._run(held.writes.lookup, [int(i) for i in ids[ids >= 0]], columns)
+                metadata.append([row or {} for row in rows])
+        body = render_search(query, result, (time.perf_counter() - started) * 1000.0,
+                             held.manifest.index_version, metadata)
+        return Reply(200, body)
+
+    async def _answer(self, held: Held, query: ParsedQuery) -> QueryResult:
+        params: dict = dict(query.params)
+        if query.filter is not None:
+            params["filter"] = query.filter
+        shard_query = ShardQuery(query.matrix, query.k, params)
+        distances, ids, ms, matched, _ = await self._run(held.writes.answer, shard_query)
+        return QueryResult(distances, ids, 1, 1, ms, ms, 1, matched=matched)
+
+    async def _upsert(self, held: Held, request: HttpRequest) -> Reply:
+        return _json(await held.front.accept(request.body, True, held.manifest, held.log,
+                                             served=self._served(held), npy=is_npy(request.content_type)))
+
+    async def _delete(self, held: Held, request: HttpRequest) -> Reply:
+        npy = is_npy(request.content_type)  # ids as a .npy array
+        kinds = held.manifest.dataset.metadata_kinds
+        where = None if npy else delete_filter(request.body, kinds, MAX_DELTA_ROWS)
+        if where is None:
+            return _json(await held.front.accept(request.body, False, held.manifest, held.log,
+                                                 served=self._served(held), npy=npy))
+
+        async def evaluate():
+            limit = self.limits.max_filter_delete_points
+            ids, count, position = await self._run(held.writes.ids_matching, where, limit)
+            metadata = held.writes.searcher.metadata
+            schema = None if metadata is None else metadata.table.schema
+            return (gathered([(ids, count, position, schema)], self.limits.max_filter_delete_points),
+                    held.manifest, held.log, where)
+
+        return _json(await delete_matching(held.front, evaluate, served=self._served(held)))
+
+    async def _points(self, held: Held, request: HttpRequest) -> Reply:
+        query = parse_points(request.body, held.checks, self.limits.max_page)
+        return _points_reply({"points": await self._get(held, query)})
+
+    async def _get(self, held: Held, query: PointsQuery) -> list[dict]:
+        ids = list(query.ids)
+        answer = await self._run(held.writes.points, ids, list(query.include), query.vectors)
+        found, vectors = picked([answer], len(ids))
+        return rendered(ids, found, vectors, query.vectors)
+
+    async def _count(self, held: Held, request: HttpRequest) -> Reply:
+        where = parse_count(request.body, held.checks)
+        if where is None:
+            await self._run(held.writes.catch_up)
+            return _json({"count": held.writes.live_rows()})
+        ids, _ = await self._run(held.writes.live_ids, where)
+        return _json({"count": len(ids)})
+
+    async def _scroll(self, held: Held, request: HttpRequest) -> Reply:
+        query = parse_scroll(request.body, held.checks, self.limits.max_page)
+        found = await self._run(held.writes.page, query.after, query.limit + 1, query.filter)
+        ids, more = page([found], query.limit)
+        points = (await self._get(held, PointsQuery(tuple(ids.tolist()), query.include, query.vectors))
+                  if len(ids) else [])
+        return _points_reply({"points": points, "next": int(ids[-1]) if more else None})
+
+    async def _run(self, function: Callable, *args: object):
+        """A blocking read of a collection (its log read, a pass over its ids) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+
+    def close(self) -> None:
+        for collection_id in list(self._held):
+            self._let_go(collection_id)
+        self._writes_thread.shutdown(wait=False)
+        self.executor.shutdown(wait=False)
+        if self._catalogue is not None:
+            self._catalogue.close()
+
+
+def _described(entry: Entry) -> dict:
+    return {"name": entry.name, "id": entry.id, "created_at": entry.created, "stage": "exact",
+            **entry.spec.model_dump(exclude={"name"})}
+
+
+def _missing(name: str) -> ApiError:
+    return ApiError(404, None, f"no collection named {name!r}")
+
+
+def _json(payload: object, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(payload))
+
+
+def _points_reply(payload: dict) -> Reply:
+    return Reply(200, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
+

@@ -1,0 +1,300 @@
+"""Collections below Ray: the catalogue (a collection exists whole or not at all across SIGKILLs of
+the process creating or dropping it; names and ids), and one router replica's collections front
+(shardserve's own routes, answered from real FAISS indexes and SQLite write logs), checked step by
+step against a plain numpy reference by a Hypothesis state machine over collections of different
+dimensions and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from deployments.collections import CollectionsFront
+from deployments.config import AppArgs
+from index_build.empty import create_empty
+from shardserve.collection.catalogue import CATALOGUE, Catalogue, NameTaken
+from shardserve.collection.spec import CollectionSpec
+from shardserve.query.api import ApiError, Limits
+from shardserve.transport.http_front import Request
+
+
+def _spec(name: str = "docs", dim: int = 4, **fields) -> CollectionSpec:
+    return CollectionSpec(name=name, dim=dim, **fields)
+
+
+def test_names_ids_and_a_failed_creation(tmp_path: Path) -> None:
+    catalogue = Catalogue(tmp_path)
+    first = catalogue.create(_spec(metadata={"label": "int64"}), create_empty)
+    assert (first.path / "manifest.json").exists() and catalogue.get("docs") == first
+    with pytest.raises(NameTaken):
+        catalogue.create(_spec(dim=8), create_empty)
+
+    def broken(directory: Path, spec: CollectionSpec) -> None:
+        create_empty(directory, spec)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        catalogue.create(_spec("other"), broken)
+    assert catalogue.get("other") is None and sorted(p.name for p in tmp_path.glob("c[0-9]*")) == ["c1"]
+    assert catalogue.drop("docs") == first and not first.path.exists() and catalogue.drop("docs") is None
+    again = catalogue.create(_spec(dim=8), create_empty)  # the name is free; the id is new
+    assert again.id not in (first.id, first.id + 1) and again.spec.dim == 8
+    assert [entry.name for entry in catalogue.live()] == ["docs"]
+    reader = Catalogue(tmp_path, readonly=True)
+    assert reader.get("docs") == again
+    catalogue.close()
+    reader.close()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"name": "../etc"}, "name"), ({"name": "ab"}, "name"), ({"name": "a" * 64}, "name"),
+    ({"dim": 0}, "dim"), ({"dim": 10_000}, "dim"), ({"metric": "hamming"}, "metric"),
+    ({"metadata": {"bad col": "string"}}, "metadata"), ({"metadata": {"x": "int128"}}, "metadata"),
+    ({"metadata": {"id": "int64"}}, "reserved"), ({"index": "IVF4096,PQ8"}, "index"),
+    ({"index": "Flat; DROP TABLE"}, "index"), ({"shards": 65}, "shards"),
+])
+def test_a_bad_spec_is_refused_before_anything_sees_it(fields: dict, says: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        CollectionSpec(**{"name": "docs", "dim": 4, **fields})
+    assert says in str(refused.value)
+
+
+_CHILD = """
+import os, sys, time
+from pathlib import Path
+from index_build.empty import create_empty
+from shardserve.collection.catalogue import Catalogue
+from shardserve.collection.spec import CollectionSpec
+
+def made_then_wait(directory, spec):
+    create_empty(directory, spec)
+    print("made", flush=True)
+    time.sleep(600)
+
+Catalogue(sys.argv[1]).create(CollectionSpec(name="docs", dim=4), made_then_wait)
+"""
+
+
+def test_a_creation_killed_midway_leaves_nothing_once_recovered_and_one_under_way_is_left_alone(
+        tmp_path: Path) -> None:
+    """SIGKILL of the process creating a collection, after its directory is made and before it is
+    live: while that process lives, another's recovery leaves its creation alone (it holds the
+    name's lock); once it is killed, the next recovery removes the directory and the row, and the
+    name is free."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CHILD), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "made"
+        other = Catalogue(tmp_path)  # opens and recovers beside the live creator: leaves it alone
+        assert other.recover() == [] and other.get("docs") is None
+        assert (tmp_path / "c1" / "manifest.json").exists() and _states(tmp_path) == [("docs", "creating")]
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert other.recover() == [1]
+    assert not (tmp_path / "c1").exists() and _states(tmp_path) == []
+    assert other.create(_spec(), create_empty).id == 2
+
+
+def _states(root: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(root / CATALOGUE) as db:
+        return db.execute("SELECT name, state FROM collections ORDER BY id").fetchall()
+
+
+def test_a_drop_killed_after_its_commit_is_finished_by_recovery(tmp_path: Path) -> None:
+    catalogue = Catalogue(tmp_path)
+    entry = catalogue.create(_spec(), create_empty)
+    with sqlite3.connect(tmp_path / CATALOGUE) as db:  # the drop's commit, and then the kill
+        db.execute("UPDATE collections SET state = 'dropped' WHERE id = ?", (entry.id,))
+    assert catalogue.get("docs") is None and entry.path.exists()  # gone for readers at once
+    assert Catalogue(tmp_path).recover() == [] and not entry.path.exists()  # opening recovered it
+
+
+def test_recovery_never_clears_a_live_collection_and_sweeps_unnamed_directories(tmp_path: Path) -> None:
+    """A creation that finished between recovery's read of the rows and its lock is live: recovery
+    leaves it (its conditional mark finds no `creating` row). A directory no row names (a creation
+    killed, its row cleared before its directory) goes."""
+    catalogue = Catalogue(tmp_path)
+    entry = catalogue.create(_spec(), create_empty)
+    assert catalogue._abandon(entry.id) is False and entry.path.exists() and catalogue.get("docs") == entry
+    orphan = tmp_path / "c99"
+    orphan.mkdir()
+    assert catalogue.recover() == [] and not orphan.exists() and entry.path.exists()
+
+
+# The collections front of one router replica, as the router calls it
+
+
+def _front(root: Path) -> CollectionsFront:
+    args = AppArgs(index="-", max_collections_held=2)
+    limits = Limits(100, 64, 1 << 30, 1 << 24, 1000, 200_000)
+    return CollectionsFront(root, args, limits)
+
+
+def _call(front: CollectionsFront, method: str, route: str, body: object = None) -> tuple[int, dict]:
+    raw = b"" if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    request = Request(method, route, raw, "", "application/json", {})
+
+    async def answer():
+        try:
+            return await front.respond(request, route)
+        except ApiError as error:
+            return error
+
+    reply = asyncio.run(answer())
+    if isinstance(reply, ApiError):
+        return reply.status, {"error": reply.message, "field": reply.field}
+    return reply.status, orjson.loads(reply.body)
+
+
+def _on(front: CollectionsFront, name: str, operation: str, body: object) -> tuple[int, dict]:
+    return _call(front, "POST", f"/v1/collections/{name}/{operation}", body)
+
+
+def test_collections_answer_their_own_points_and_never_anothers(tmp_path: Path) -> None:
+    front = _front(tmp_path)
+    created = {"name": "a-l2", "dim": 3, "metadata": {"tag": "string"}}
+    assert _call(front, "POST", "/v1/collections", created)[0] == 201
+    assert _call(front, "POST", "/v1/collections", {"name": "b-cos", "dim": 5, "metric": "cosine"})[0] == 201
+    assert _call(front, "POST", "/v1/collections", {"name": "a-l2", "dim": 3})[0] == 409
+    status, error = _call(front, "POST", "/v1/collections", {"name": "x y", "dim": 3})
+    assert status == 422 and error["field"] == "name"
+    written = {"ids": [1, 2], "vectors": [[0, 0, 0], [1, 1, 1]], "metadata": [{"tag": "x"}, {"tag": "y"}]}
+    assert _on(front, "a-l2", "upsert", written)[0] == 200
+    assert _on(front, "b-cos", "upsert", {"ids": [1], "vectors": [[1, 0, 0, 0, 0]]})[0] == 200
+    status, hits = _on(front, "a-l2", "search", {"vector": [1, 1, 1], "k": 5, "include": ["tag"]})
+    assert status == 200 and hits["ids"] == [2, 1] and hits["metadata"] == [{"tag": "y"}, {"tag": "x"}]
+    status, hits = _on(front, "b-cos", "search", {"vector": [2, 0, 0, 0, 0], "k": 5})
+    assert hits["ids"] == [1] and hits["distances"] == [pytest.approx(1.0)]
+    assert _on(front, "b-cos", "search", {"vector": [1, 1, 1], "k": 5})[0] == 422  # its own dim
+    assert _on(front, "a-l2", "count", {"filter": {"tag": "x"}})[1]["count"] == 1
+    assert _on(front, "a-l2", "delete", {"filter": {"tag": "x"}})[0] == 200
+    assert _on(front, "a-l2", "scroll", {})[1]["points"] == [{"id": 2, "metadata": {"tag": "y"}}]
+    assert _on(front, "b-cos", "points", {"ids": [1, 2]})[1]["points"] == [{"id": 1, "metadata": {}}]
+    listed = _call(front, "GET", "/v1/collections")[1]["collections"]
+    assert [(c["name"], c["dim"], c["metric"]) for c in listed] == [("a-l2", 3, "l2"), ("b-cos", 5, "cosine")]
+    assert _call(front, "GET", "/v1/collections/a-l2")[1]["count"] == 1
+    assert _call(front, "DELETE", "/v1/collections/a-l2")[0] == 200
+    assert _on(front, "a-l2", "search", {"vector": [1, 1, 1]})[0] == 404
+    assert _call(front, "POST", "/v1/collections", {"name": "a-l2", "dim": 3})[0] == 201
+    assert _on(front, "a-l2", "count", {})[1]["count"] == 0  # nothing of the old one
+    assert _call(front, "GET", "/v1/collections/nope")[0] == 404
+    front.close()
+
+
+SHAPES = {"s2-l2": (2, "l2"), "s3-ip": (3, "ip"), "s4-cos": (4, "cosine")}
+
+
+class Collections(RuleBasedStateMachine):
+    """Random creates, upserts, deletes, gets, counts, scrolls, searches and drops over collections
+    of three shapes, each step checked against dicts of numpy vectors: count, get and scroll exact
+    (no duplicates), searches equal to brute force, no id ever seen in another collection. A replica
+    holds 2 collections at most: the others are let go and loaded again from disk as they are asked."""
+
+    names = Bundle("names")
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="collections-"))
+        self.front = _front(self.root)
+        self.held: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
+
+    def teardown(self) -> None:
+        import shutil
+
+        self.front.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    @rule(target=names, name=st.sampled_from(sorted(SHAPES)))
+    def create(self, name: str) -> str:
+        dim, metric = SHAPES[name]
+        status, _ = _call(self.front, "POST", "/v1/collections",
+                          {"name": name, "dim": dim, "metric": metric, "metadata": {"tag": "int64"}})
+        assert status == (409 if name in self.held else 201)
+        self.held.setdefault(name, {})
+        return name
+
+    @rule(name=names, ids=st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+          seed=st.integers(0, 2**16), tag=st.integers(0, 3))
+    def upsert(self, name: str, ids: list[int], seed: int, tag: int) -> None:
+        dim, metric = SHAPES[name]
+        vectors = np.random.default_rng(seed).normal(size=(len(ids), dim)).astype(np.float32)
+        status, _ = _call(self.front, "POST", f"/v1/collections/{name}/upsert",
+                          {"ids": ids, "vectors": vectors, "metadata": [{"tag": tag}] * len(ids)})
+        assert status == (200 if name in self.held else 404)
+        if name in self.held:
+            if metric == "cosine":
+                vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            self.held[name].update({i: (v, tag) for i, v in zip(ids, vectors, strict=True)})
+
+    @rule(name=names, ids=st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True))
+    def delete(self, name: str, ids: list[int]) -> None:
+        status, _ = _call(self.front, "POST", f"/v1/collections/{name}/delete", {"ids": ids})
+        assert status == (200 if name in self.held else 404)
+        for i in ids:
+            self.held.get(name, {}).pop(i, None)
+
+    @rule(name=consumes(names))
+    def drop(self, name: str) -> None:
+        status, _ = _call(self.front, "DELETE", f"/v1/collections/{name}")
+        assert status == (200 if name in self.held else 404)
+        self.held.pop(name, None)
+
+    @rule(name=names, seed=st.integers(0, 2**16), k=st.integers(1, 8), tag=st.none() | st.integers(0, 3))
+    def search(self, name: str, seed: int, k: int, tag: int | None) -> None:
+        if name not in self.held:
+            return
+        dim, metric = SHAPES[name]
+        query = np.random.default_rng(seed).normal(size=dim).astype(np.float32)
+        body: dict = {"vector": query, "k": k, **({} if tag is None else {"filter": {"tag": tag}})}
+        status, hits = _call(self.front, "POST", f"/v1/collections/{name}/search", body)
+        assert status == 200
+        points = {i: v for i, (v, t) in self.held[name].items() if tag is None or t == tag}
+        if metric == "cosine":
+            query = query / np.linalg.norm(query)
+        scores = {i: float(v @ query) if metric != "l2" else float(((v - query) ** 2).sum())
+                  for i, v in points.items()}
+        want = sorted(scores, key=lambda i: (-scores[i] if metric != "l2" else scores[i], i))[:k]
+        assert sorted(hits["ids"]) == sorted(want) or np.allclose(
+            sorted(scores[i] for i in hits["ids"]), sorted(scores[i] for i in want), atol=1e-4)
+        assert len(set(hits["ids"])) == len(hits["ids"]) and set(hits["ids"]) <= set(points)
+
+    @invariant()
+    def counts_gets_and_scrolls_are_exact(self) -> None:
+        for name, points in self.held.items():
+            assert _call(self.front, "POST", f"/v1/collections/{name}/count", {})[1]["count"] == len(points)
+            walked, after = [], None
+            while True:
+                _, page = _call(self.front, "POST", f"/v1/collections/{name}/scroll",
+                                {"after": after, "limit": 4, "include": []})
+                walked += [p["id"] for p in page["points"]]
+                after = page["next"]
+                if after is None:
+                    break
+            assert walked == sorted(points)
+            asked = sorted(set(range(0, 41, 3)))
+            _, got = _on(self.front, name, "points", {"ids": asked, "vectors": True})
+            assert [p["id"] for p in got["points"]] == [i for i in asked if i in points]
+            for point in got["points"]:
+                vector, tag = points[point["id"]]
+                assert point["metadata"] == {"tag": tag} and np.allclose(point["vector"], vector, atol=1e-6)
+
+
+Collections.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+test_collections_match_a_plain_reference = Collections.TestCase
