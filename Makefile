@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -146,6 +146,11 @@ bench-tracing: install data vegeta jaeger $(INDEX)/manifest.json
 # Process-hygiene knobs A/B, each on a fresh local Ray: loadtests/records/hygiene.json.
 bench-hygiene: install data vegeta $(INDEX)/manifest.json
 	$(BIN)/python -m lab.hygiene --index $(INDEX)
+
+# 1,000 collections of 1,000 points on one `shardserve serve`: processes, memory, and one collection's
+# p99 beside the others (loadtests/records/bench-collections.json). Not in make test.
+bench-collections: install data vegeta
+	$(BIN)/python -m loadtests.bench_collections
 
 # GloVe-50 (the [glove] extra) as parquet, streamed into 4 shards as cosine, served and graded over
 # HTTP: loadtests/records/bench-glove.json. Not in make test.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import resource
 import sqlite3
 import time
 from collections import OrderedDict
@@ -97,7 +98,9 @@ class CollectionsFront:
         self._writes_thread = ThreadPoolExecutor(1, "collection-writes")  # shared by every collection
         self._catalogue: Catalogue | None = None
         self._held: OrderedDict[int, Held] = OrderedDict()
+        self._named: dict[str, int] = {}  # the id held under each name
         self._loading: dict[int, asyncio.Future] = {}  # one load per collection, whoever asks first
+        self.max_held = held_within_files(args.max_collections_held)
 
     async def catalogue(self) -> Catalogue:
         """The catalogue, opened (and recovered) on first use, off the event loop."""
@@ -178,15 +181,16 @@ class CollectionsFront:
         """The live collection `name`, loaded in this replica (a 404 when there is none; a copy of
         a dropped one of that name, loaded before, is let go here)."""
         entry = await self._read(Catalogue.get, name)
-        for stale in [cid for cid, kept in self._held.items()
-                      if kept.entry.name == name and (entry is None or cid != entry.id)]:
-            self._let_go(stale)
+        stale = self._named.get(name)
+        if stale is not None and (entry is None or stale != entry.id):
+            self._let_go(stale)  # a dropped one of that name, loaded before
         if entry is None:
             raise _missing(name)
         if entry.id not in self._held:
             self._held[entry.id] = await self._loaded(entry)
+            self._named[name] = entry.id
             idle = [cid for cid, kept in self._held.items() if not kept.front.waiting and cid != entry.id]
-            for collection_id in idle[:max(len(self._held) - self.args.max_collections_held, 0)]:
+            for collection_id in idle[:max(len(self._held) - self.max_held, 0)]:
                 self._let_go(collection_id)  # the least recently used with no write waiting
         self._held.move_to_end(entry.id)
         return self._held[entry.id]
@@ -225,6 +229,8 @@ class CollectionsFront:
     def _let_go(self, collection_id: int) -> None:
         held = self._held.pop(collection_id, None)
         if held is not None:
+            if self._named.get(held.entry.name) == collection_id:
+                del self._named[held.entry.name]
             held.front.close()
             held.writes.close()
 
@@ -319,6 +325,19 @@ class CollectionsFront:
         self.executor.shutdown(wait=False)
         if self._catalogue is not None:
             self._catalogue.close()
+
+
+FILES_PER_HELD = 8  # a held collection's open files: two SQLite connections (writer, reader) and their WAL
+FILES_KEPT = 512  # left for everything else of the replica (sockets, the index's files, Ray's)
+
+
+def held_within_files(wanted: int) -> int:
+    """`wanted`, or fewer when this process may not open that many files (RLIMIT_NOFILE): a held
+    collection keeps its logs open, and a replica out of file descriptors fails every request."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, (soft - FILES_KEPT) // FILES_PER_HELD))
 
 
 def _described(entry: Entry) -> dict:

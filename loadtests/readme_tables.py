@@ -606,7 +606,30 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "autoscale-spare-core": autoscale_table(spare_core) + "\n\n" + burst_line(spare_core),
             "text-bench": text_bench_table(load("bench-text.json")),
             "text-autoscale": text_autoscale_table(load("autoscale-text.json")),
-            "bench-tracing": tracing_table(load("bench-tracing.json"))}
+            "bench-tracing": tracing_table(load("bench-tracing.json")),
+            "bench-collections": collections_table(load("bench-collections.json"))}
+
+
+def collections_table(record: dict) -> str:
+    """`make bench-collections`: many small collections on one `shardserve serve`."""
+    index = record["index"]
+    rows = ["| round | collections | server processes before / after | router RSS MB before / after | "
+            "KB per collection | s to create and fill one | p99 only it | p99 among all |",
+            "|---|---|---|---|---|---|---|---|"]
+    levels = {level["label"]: level for level in record["levels"]}
+    for r in record["rounds"]:
+        n = r["round"]
+        only, every = levels[f"only-{n}"]["p99_ms"], levels[f"all-{n}"]["p99_ms"]
+        rows.append(f"| {n} | {r['collections']:,} | {r['processes_before']} / {r['processes_after']} | "
+                    f"{r['router_rss_mb_before']} / {r['router_rss_mb_after']} | "
+                    f"{r['router_kb_per_collection']} | {r['create_and_fill_s_per_collection']} | "
+                    f"{only:.2f} ms | {every:.2f} ms |")
+    check = record["ratios"]["p99_all_vs_only"]
+    met = "met" if check["met"] else "missed"
+    rows += ["", f"{index['collections']:,} collections of {index['points']:,} points of {index['dim']} "
+                 f"dims, searched exactly, {record['headline']['rate']:g} searches/s on one: p99 among all "
+                 f"/ p99 with only it = {check['value']} (target {check['target']}: {met})."]
+    return "\n".join(rows)
 
 
 def tracing_table(record: dict) -> str:

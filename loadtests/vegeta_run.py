@@ -64,12 +64,13 @@ def vegeta_version() -> str:
 
 def make_targets(queries: np.ndarray, url: str, k: int = 10, params: dict | None = None,
                  batch: int = 0, count: int = 1000, npy: bool = False,
-                 extra: dict | None = None) -> list[bytes]:
+                 extra: dict | None = None, route: str = "/v1/search") -> list[bytes]:
     """One vegeta JSON target per line; bodies cycle through the real queries (base64-encoded).
     `npy`: float32 .npy bodies with k and params in the query string, instead of JSON bodies.
-    `extra`: more fields of every JSON body (e.g. a `filter`)."""
+    `extra`: more fields of every JSON body (e.g. a `filter`). `route`: the search's path under `url`
+    (a collection's: /v1/collections/NAME/search)."""
     lines = []
-    endpoint = url.rstrip("/") + "/v1/search"
+    endpoint = url.rstrip("/") + route
     for i in range(count):
         rows = np.arange(i * batch, (i + 1) * batch) % len(queries) if batch else i % len(queries)
         if npy:

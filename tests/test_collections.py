@@ -200,9 +200,11 @@ SHAPES = {"s2-l2": (2, "l2"), "s3-ip": (3, "ip"), "s4-cos": (4, "cosine")}
 
 class Collections(RuleBasedStateMachine):
     """Random creates, upserts, deletes, gets, counts, scrolls, searches and drops over collections
-    of three shapes, each step checked against dicts of numpy vectors: count, get and scroll exact
-    (no duplicates), searches equal to brute force, no id ever seen in another collection. A replica
-    holds 2 collections at most: the others are let go and loaded again from disk as they are asked."""
+    of three shapes, each step sent to one of two router replicas' fronts over the same directory
+    (one of them restarted now and then) and checked against dicts of numpy vectors: count, get
+    and scroll exact (no duplicates) through either replica, searches equal to brute force, no id
+    ever seen in another collection. A replica holds 2 collections at most: the others are let go
+    and loaded again from disk as they are asked."""
 
     names = Bundle("names")
 
@@ -211,14 +213,28 @@ class Collections(RuleBasedStateMachine):
         import tempfile
 
         self.root = Path(tempfile.mkdtemp(prefix="collections-"))
-        self.front = _front(self.root)
+        self.fronts = [_front(self.root), _front(self.root)]
+        self.turn = 0
         self.held: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
+
+    @property
+    def front(self) -> CollectionsFront:
+        """The replica the next request reaches: each in turn."""
+        self.turn += 1
+        return self.fronts[self.turn % 2]
 
     def teardown(self) -> None:
         import shutil
 
-        self.front.close()
+        for front in self.fronts:
+            front.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+    @rule(replica=st.integers(0, 1))
+    def restart(self, replica: int) -> None:
+        """A replica started again: it loads what it is asked for from disk."""
+        self.fronts[replica].close()
+        self.fronts[replica] = _front(self.root)
 
     @rule(target=names, name=st.sampled_from(sorted(SHAPES)))
     def create(self, name: str) -> str:

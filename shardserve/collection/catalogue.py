@@ -35,6 +35,7 @@ from shardserve.errors import ShardserveError, WriteLogError
 
 CATALOGUE = "catalogue.sqlite"
 BUSY_TIMEOUT_MS = 10_000
+PARSED_KEPT = 16_384  # entries whose spec was parsed, kept (then all dropped and parsed again)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS collections (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -85,6 +86,7 @@ class Catalogue:
         self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         self._db.execute("PRAGMA synchronous = FULL")
         self._lock = threading.Lock()
+        self._parsed: dict[int, Entry] = {}
         if not readonly:
             self.recover()
 
@@ -153,11 +155,14 @@ class Catalogue:
         return entry
 
     def get(self, name: str) -> Entry | None:
-        """The live collection `name`, or None."""
+        """The live collection `name`, or None. One lookup in the names' index (every request to a
+        collection makes it: a dropped one must be seen at once), its spec parsed once per id."""
         with self._lock:
-            row = self._db.execute("SELECT id, spec, created FROM collections "
-                                   "WHERE name = ? AND state = 'live'", (name,)).fetchone()
-        return None if row is None else self._entry(row)
+            row = self._db.execute("SELECT id, state, spec, created FROM collections "
+                                   "WHERE name = ? AND state != 'dropped'", (name,)).fetchone()
+        if row is None or row[1] != "live":
+            return None
+        return self._entry((row[0], row[2], row[3]))
 
     def live(self) -> list[Entry]:
         """Every live collection, oldest first."""
@@ -208,7 +213,14 @@ class Catalogue:
     def _entry(self, row: tuple) -> Entry:
         collection_id, spec, created = row
         number = int(collection_id)
-        return Entry(number, CollectionSpec.model_validate_json(spec), self.path_of(number), float(created))
+        entry = self._parsed.get(number)  # ids are never reused: a spec parsed once is that id's for good
+        if entry is None:
+            entry = Entry(number, CollectionSpec.model_validate_json(spec), self.path_of(number),
+                          float(created))
+            if len(self._parsed) >= PARSED_KEPT:
+                self._parsed.clear()
+            self._parsed[number] = entry
+        return entry
 
     def close(self) -> None:
         with self._lock:
