@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
-import orjson
 from pydantic import ValidationError
 
 from deployments.config import AppArgs
@@ -42,6 +41,7 @@ from shardserve.query.render import render_search, windowed
 from shardserve.query.searcher import ShardSearcher
 from shardserve.transport.http_front import Reply
 from shardserve.transport.http_front import Request as HttpRequest
+from shardserve.transport.http_front import json_reply as _json
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.accept import WriteFront, delete_matching
 from shardserve.writes.delta import MAX_DELTA_ROWS
@@ -290,7 +290,7 @@ class CollectionsFront:
 
     async def _points(self, held: Held, request: HttpRequest) -> Reply:
         query = parse_points(request.body, held.checks, self.limits.max_page)
-        return _points_reply({"points": await self._get(held, query)})
+        return _json({"points": await self._get(held, query)})
 
     async def _get(self, held: Held, query: PointsQuery) -> list[dict]:
         ids = list(query.ids)
@@ -312,7 +312,7 @@ class CollectionsFront:
         ids, more = page([found], query.limit)
         points = (await self._get(held, PointsQuery(tuple(ids.tolist()), query.include, query.vectors))
                   if len(ids) else [])
-        return _points_reply({"points": points, "next": int(ids[-1]) if more else None})
+        return _json({"points": points, "next": int(ids[-1]) if more else None})
 
     async def _run(self, function: Callable, *args: object):
         """A blocking read of a collection (its log read, a pass over its ids) off the event loop."""
@@ -349,10 +349,4 @@ def _missing(name: str) -> ApiError:
     return ApiError(404, None, f"no collection named {name!r}")
 
 
-def _json(payload: object, status: int = 200) -> Reply:
-    return Reply(status, orjson.dumps(payload))
-
-
-def _points_reply(payload: dict) -> Reply:
-    return Reply(200, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
 

@@ -53,6 +53,7 @@ from shardserve.runtime.procfs import lower_priority
 from shardserve.tracing import Span, Traced, Tracer, end, now, traceparent
 from shardserve.transport.http_front import FrontDoor, Reply
 from shardserve.transport.http_front import Request as HttpRequest
+from shardserve.transport.http_front import json_reply as _json
 from shardserve.transport.shard_link import ShardLinks
 from shardserve.writes.accept import (
     MAX_FILTER_DELETE,
@@ -71,10 +72,6 @@ from shardserve.writes.points import parse_count, parse_points, parse_scroll
 from shardserve.writes.redis_log import LogUnavailable
 
 logger = logging.getLogger("ray.serve")
-
-
-def _json(payload: object, status: int = 200) -> Reply:
-    return Reply(status, orjson.dumps(payload))
 
 
 def _error(error: ApiError) -> Reply:
@@ -250,12 +247,12 @@ async def _points_route(router: "Router", request: HttpRequest, route: str) -> R
         try:
             if route == "/v1/points":
                 points = await active.points(parse_points(request.body, manifest, max_page), timeout_s)
-                return _points_reply({"points": points, "index": manifest.index_version})
+                return _json({"points": points, "index": manifest.index_version})
             if route == "/v1/count":
                 return _json({"count": await active.count(parse_count(request.body, manifest), timeout_s),
                               "index": manifest.index_version})
             points, after = await active.scroll(parse_scroll(request.body, manifest, max_page), timeout_s)
-            return _points_reply({"points": points, "next": after, "index": manifest.index_version})
+            return _json({"points": points, "next": after, "index": manifest.index_version})
         except (TimeoutError, LogBehind, LogUnavailable, RayActorError,
                 ActorUnavailableError) as exc:  # a shard late, restarting or behind its log
             logger.warning("%s: a shard did not answer: %r", route, exc)
@@ -265,10 +262,6 @@ async def _points_route(router: "Router", request: HttpRequest, route: str) -> R
             router.in_flight -= 1
 
     return await _counted(router, route.rsplit("/", 1)[1], answer)
-
-
-def _points_reply(payload: dict) -> Reply:
-    return Reply(200, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 def _text_front(a: AppArgs) -> TextFront:

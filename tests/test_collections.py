@@ -114,13 +114,35 @@ def _states(root: Path) -> list[tuple[str, str]]:
         return db.execute("SELECT name, state FROM collections ORDER BY id").fetchall()
 
 
+_DROPPER = """
+import sys, time
+from shardserve.collection import catalogue
+
+def stalled(path, ignore_errors=False):  # the drop's commit is done; its deletion never comes
+    print("committed", flush=True)
+    time.sleep(600)
+
+catalogue.shutil.rmtree = stalled
+catalogue.Catalogue(sys.argv[1]).drop("docs")
+"""
+
+
 def test_a_drop_killed_after_its_commit_is_finished_by_recovery(tmp_path: Path) -> None:
+    """SIGKILL of the process dropping a collection, between the drop's commit and the deletion of
+    its directory: it is gone for every reader at once, and the next recovery deletes it."""
     catalogue = Catalogue(tmp_path)
     entry = catalogue.create(_spec(), create_empty)
-    with sqlite3.connect(tmp_path / CATALOGUE) as db:  # the drop's commit, and then the kill
-        db.execute("UPDATE collections SET state = 'dropped' WHERE id = ?", (entry.id,))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_DROPPER), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "committed"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
     assert catalogue.get("docs") is None and entry.path.exists()  # gone for readers at once
+    assert _states(tmp_path) == [("docs", "dropped")]
     assert Catalogue(tmp_path).recover() == [] and not entry.path.exists()  # opening recovered it
+    assert _states(tmp_path) == []
 
 
 def test_recovery_never_clears_a_live_collection_and_sweeps_unnamed_directories(tmp_path: Path) -> None:

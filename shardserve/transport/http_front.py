@@ -66,6 +66,11 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def json_reply(payload: object, status: int = 200) -> Reply:
+    """A JSON answer (numpy arrays in it written by orjson as they are)."""
+    return Reply(status, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
+
+
 @dataclass(frozen=True)
 class Request:
     """One complete request, as a handler sees it (the route without its query string)."""
