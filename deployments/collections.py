@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import resource
 import sqlite3
@@ -30,12 +31,14 @@ from pydantic import ValidationError
 
 from deployments.config import AppArgs
 from index_build.empty import create_empty
+from index_build.grow import grown
 from shardserve.collection.catalogue import Catalogue, Entry, NameTaken
 from shardserve.collection.spec import CollectionSpec
 from shardserve.errors import ShardserveError
 from shardserve.index.manifest import Manifest, Published, read_shard_checked
+from shardserve.index.metadata import combine
 from shardserve.query.api import ApiError, Limits, ParsedQuery
-from shardserve.query.merge import QueryResult
+from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.query.parse import is_npy, parse_query
 from shardserve.query.render import render_search, windowed
 from shardserve.query.searcher import ShardSearcher
@@ -75,17 +78,41 @@ def default_root(index: str) -> Path | None:
 
 @dataclass
 class Held:
-    """A collection a router replica answers: its catalogue entry, its published version, its index
-    and writes as a shard replica follows them, and its write front."""
+    """A collection a router replica answers: its catalogue entry, its published version, each of
+    its shards' index and writes as a shard replica follows them, and its write front."""
 
     entry: Entry
     manifest: Manifest
-    writes: ShardWrites
+    shards: list[ShardWrites]
     front: WriteFront
     log: Path
-    # the manifest requests are checked against: its shard counted at the rows the collection may
-    # hold (a filter's work bound: comparisons x rows), not the empty base's 0
+    # the manifest requests are checked against: its shards counted at the rows the collection may
+    # hold (a filter's work bound: comparisons x rows), not the base's alone
     checks: Manifest
+    stamp: tuple[int, int]  # manifest.json's (inode, mtime) when loaded: a new version replaces it
+
+    def catch_up(self) -> None:
+        for shard in self.shards:
+            shard.catch_up()
+
+    def count(self) -> int:
+        if len(self.shards) == 1:
+            self.shards[0].catch_up()
+            return self.shards[0].live_rows()
+        return sum(len(shard.live_ids()[0]) for shard in self.shards)
+
+    def close(self) -> None:
+        for shard in self.shards:
+            shard.close()
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """manifest.json's identity: a fold publishes by replacing it (a new inode)."""
+    try:
+        found = os.stat(path / "manifest.json")
+    except OSError:
+        return (0, 0)  # dropped meanwhile: its load answers 404
+    return found.st_ino, found.st_mtime_ns
 
 
 class CollectionsFront:
@@ -138,8 +165,8 @@ class CollectionsFront:
         elif operation is None:
             if method == "GET":
                 held = await self._held_named(name)
-                await self._run(held.writes.catch_up)
-                return _json({**_described(held.entry), "count": held.writes.live_rows()})
+                return _json({**_described(held.entry), **_stage(held.manifest),
+                              "count": await self._run(held.count)})
             if method == "DELETE":
                 return await self._drop(name)
         elif method == "POST" and operation in OPERATIONS:
@@ -186,45 +213,57 @@ class CollectionsFront:
             self._let_go(stale)  # a dropped one of that name, loaded before
         if entry is None:
             raise _missing(name)
-        if entry.id not in self._held:
-            self._held[entry.id] = await self._loaded(entry)
-            self._named[name] = entry.id
+        held = self._held.get(entry.id)
+        if held is None or held.stamp != _stamp(entry.path):  # not held, or a fold published anew
+            loaded = await self._loaded(entry, held)
+            current = self._held.get(entry.id)
+            if current is not loaded:  # not installed yet by another request that awaited it
+                self._held[entry.id] = loaded
+                self._named[name] = entry.id
+                if current is not None:  # the version it replaces, let go after the reads queued on it
+                    self.executor.submit(current.close)
             idle = [cid for cid, kept in self._held.items() if not kept.front.waiting and cid != entry.id]
             for collection_id in idle[:max(len(self._held) - self.max_held, 0)]:
                 self._let_go(collection_id)  # the least recently used with no write waiting
         self._held.move_to_end(entry.id)
         return self._held[entry.id]
 
-    async def _loaded(self, entry: Entry) -> Held:
-        """`entry` loaded in a thread, once, whoever asks for it meanwhile (a 404 if it was dropped
-        while it loaded: its files gone)."""
+    async def _loaded(self, entry: Entry, previous: Held | None) -> Held:
+        """`entry`'s published version loaded in a thread, once, whoever asks for it meanwhile
+        (keeping `previous`'s write front, when a new version replaces it); a 404 if it was
+        dropped while it loaded: its files gone."""
         loading = self._loading.get(entry.id)
         if loading is None:
-            loading = asyncio.ensure_future(asyncio.to_thread(self._load, entry))
+            front = None if previous is None else previous.front
+            loading = asyncio.ensure_future(asyncio.to_thread(self._load, entry, front))
             self._loading[entry.id] = loading
             loading.add_done_callback(lambda _: self._loading.pop(entry.id, None))
         try:
-            held: Held = await asyncio.shield(loading)
+            return await asyncio.shield(loading)
         except (OSError, ShardserveError) as exc:
             logger.info("collection %s did not load: %r", entry.name, exc)
             raise _missing(entry.name) from None
-        if entry.id in self._held:  # another request's load of it finished first: one copy kept
-            return self._held[entry.id]
-        return held
 
-    def _load(self, entry: Entry) -> Held:
+    def _load(self, entry: Entry, front: WriteFront | None) -> Held:
+        stamp = _stamp(entry.path)
         published = Published.open(str(entry.path))
         manifest, location = published.manifest, published.version
-        searcher = ShardSearcher.load(location, manifest, 0, mmap=True)
         log = entry.path / "writes" / "log.sqlite"
         trained = manifest.trained
-        writes = ShardWrites(searcher, 0, 1, log, manifest.log_position,
-                             lambda: read_shard_checked(location, trained) if trained else None)
-        writes.catch_up(True)
-        front = WriteFront(log, self.args.max_write_points, retry_after_s=self.args.retry_after_s,
-                           thread=self._writes_thread, create_log=False)
-        shard = manifest.shards[0].model_copy(update={"num_vectors": MAX_DELTA_ROWS})
-        return Held(entry, manifest, writes, front, log, manifest.model_copy(update={"shards": [shard]}))
+        shards = []
+        for shard in range(len(manifest.shards)):
+            searcher = ShardSearcher.load(location, manifest, shard, mmap=True)
+            writes = ShardWrites(searcher, shard, len(manifest.shards), log, manifest.log_position,
+                                 lambda: read_shard_checked(location, trained) if trained else None)
+            writes.catch_up(True)
+            shards.append(writes)
+        if front is None:
+            front = WriteFront(log, self.args.max_write_points, retry_after_s=self.args.retry_after_s,
+                               thread=self._writes_thread, create_log=False)
+        bounded = [entry_.model_copy(update={"num_vectors": entry_.num_vectors + MAX_DELTA_ROWS})
+                   for entry_ in manifest.shards]
+        return Held(entry, manifest, shards, front, log, manifest.model_copy(update={"shards": bounded}),
+                    stamp)
 
     def _let_go(self, collection_id: int) -> None:
         held = self._held.pop(collection_id, None)
@@ -232,7 +271,7 @@ class CollectionsFront:
             if self._named.get(held.entry.name) == collection_id:
                 del self._named[held.entry.name]
             held.front.close()
-            held.writes.close()
+            held.close()
 
     def _served(self, held: Held) -> Callable[[], tuple[Manifest, Path]]:
         """`served` for a write: a 404 (nothing written) when the collection was dropped meanwhile."""
@@ -252,7 +291,8 @@ class CollectionsFront:
         if query.include:
             columns, metadata = list(query.include), []
             for ids in result.ids:
-                rows = await self._run(held.writes.lookup, [int(i) for i in ids[ids >= 0]], columns)
+                wanted = [int(i) for i in ids[ids >= 0]]
+                rows = combine(await self._run(_lookups, held.shards, wanted, columns), len(wanted))
                 metadata.append([row or {} for row in rows])
         body = render_search(query, result, (time.perf_counter() - started) * 1000.0,
                              held.manifest.index_version, metadata)
@@ -263,8 +303,15 @@ class CollectionsFront:
         if query.filter is not None:
             params["filter"] = query.filter
         shard_query = ShardQuery(query.matrix, query.k, params)
-        distances, ids, ms, matched, _ = await self._run(held.writes.answer, shard_query)
-        return QueryResult(distances, ids, 1, 1, ms, ms, 1, matched=matched)
+        answers = await self._run(lambda: [shard.answer(shard_query) for shard in held.shards])
+        if len(answers) == 1:
+            distances, ids, ms, matched, _ = answers[0]
+            return QueryResult(distances, ids, 1, 1, ms, ms, 1, matched=matched)
+        distances, ids = merge_topk([a[0] for a in answers], [a[1] for a in answers], query.k,
+                                    held.manifest.metric != "l2", positions=[a[4] for a in answers])
+        ms = sum(a[2] for a in answers)
+        return QueryResult(distances, ids, len(answers), len(answers), ms, ms, 1,
+                           matched=sum(int(a[3]) for a in answers))
 
     async def _upsert(self, held: Held, request: HttpRequest) -> Reply:
         return _json(await held.front.accept(request.body, True, held.manifest, held.log,
@@ -280,11 +327,16 @@ class CollectionsFront:
 
         async def evaluate():
             limit = self.limits.max_filter_delete_points
-            ids, count, position = await self._run(held.writes.ids_matching, where, limit)
-            metadata = held.writes.searcher.metadata
-            schema = None if metadata is None else metadata.table.schema
-            return (gathered([(ids, count, position, schema)], self.limits.max_filter_delete_points),
-                    held.manifest, held.log, where)
+
+            def matching() -> list:
+                found = []
+                for shard in held.shards:
+                    ids, count, position = shard.ids_matching(where, limit)
+                    metadata = shard.searcher.metadata
+                    found.append((ids, count, position, None if metadata is None else metadata.table.schema))
+                return found
+
+            return gathered(await self._run(matching), limit), held.manifest, held.log, where
 
         return _json(await delete_matching(held.front, evaluate, served=self._served(held)))
 
@@ -294,22 +346,23 @@ class CollectionsFront:
 
     async def _get(self, held: Held, query: PointsQuery) -> list[dict]:
         ids = list(query.ids)
-        answer = await self._run(held.writes.points, ids, list(query.include), query.vectors)
-        found, vectors = picked([answer], len(ids))
+        columns = list(query.include)
+        answers = await self._run(lambda: [s.points(ids, columns, query.vectors) for s in held.shards])
+        found, vectors = picked(answers, len(ids))
         return rendered(ids, found, vectors, query.vectors)
 
     async def _count(self, held: Held, request: HttpRequest) -> Reply:
         where = parse_count(request.body, held.checks)
         if where is None:
-            await self._run(held.writes.catch_up)
-            return _json({"count": held.writes.live_rows()})
-        ids, _ = await self._run(held.writes.live_ids, where)
-        return _json({"count": len(ids)})
+            return _json({"count": await self._run(held.count)})
+        found = await self._run(lambda: [shard.live_ids(where)[0] for shard in held.shards])
+        return _json({"count": sum(len(ids) for ids in found)})
 
     async def _scroll(self, held: Held, request: HttpRequest) -> Reply:
         query = parse_scroll(request.body, held.checks, self.limits.max_page)
-        found = await self._run(held.writes.page, query.after, query.limit + 1, query.filter)
-        ids, more = page([found], query.limit)
+        found = await self._run(lambda: [shard.page(query.after, query.limit + 1, query.filter)
+                                         for shard in held.shards])
+        ids, more = page(found, query.limit)
         points = (await self._get(held, PointsQuery(tuple(ids.tolist()), query.include, query.vectors))
                   if len(ids) else [])
         return _json({"points": points, "next": int(ids[-1]) if more else None})
@@ -340,9 +393,22 @@ def held_within_files(wanted: int) -> int:
     return max(1, min(wanted, (soft - FILES_KEPT) // FILES_PER_HELD))
 
 
+def _lookups(shards: list[ShardWrites], ids: list[int], columns: list[str]) -> list[list[dict | None]]:
+    return [shard.lookup(ids, columns) for shard in shards]
+
+
 def _described(entry: Entry) -> dict:
-    return {"name": entry.name, "id": entry.id, "created_at": entry.created, "stage": "exact",
+    return {"name": entry.name, "id": entry.id, "created_at": entry.created,
             **entry.spec.model_dump(exclude={"name"})}
+
+
+def _stage(manifest: Manifest) -> dict:
+    """Where a collection is in its growth: `exact` (one flat index, searched whole) or `built` (its
+    spec's index, with the search setting its gate chose), and its version."""
+    built = grown(manifest)
+    return {"stage": "built" if built else "exact", "version": manifest.index_version,
+            "built_as": manifest.index_factory if built else None,
+            "search_params": manifest.build.params.get("search_params", {}) if built else {}}
 
 
 def _missing(name: str) -> ApiError:

@@ -70,7 +70,9 @@ AddShards = Callable[[bytes, Partition, Location, dict],
 def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo, dim: int, num_vectors: int,
                   sample: TrainSample, add: AddShards, extra: dict, auto: str | None = None,
                   discard_writes: bool = False, embedder: ModelIdentity | None = None,
-                  version_id: str | None = None, started: float | None = None) -> Manifest:
+                  version_id: str | None = None, started: float | None = None,
+                  log_position: int | None = None,
+                  finish_trained: Callable[[bytes], bytes] | None = None) -> Manifest:
     """What every build shares: its own version directory, train ONCE, `add` the shards (and their
     metadata), the trained file, the version's manifest, then publish with one atomic replace of
     manifest.json. A failure deletes this build's directory and leaves the published version as it was.
@@ -80,7 +82,11 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
     `embedder`: the model the vectors were embedded with (a build from text): the manifest records
     it and the index version covers it. `version_id`: the version directory's name, when the caller
     chose it before (`new_version_id`; a build from text keeps its embedded vectors under the same
-    name). `started`: when the build began (time.perf_counter()), when before this call."""
+    name). `started`: when the build began (time.perf_counter()), when before this call.
+    `log_position`: the log position the shards include (a collection grown from its own rows and
+    log, index_build.grow), instead of the log's start (`writes_start`). `finish_trained`: what the
+    trained file holds, from the trained empty index, once the shards are added (a grown
+    collection's carries the search setting its gate chose, as its shards do)."""
     timings: dict[str, float] = {}
     started = time.perf_counter() if started is None else started
     created = dt.datetime.now(dt.UTC)
@@ -96,9 +102,12 @@ def publish_build(location: Location, params: BuildParams, dataset: DatasetInfo,
         del train
         entries, metadata = add(empty, partition, location, timings)
         entries = sorted(entries, key=lambda e: e.name)
-        trained = write_file(location, TRAINED_FILE, empty, 0)
-        log_position = writes_start(index_location, discard_writes)
-        if log_position:
+        trained = write_file(location, TRAINED_FILE, finish_trained(empty) if finish_trained else empty, 0)
+        if log_position is None:
+            log_position = writes_start(index_location, discard_writes)
+        elif discard_writes:
+            raise ShardserveError("a build at a given log position discards no writes")
+        if log_position and discard_writes:
             extra = {**extra, "discarded_writes_to": log_position}
         manifest = Manifest(
             index_version=Manifest.content_version(entries, params.factory, params.metric, metadata,

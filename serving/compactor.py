@@ -22,6 +22,7 @@ long writes go on.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from shardserve.errors import BadArgument
@@ -112,3 +113,105 @@ class AutoCompactor:
                 self.say(f"shardserve: automatic compaction failed, next try in {wait:.0f} s: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
                 self._stop.wait(wait)
+
+
+COLLECTION_COMPACT_AT = 4096  # a collection's operations waiting past its newest version (every
+# router replica holds them in memory: a small bound, since a server holds many collections)
+
+
+class CollectionsFolder:
+    """A daemon thread in `serve`: every `poll_s`, each live collection under `root` whose log holds
+    `at_ops` operations past its newest version, or, while it is exact, enough upserts to reach its
+    `grow_at`, is folded (index_build.grow.fold: compacted, or grown into its spec's index behind the
+    recall gate). Router replicas see the new version at their next request to it (its manifest
+    replaced) and move to it: no process starts, no application is deployed. A fold that fails (a
+    gate refusing) is said in one line and that collection tried again after `retry_s`; the others
+    go on. After a fold, versions older than the one it replaced go, and the log below them."""
+
+    def __init__(self, root: str, at_ops: int = COLLECTION_COMPACT_AT, poll_s: float = 5.0,
+                 retry_s: float = 60.0, backend: str = "ray", say: Callable[[str], None] | None = None):
+        if at_ops < 1:
+            raise BadArgument("at_ops must be >= 1")
+        self.root, self.at_ops, self.backend = root, at_ops, backend
+        self.poll_s, self.retry_s = poll_s, retry_s
+        self.say = say or (lambda line: print(line, flush=True))
+        self.folds = 0
+        self._failed_until: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shardserve-collections", daemon=True)
+
+    def start(self) -> CollectionsFolder:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def due(self, path: str, grow_at: int) -> bool:
+        """Whether the collection at `path` should fold now."""
+        from index_build.grow import grown
+
+        manifest = read_manifest(Location.parse(path))
+        address = log_address(path)
+        if address is None or not log_exists(address):
+            return False
+        log = open_log(address, readonly=True)
+        try:
+            waiting = log.backlog(manifest.log_position).operations
+        finally:
+            log.close()
+        return waiting >= self.at_ops or (waiting > 0 and not grown(manifest)
+                                          and manifest.num_vectors + waiting >= grow_at)
+
+    def run_once(self) -> int:
+        """Fold every collection due; how many were."""
+        from pathlib import Path
+
+        from index_build.compact import prune_versions
+        from index_build.grow import fold
+        from shardserve.collection.catalogue import CATALOGUE, Catalogue
+
+        if not (Path(self.root) / CATALOGUE).exists():
+            return 0
+        catalogue = Catalogue(self.root, readonly=True)
+        try:
+            entries = catalogue.live()
+        finally:
+            catalogue.close()
+        folded = 0
+        for entry in entries:
+            if self._stop.is_set():
+                break
+            path = str(entry.path)
+            if time.monotonic() < self._failed_until.get(entry.id, 0.0):
+                continue
+            try:
+                if not self.due(path, entry.spec.grow_at):
+                    continue
+                before = read_manifest(Location.parse(path)).index_version
+                manifest = fold(path, entry.spec, self.backend)
+                if manifest is None:
+                    continue
+                prune_versions(path, {manifest.index_version, before})
+            except Exception as exc:  # noqa: BLE001 (any failure: said, retried later; serving goes on)
+                if not entry.path.exists():
+                    continue  # dropped meanwhile
+                self._failed_until[entry.id] = time.monotonic() + self.retry_s
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.say(f"shardserve: collection {entry.name!r}: fold failed, next try in "
+                         f"{self.retry_s:.0f} s: {why}")
+                continue
+            folded += 1
+            self.folds += 1
+            stage = "grown into" if manifest.build.params.get("grown_from") == before else "compacted as"
+            self.say(f"shardserve: collection {entry.name!r} {stage} {manifest.index_factory} "
+                     f"({manifest.num_vectors} points, {len(manifest.shards)} shards, log position "
+                     f"{manifest.log_position})")
+        return folded
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # noqa: BLE001 (the catalogue unreadable: said, tried again)
+                self.say(f"shardserve: collections' folds failed: {exc}")

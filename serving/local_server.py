@@ -20,7 +20,7 @@ import time
 
 from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
 from deployments.run import APP_NAME, absolute, deploy, undeploy
-from serving.compactor import COMPACT_AT, AutoCompactor
+from serving.compactor import COMPACT_AT, AutoCompactor, CollectionsFolder
 from serving.edge import Admission, EdgeProcess, haproxy_binary
 from serving.prometheus import HOST as PROMETHEUS_HOST
 from serving.prometheus import PrometheusProcess, prometheus_binary
@@ -94,6 +94,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
     front: EdgeProcess | None = None
     metrics: PrometheusProcess | None = None
     compactor: AutoCompactor | None = None
+    folder: CollectionsFolder | None = None
     compact_at = COMPACT_AT if compact_at is None else compact_at
     if num_cpus is None and not joining:
         num_cpus = room_for_two_versions(len(manifest.shards), replicas_per_shard,
@@ -131,6 +132,7 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
         if started and compact_at:  # from the first write the server takes, not after the warm-up:
             # writes arrive as soon as it answers, and a minute of them can fill the backlog bound
             compactor = AutoCompactor(published.location, APP_NAME, compact_at).start()
+            folder = _collections_folder(published, app_args or {})
         if started:  # start-up ends with the node's pool of warm workers filled: nothing fills under load
             _wait_for_warm_pool()
         print(f"shardserve: serving {manifest.index_factory} index {manifest.index_version} "
@@ -146,6 +148,9 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
         print(f"  traces: {_trace_line(app_args or {})}")
         if compactor is not None and compactor.path is not None:
             print(f"  writes: compacted into a new version once {compact_at} wait (--compact-at)")
+        if folder is not None:
+            print(f"  collections: in {folder.root}, folded once {folder.at_ops} writes wait, built as their "
+                  "index past their grow_at")
         print("  Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
@@ -154,7 +159,18 @@ def serve_blocking(index: str | Published, host: str = "127.0.0.1", port: int = 
     finally:
         if compactor is not None:
             compactor.stop()
+        if folder is not None:
+            folder.stop()
         _stop(front, joining, mark, metrics)
+
+
+def _collections_folder(published: Published, app_args: dict) -> CollectionsFolder | None:
+    """The folds of the collections this server holds (serving.compactor.CollectionsFolder), on a
+    local disk; started with the index's own compactor (the same switch: --compact-at 0 stops both)."""
+    from deployments.collections import default_root
+
+    root = app_args.get("collections_dir") or default_root(published.location.uri)
+    return None if root is None else CollectionsFolder(str(root)).start()
 
 
 def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool = False) -> int:

@@ -302,7 +302,9 @@ class Client:
         return _answer(self._send("GET", "/v1/health"))
 
     def index(self) -> dict:
-        return _answer(self._send("GET", "/v1/index"))
+        """The served index (`GET /v1/index`), or, on a collection's client, the collection: its spec,
+        stage (`exact`, or `built` once grown), version and count."""
+        return _answer(self._send("GET", "/v1/index" if self._base == "/v1" else self._base))
 
     def close(self) -> None:
         for http in self._edges.clients:
@@ -399,7 +401,7 @@ class AsyncClient:
         return _answer(await self._send("GET", "/v1/health"))
 
     async def index(self) -> dict:
-        return _answer(await self._send("GET", "/v1/index"))
+        return _answer(await self._send("GET", "/v1/index" if self._base == "/v1" else self._base))
 
     async def aclose(self) -> None:
         for http in self._edges.clients:

@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from deployments.collections import CollectionsFront
 from deployments.config import AppArgs
 from index_build.empty import create_empty
+from index_build.grow import fold
 from shardserve.collection.catalogue import CATALOGUE, Catalogue, NameTaken
 from shardserve.collection.spec import CollectionSpec
 from shardserve.query.api import ApiError, Limits
@@ -262,7 +263,8 @@ class Collections(RuleBasedStateMachine):
     def create(self, name: str) -> str:
         dim, metric = SHAPES[name]
         status, _ = _call(self.front, "POST", "/v1/collections",
-                          {"name": name, "dim": dim, "metric": metric, "metadata": {"tag": "int64"}})
+                          {"name": name, "dim": dim, "metric": metric, "metadata": {"tag": "int64"},
+                           "index": "IVF8,Flat", "shards": 2, "grow_at": 1000})
         assert status == (409 if name in self.held else 201)
         self.held.setdefault(name, {})
         return name
@@ -286,6 +288,35 @@ class Collections(RuleBasedStateMachine):
         assert status == (200 if name in self.held else 404)
         for i in ids:
             self.held.get(name, {}).pop(i, None)
+
+    @rule(name=names)
+    def fold(self, name: str) -> None:
+        """The server's folder at work: a compaction, or, past `grow_at` rows, the build and swap."""
+        entry = Catalogue(self.root, readonly=True).get(name)
+        if entry is not None:
+            fold(entry.path, entry.spec)
+
+    @rule(name=names, seed=st.integers(0, 2**16))
+    def grow(self, name: str, seed: int) -> None:
+        """A bulk write past the collection's `grow_at`, then its fold: it is built as IVF8,Flat in 2
+        shards, and every step after checks the built collection."""
+        if name not in self.held:
+            return
+        dim, metric = SHAPES[name]
+        ids = np.arange(1000, 2100)
+        vectors = np.random.default_rng(seed).normal(size=(len(ids), dim)).astype(np.float32)
+        for part in (slice(0, 600), slice(600, None)):
+            status, _ = _call(self.front, "POST", f"/v1/collections/{name}/upsert",
+                              {"ids": ids[part], "vectors": vectors[part],
+                               "metadata": [{"tag": 1}] * len(ids[part])})
+            assert status == 200
+        if metric == "cosine":
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        self.held[name].update({int(i): (v, 1) for i, v in zip(ids, vectors, strict=True)})
+        self.fold(name)
+        stage = _call(self.front, "GET", f"/v1/collections/{name}")[1]
+        assert stage["stage"] == "built" and stage["built_as"] == "IVF8,Flat"
+        event("a collection grew into IVF8,Flat in 2 shards")
 
     @rule(name=consumes(names))
     def drop(self, name: str) -> None:
@@ -319,7 +350,7 @@ class Collections(RuleBasedStateMachine):
             walked, after = [], None
             while True:
                 _, page = _call(self.front, "POST", f"/v1/collections/{name}/scroll",
-                                {"after": after, "limit": 4, "include": []})
+                                {"after": after, "limit": 4 if len(points) < 100 else 500, "include": []})
                 walked += [p["id"] for p in page["points"]]
                 after = page["next"]
                 if after is None:

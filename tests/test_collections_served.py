@@ -157,6 +157,7 @@ def test_collections_survive_a_sigkill_of_every_process_of_the_server(tmp_path: 
     port = free_port()
     server = Server(index, port, flags=("--num-cpus", "2"))
     acknowledged: list[int] = []
+    grown: dict[int, np.ndarray] = {}
     stop = threading.Event()
     try:
         server.wait_said("Ctrl-C stops it.", 0)
@@ -177,12 +178,34 @@ def test_collections_survive_a_sigkill_of_every_process_of_the_server(tmp_path: 
                         acknowledged.append(n)
                         n += 1
 
-            writer = threading.Thread(target=write)
-            writer.start()
-            server.wait_for(lambda: len(acknowledged) >= 50, "50 acknowledged collection writes", 120)
+            grows = client.create_collection("grows", 8, index="IVF16,Flat", shards=2, grow_at=1000)
+
+            def write_batches() -> None:  # 50 points a request into a collection that grows meanwhile
+                rng = np.random.default_rng(2)
+                with Client(server.url, timeout_s=10) as writer:
+                    target, n = writer.collection("grows"), 0
+                    while not stop.is_set():
+                        vectors = rng.normal(size=(50, 8)).astype(np.float32)
+                        try:
+                            target.upsert(list(range(n, n + 50)), vectors)
+                        except Exception:  # the server going: not acknowledged
+                            continue
+                        grown.update(zip(range(n, n + 50), vectors, strict=True))
+                        n += 50
+
+            writers = [threading.Thread(target=write), threading.Thread(target=write_batches)]
+            for writer in writers:
+                writer.start()
+            # the server's folder builds it (Ray Data, the recall gate) while writes go on; both
+            # router replicas move to the new version by themselves
+            server.wait_for(lambda: grows.index()["stage"] == "built", "the collection grown", 300)
+            built = len(grown)
+            server.wait_for(lambda: len(acknowledged) >= 50 and len(grown) >= built + 500,
+                            "writes acknowledged after the growth", 120)
             assert server.kill_all() > 0
             stop.set()
-            writer.join(timeout=60)
+            for writer in writers:
+                writer.join(timeout=60)
     finally:
         stop.set()
         server.stop()
@@ -190,11 +213,24 @@ def test_collections_survive_a_sigkill_of_every_process_of_the_server(tmp_path: 
     try:
         again.wait_said("Ctrl-C stops it.", 0)
         with Client(again.url) as client:
-            assert [c["name"] for c in client.collections()] == ["kept"]
+            assert [c["name"] for c in client.collections()] == ["kept", "grows"]
             kept = client.collection("kept")
             held = {p.id for start in range(0, len(acknowledged), 1000)
                     for p in kept.get(acknowledged[start:start + 1000], include=[])}
             assert set(acknowledged) <= held and kept.count() >= len(acknowledged)
             assert client.create_collection("gone", 2).count() == 0
+            grows = client.collection("grows")
+            described = grows.index()
+            assert described["stage"] == "built" and described["built_as"] == "IVF16,Flat"
+            ids = sorted(grown)
+            found = {p.id: p.vector for start in range(0, len(ids), 1000)
+                     for p in grows.get(ids[start:start + 1000], include=[], vectors=True)}
+            assert set(found) == set(ids) and all(np.array_equal(found[i], grown[i]) for i in ids)
+            matrix = np.stack([grown[i] for i in ids])
+            hits = 0
+            for query in matrix[:50]:  # recall@10 against brute force over the acknowledged points
+                truth = np.asarray(ids)[np.argsort(((matrix - query) ** 2).sum(1))[:10]]
+                hits += len(set(grows.search(query, k=10).ids) & set(truth.tolist()))
+            assert hits / 500 >= 0.99
     finally:
         again.stop()
