@@ -21,6 +21,7 @@ next fold tries again. A grown collection's later folds are compactions of the k
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,18 +101,27 @@ def live_rows(directory: str | Path, upto: int | None = None) -> Rows:
                 None if table is None else table.take(pa.array(order)), upto)
 
 
-def fold(directory: str | Path, spec: CollectionSpec, backend: str = "local") -> Manifest | None:
+def fold(directory: str | Path, spec: CollectionSpec, backend: str = "local", may_grow: bool = True,
+         refused: Callable[[int, Exception], None] | None = None) -> Manifest | None:
     """Publish `directory`'s next version: grown when it is exact and holds `spec.grow_at` live rows
-    or more, else compacted; None when the log holds nothing past the served version."""
+    or more (and `may_grow`), else compacted; None when the log holds nothing past the served
+    version. A growth that fails (its gate refusing, its training impossible) is told to `refused`
+    (live rows, why) and the log is compacted instead: the collection stays exact and its deltas
+    bounded, whatever its spec asks."""
     location = Location.parse(str(directory))
     current = read_manifest(location)
     upto, _ = _latest(directory, current, None, read=False)
     if upto <= current.log_position:
         return None
-    if not grown(current):
+    if may_grow and not grown(current):
         rows = live_rows(directory, upto)
         if len(rows.ids) >= spec.grow_at:
-            return grow(directory, spec, rows, backend)
+            try:
+                return grow(directory, spec, rows, backend)
+            except ShardserveError as exc:
+                if refused is None:
+                    raise
+                refused(len(rows.ids), exc)
     return compact(str(directory))
 
 
@@ -173,9 +183,11 @@ def gate(shards: list[faiss.Index], vectors: np.ndarray, metric: str,
     k = min(GATE_K, len(vectors))
     exact = faiss.IndexFlatL2(vectors.shape[1]) if metric == "l2" else faiss.IndexFlatIP(vectors.shape[1])
     exact.add(vectors)
-    _, truth = exact.search(queries, k)
+    exact_distances, truth = exact.search(queries, k)
     if ids is not None:
         truth = ids[truth]
+    # a found point as near as the k-th exact neighbour is one (a tie, e.g. duplicate vectors)
+    kth = exact_distances[:, -1:]
     name, limit = _probes(shards[0])
     higher = metric != "l2"
     value = min(FIRST_PROBES.get(name, 1), limit) if name else 0
@@ -184,8 +196,12 @@ def gate(shards: list[faiss.Index], vectors: np.ndarray, metric: str,
             for index in shards:
                 _set_probes(index, name, value)
         answers = [index.search(queries, k) for index in shards]
-        _, found = merge_topk([a[0] for a in answers], [a[1] for a in answers], k, higher)
-        recall = float(np.mean([len(set(f) & set(t)) / k for f, t in zip(found, truth, strict=True)]))
+        distances, found = merge_topk([a[0] for a in answers], [a[1] for a in answers], k, higher)
+        tolerance = 1e-5 * np.maximum(np.abs(kth), 1.0)
+        as_near = (distances >= kth - tolerance) if higher else (distances <= kth + tolerance)
+        hits = [min(k, len(set(f) & set(t)) + int(((~np.isin(f, t)) & near & (f >= 0)).sum()))
+                for f, t, near in zip(found, truth, as_near, strict=True)]
+        recall = float(np.mean(hits)) / k
         if recall >= RECALL_TARGET:
             return ({name: value} if name else {}), recall
         if not name or value >= limit:

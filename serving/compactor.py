@@ -137,6 +137,7 @@ class CollectionsFolder:
         self.say = say or (lambda line: print(line, flush=True))
         self.folds = 0
         self._failed_until: dict[int, float] = {}
+        self._refused: dict[str, int] = {}  # live rows a collection's growth was refused at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shardserve-collections", daemon=True)
 
@@ -157,11 +158,14 @@ class CollectionsFolder:
             return False
         log = open_log(address, readonly=True)
         try:
-            waiting = log.backlog(manifest.log_position).operations
+            backlog = log.backlog(manifest.log_position)
         finally:
             log.close()
-        return waiting >= self.at_ops or (waiting > 0 and not grown(manifest)
-                                          and manifest.num_vectors + waiting >= grow_at)
+        # upserts, not every operation, bring it nearer its threshold; once a growth was refused,
+        # the next try waits for twice the rows it was refused at
+        threshold = max(grow_at, 2 * self._refused.get(path, 0))
+        return backlog.operations >= self.at_ops or (backlog.upserts > 0 and not grown(manifest)
+                                                     and manifest.num_vectors + backlog.upserts >= threshold)
 
     def run_once(self) -> int:
         """Fold every collection due; how many were."""
@@ -189,7 +193,12 @@ class CollectionsFolder:
                 if not self.due(path, entry.spec.grow_at):
                     continue
                 before = read_manifest(Location.parse(path)).index_version
-                manifest = fold(path, entry.spec, self.backend)
+                def refused(rows: int, exc: Exception, path: str = path, name: str = entry.name) -> None:
+                    self._refused[path] = rows
+                    self.say(f"shardserve: collection {name!r} not grown at {rows} points, compacted "
+                             f"exact instead (tried again at {2 * rows}): {str(exc).splitlines()[0]}")
+
+                manifest = fold(path, entry.spec, self.backend, refused=refused)
                 if manifest is None:
                     continue
                 prune_versions(path, {manifest.index_version, before})
