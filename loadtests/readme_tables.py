@@ -607,7 +607,30 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "text-bench": text_bench_table(load("bench-text.json")),
             "text-autoscale": text_autoscale_table(load("autoscale-text.json")),
             "bench-tracing": tracing_table(load("bench-tracing.json")),
-            "bench-collections": collections_table(load("bench-collections.json"))}
+            "bench-collections": collections_table(load("bench-collections.json")),
+            "grow-under-load": grow_table(load("grow-under-load.json"))}
+
+
+def grow_table(record: dict) -> str:
+    """`make bench-grow`: a collection crossing its growth threshold under load."""
+    index, load, head = record["index"], record["load"], record["headline"]
+    rows = ["| 10 s segment | stage at start → end | points acknowledged | searches | 200 | 503 | p99 ms |",
+            "|---|---|---|---|---|---|---|"]
+    for n, level in enumerate(record["levels"]):
+        codes = level["status_codes"]
+        rows.append(f"| {n} | {level['stage_at_start']} → {level['stage_at_end']} | "
+                    f"{level['points_acknowledged']:,} | {level['requests']:,} | {codes.get('200', 0):,} | "
+                    f"{codes.get('503', 0):,} | {_cell(level['p99_ms'])} |")
+    rows += ["", "| check | measured | target | met |", "|---|---|---|---|"]
+    rows += [f"| {name.replace('_', ' ')} | {check['value']} | {check['target']} | "
+             f"{'yes' if check['met'] else '**no**'} |" for name, check in record["ratios"].items()]
+    rows += ["", f"{index['dataset']} ({index['dim']} dims), `{index['index']}` in {index['shards']} shards "
+                 f"past {index['grow_at']:,} points, {index['prefill']:,} before the load; "
+                 f"{load['search_rate']:g} searches/s and {load['write_rate']:g} upserts/s for "
+                 f"{load['duration_s']:g} s. Built {head['built_s_into_load']} s into the load as "
+                 f"{head['built_as']} ({head['search_params']}); {head['writes_acknowledged']:,} writes "
+                 f"acknowledged, {head['writes_failed']} failed."]
+    return "\n".join(rows)
 
 
 def collections_table(record: dict) -> str:

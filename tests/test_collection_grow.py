@@ -118,3 +118,27 @@ def test_the_gate_refuses_an_index_that_cannot_reach_the_target() -> None:
     exact.add(vectors)
     setting, recall = gate([exact], vectors, "l2")
     assert recall >= 0.99 and 16 <= setting["nprobe"] <= 32
+
+
+def test_a_growth_that_cannot_be_built_compacts_exact_instead(tmp_path: Path) -> None:
+    from shardserve.collection.spec import CollectionSpec
+
+    spec = dict(SPEC, name="too-many-lists", index="IVF4096,Flat")  # 4,096 lists, ~1,100 rows to train
+    front = _front(tmp_path)
+    assert _call(front, "POST", "/v1/collections", spec)[0] == 201
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(1100, 8)).astype(np.float32)
+    mismatched = {"ids": list(range(1100)), "vectors": vectors[:1000]}  # refused whole: nothing of it written
+    assert _on(front, "too-many-lists", "upsert", mismatched)[0] == 422
+    for start in (0, 600):
+        body = {"ids": list(range(start, min(start + 600, 1100))), "vectors": vectors[start:start + 600]}
+        assert _on(front, "too-many-lists", "upsert", body)[0] == 200
+    path = Catalogue(tmp_path, readonly=True).get("too-many-lists").path
+    with pytest.raises(ShardserveError, match="training vectors"):
+        fold(path, CollectionSpec(**spec))  # told to no one: the failure is the caller's
+    said: list[tuple[int, str]] = []
+    folded = fold(path, CollectionSpec(**spec), refused=lambda rows, exc: said.append((rows, str(exc))))
+    assert said and said[0][0] == 1100 and folded is not None and folded.index_factory == "Flat"
+    described = _call(front, "GET", "/v1/collections/too-many-lists")[1]
+    assert described["stage"] == "exact" and described["count"] == 1100
+    front.close()
