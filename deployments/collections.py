@@ -218,15 +218,25 @@ class CollectionsFront:
             loaded = await self._loaded(entry, held)
             current = self._held.get(entry.id)
             if current is not loaded:  # not installed yet by another request that awaited it
+                # The version it replaces is not closed here: a request that took it before may
+                # still read it (a closed one would open its log again, and keep it open). Its
+                # last reference dropped, its log connections close with it.
                 self._held[entry.id] = loaded
                 self._named[name] = entry.id
-                if current is not None:  # the version it replaces, let go after the reads queued on it
-                    self.executor.submit(current.close)
-            idle = [cid for cid, kept in self._held.items() if not kept.front.waiting and cid != entry.id]
-            for collection_id in idle[:max(len(self._held) - self.max_held, 0)]:
-                self._let_go(collection_id)  # the least recently used with no write waiting
+            self._within_budget(entry.id)
         self._held.move_to_end(entry.id)
         return self._held[entry.id]
+
+    def _within_budget(self, keep: int) -> None:
+        """Let go of the least recently used collections with no write waiting until the shards
+        held (each keeps its own log reader open) are within `max_held`."""
+        held = sum(len(kept.shards) for kept in self._held.values())
+        for collection_id, kept in list(self._held.items()):
+            if held <= self.max_held:
+                return
+            if collection_id != keep and not kept.front.waiting:
+                held -= len(kept.shards)
+                self._let_go(collection_id)
 
     async def _loaded(self, entry: Entry, previous: Held | None) -> Held:
         """`entry`'s published version loaded in a thread, once, whoever asks for it meanwhile
@@ -242,6 +252,9 @@ class CollectionsFront:
             return await asyncio.shield(loading)
         except (OSError, ShardserveError) as exc:
             logger.info("collection %s did not load: %r", entry.name, exc)
+            if previous is not None:  # it was there: a version replaced again while it loaded
+                raise ApiError(503, None, f"collection {entry.name!r} is moving to a new version",
+                               self.args.retry_after_s) from None
             raise _missing(entry.name) from None
 
     def _load(self, entry: Entry, front: WriteFront | None) -> Held:
@@ -250,13 +263,17 @@ class CollectionsFront:
         manifest, location = published.manifest, published.version
         log = entry.path / "writes" / "log.sqlite"
         trained = manifest.trained
-        shards = []
-        for shard in range(len(manifest.shards)):
-            searcher = ShardSearcher.load(location, manifest, shard, mmap=True)
-            writes = ShardWrites(searcher, shard, len(manifest.shards), log, manifest.log_position,
-                                 lambda: read_shard_checked(location, trained) if trained else None)
-            writes.catch_up(True)
-            shards.append(writes)
+        shards: list[ShardWrites] = []
+        try:
+            for shard in range(len(manifest.shards)):
+                searcher = ShardSearcher.load(location, manifest, shard, mmap=True)
+                shards.append(ShardWrites(searcher, shard, len(manifest.shards), log, manifest.log_position,
+                                          lambda: read_shard_checked(location, trained) if trained else None))
+                shards[-1].catch_up(True)
+        except BaseException:
+            for opened in shards:
+                opened.close()
+            raise
         if front is None:
             front = WriteFront(log, self.args.max_write_points, retry_after_s=self.args.retry_after_s,
                                thread=self._writes_thread, create_log=False)
@@ -380,7 +397,7 @@ class CollectionsFront:
             self._catalogue.close()
 
 
-FILES_PER_HELD = 8  # a held collection's open files: two SQLite connections (writer, reader) and their WAL
+FILES_PER_HELD = 8  # a held shard's open files: two SQLite connections (writer, reader) and their WAL
 FILES_KEPT = 512  # left for everything else of the replica (sockets, the index's files, Ray's)
 
 

@@ -117,8 +117,9 @@ class AppArgs(BaseModel):
                           "default the served index's directory/collections")
     max_collections: int = Field(10_000, ge=1, description="collections that may exist at once (a create "
                                                            "past it is a 409)")
-    max_collections_held: int = Field(1024, ge=1, description="collections one router replica holds loaded "
-                                                              "at most (the least recently used let go)")
+    max_collections_held: int = Field(
+        1024, ge=1, description="collections' shards one router replica holds loaded at most (a collection "
+                                "built in N shards counts N; the least recently used let go)")
     max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "
                                                               "answers at most")
     max_work: int = Field(

@@ -20,6 +20,7 @@ next fold tries again. A grown collection's later folds are compactions of the k
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +29,17 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from index_build.compact import compact, latest_ops
 from index_build.job import add_shards_local, add_shards_ray, rows_per_shard
 from index_build.publish import BuildParams, publish_build, training_sample, write_shard
+from shardserve.collection.catalogue import file_lock
 from shardserve.collection.spec import CollectionSpec
 from shardserve.errors import ShardserveError
 from shardserve.index.auto_index import DEFAULT_MEMORY_BUDGET, choose_factory
 from shardserve.index.indexes import index_from_bytes, index_to_bytes, unwrap_id_map
-from shardserve.index.manifest import Manifest, read_manifest, read_shard_checked
+from shardserve.index.manifest import MANIFEST, VERSIONS_DIR, Manifest, read_manifest, read_shard_checked
 from shardserve.index.metadata import MetadataTable, write_metadata
 from shardserve.index.partition import Partition
 from shardserve.index.storage import Location
@@ -108,6 +111,15 @@ def fold(directory: str | Path, spec: CollectionSpec, backend: str = "local", ma
     version. A growth that fails (its gate refusing, its training impossible) is told to `refused`
     (live rows, why) and the log is compacted instead: the collection stays exact and its deltas
     bounded, whatever its spec asks."""
+    with _fold_lock(directory) as mine:
+        if not mine:
+            return None  # another process folds it now
+        _sweep_unpublished(Location.parse(str(directory)))
+        return _fold(directory, spec, backend, may_grow, refused)
+
+
+def _fold(directory: str | Path, spec: CollectionSpec, backend: str, may_grow: bool,
+          refused: Callable[[int, Exception], None] | None) -> Manifest | None:
     location = Location.parse(str(directory))
     current = read_manifest(location)
     upto, _ = _latest(directory, current, None, read=False)
@@ -226,6 +238,29 @@ def _set_probes(index: faiss.Index, name: str, value: int) -> None:
         ivf.nprobe = value
     elif name == "efSearch":
         unwrap_id_map(index).hnsw.efSearch = value  # type: ignore[attr-defined]
+
+
+FOLD_LOCK = "fold.lock"
+
+
+def _fold_lock(directory: str | Path) -> contextlib.AbstractContextManager[bool]:
+    """The collection's fold lock (shardserve.collection.catalogue.file_lock): yields whether it
+    was taken. Held, no other fold of it runs, so a version directory without a manifest is what
+    a fold killed midway left."""
+    return file_lock(Path(directory) / FOLD_LOCK, wait=False)
+
+
+def _sweep_unpublished(location: Location) -> list[str]:
+    """Delete what folds killed midway left: version directories with no manifest (a version's
+    manifest is written last, before it is published)."""
+    versions = location.child(VERSIONS_DIR)
+    gone = []
+    for info in versions.fs.get_file_info(pafs.FileSelector(versions.root, allow_not_found=True)):
+        folder = versions.child(info.base_name)
+        if info.type == pafs.FileType.Directory and not folder.exists(MANIFEST):
+            folder.delete_dir()
+            gone.append(info.base_name)
+    return gone
 
 
 def _latest(directory: str | Path, current: Manifest, upto: int | None, read: bool = True):

@@ -142,3 +142,58 @@ def test_a_growth_that_cannot_be_built_compacts_exact_instead(tmp_path: Path) ->
     described = _call(front, "GET", "/v1/collections/too-many-lists")[1]
     assert described["stage"] == "exact" and described["count"] == 1100
     front.close()
+
+
+_FOLDER = """
+import sys, time
+import index_build.grow as grow
+from shardserve.collection.spec import CollectionSpec
+
+checked = grow.gate
+
+def gate_then_wait(*args, **kwargs):  # the grown shards are written and gated; never published
+    answer = checked(*args, **kwargs)
+    print("gated", flush=True)
+    time.sleep(600)
+    return answer
+
+grow.gate = gate_then_wait
+grow.fold(sys.argv[1], CollectionSpec.model_validate_json(sys.argv[2]))
+"""
+
+
+def test_a_first_build_killed_midway_leaves_the_exact_collection_whole(tmp_path: Path) -> None:
+    """SIGKILL of the process building a collection for the first time, its shards written: the
+    collection is still its exact version, whole (every acknowledged point, answered exactly);
+    while the builder lived no other fold ran beside it; the next fold sweeps what it left and
+    builds the collection."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from shardserve.collection.spec import CollectionSpec
+
+    front = _front(tmp_path)
+    assert _call(front, "POST", "/v1/collections", SPEC)[0] == 201
+    rng, reference = np.random.default_rng(5), {}
+    _upsert(front, np.arange(0, 1200), rng, reference)
+    path = Catalogue(tmp_path, readonly=True).get("grows").path
+    spec = CollectionSpec(**SPEC)
+    child = subprocess.Popen([sys.executable, "-c", _FOLDER, str(path), spec.model_dump_json()],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "gated"
+        assert fold(path, spec) is None  # the builder holds the collection's fold lock
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    versions = sorted(p for p in (path / "versions").iterdir())
+    assert [p for p in versions if not (p / "manifest.json").exists()]  # the killed build's directory
+    assert _call(front, "GET", "/v1/collections/grows")[1]["stage"] == "exact"
+    _check(front, reference, exact=True)
+    grown = fold(path, spec)
+    assert grown is not None and grown.index_factory == "IVF16,Flat"
+    assert all((p / "manifest.json").exists() for p in (path / "versions").iterdir())
+    _check(front, reference, exact=False)
+    front.close()

@@ -48,6 +48,22 @@ CREATE UNIQUE INDEX IF NOT EXISTS named ON collections (name) WHERE state != 'dr
 """
 
 
+@contextlib.contextmanager
+def file_lock(path: Path, wait: bool) -> Iterator[bool]:
+    """An exclusive flock on `path` (made if missing), which the kernel drops when its process
+    dies: yields whether it was taken (`wait`: block until it is)."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class NameTaken(ShardserveError):
     """A collection of that name exists (or is being created)."""
 
@@ -126,21 +142,11 @@ class Catalogue:
             self._forget(int(row[0]))
         raise NameTaken(f"a collection named {spec.name!r} exists")
 
-    @contextlib.contextmanager
-    def _name_lock(self, name: str, wait: bool) -> Iterator[bool]:
+    def _name_lock(self, name: str, wait: bool) -> contextlib.AbstractContextManager[bool]:
         """The name's creation lock (yields whether it was taken; `wait`: block until it is)."""
         locks = self.root / "locks"
         locks.mkdir(exist_ok=True)
-        with open(locks / name, "a") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return file_lock(locks / name, wait)
 
     def drop(self, name: str) -> Entry | None:
         """Drop the live collection `name` (None: there is none): gone for every reader at once, its
