@@ -42,6 +42,7 @@ from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.query.parse import is_npy, parse_query
 from shardserve.query.render import render_search, windowed
 from shardserve.query.searcher import ShardSearcher
+from shardserve.runtime.fair import Busy, FairExecutor
 from shardserve.transport.http_front import Reply
 from shardserve.transport.http_front import Request as HttpRequest
 from shardserve.transport.http_front import json_reply as _json
@@ -121,7 +122,10 @@ class CollectionsFront:
     def __init__(self, root: Path | None, args: AppArgs, limits: Limits):
         self.root, self.args, self.limits = root, args, limits
         # their own threads: a collection's scan or read never queues in front of the index's work
-        self.executor = ThreadPoolExecutor(1, "collections", faiss.omp_set_num_threads, (1,))
+        # Each collection's reads queue on their own and the thread takes them in turn: a flood on
+        # one waits behind itself, not in front of the others (shardserve.runtime.fair).
+        self.executor = FairExecutor("collections", args.max_collection_waiting,
+                                     lambda: faiss.omp_set_num_threads(1))
         self._writes_thread = ThreadPoolExecutor(1, "collection-writes")  # shared by every collection
         self._catalogue: Catalogue | None = None
         self._held: OrderedDict[int, Held] = OrderedDict()
@@ -166,7 +170,7 @@ class CollectionsFront:
             if method == "GET":
                 held = await self._held_named(name)
                 return _json({**_described(held.entry), **_stage(held.manifest),
-                              "count": await self._run(held.count)})
+                              "count": await self._run(held, held.count)})
             if method == "DELETE":
                 return await self._drop(name)
         elif method == "POST" and operation in OPERATIONS:
@@ -309,7 +313,7 @@ class CollectionsFront:
             columns, metadata = list(query.include), []
             for ids in result.ids:
                 wanted = [int(i) for i in ids[ids >= 0]]
-                rows = combine(await self._run(_lookups, held.shards, wanted, columns), len(wanted))
+                rows = combine(await self._run(held, _lookups, held.shards, wanted, columns), len(wanted))
                 metadata.append([row or {} for row in rows])
         body = render_search(query, result, (time.perf_counter() - started) * 1000.0,
                              held.manifest.index_version, metadata)
@@ -320,7 +324,7 @@ class CollectionsFront:
         if query.filter is not None:
             params["filter"] = query.filter
         shard_query = ShardQuery(query.matrix, query.k, params)
-        answers = await self._run(lambda: [shard.answer(shard_query) for shard in held.shards])
+        answers = await self._run(held, lambda: [shard.answer(shard_query) for shard in held.shards])
         if len(answers) == 1:
             distances, ids, ms, matched, _ = answers[0]
             return QueryResult(distances, ids, 1, 1, ms, ms, 1, matched=matched)
@@ -353,7 +357,7 @@ class CollectionsFront:
                     found.append((ids, count, position, None if metadata is None else metadata.table.schema))
                 return found
 
-            return gathered(await self._run(matching), limit), held.manifest, held.log, where
+            return gathered(await self._run(held, matching), limit), held.manifest, held.log, where
 
         return _json(await delete_matching(held.front, evaluate, served=self._served(held)))
 
@@ -364,35 +368,43 @@ class CollectionsFront:
     async def _get(self, held: Held, query: PointsQuery) -> list[dict]:
         ids = list(query.ids)
         columns = list(query.include)
-        answers = await self._run(lambda: [s.points(ids, columns, query.vectors) for s in held.shards])
+        answers = await self._run(held, lambda: [s.points(ids, columns, query.vectors) for s in held.shards])
         found, vectors = picked(answers, len(ids))
         return rendered(ids, found, vectors, query.vectors)
 
     async def _count(self, held: Held, request: HttpRequest) -> Reply:
         where = parse_count(request.body, held.checks)
         if where is None:
-            return _json({"count": await self._run(held.count)})
-        found = await self._run(lambda: [shard.live_ids(where)[0] for shard in held.shards])
+            return _json({"count": await self._run(held, held.count)})
+        found = await self._run(held, lambda: [shard.live_ids(where)[0] for shard in held.shards])
         return _json({"count": sum(len(ids) for ids in found)})
 
     async def _scroll(self, held: Held, request: HttpRequest) -> Reply:
         query = parse_scroll(request.body, held.checks, self.limits.max_page)
-        found = await self._run(lambda: [shard.page(query.after, query.limit + 1, query.filter)
+        found = await self._run(held, lambda: [shard.page(query.after, query.limit + 1, query.filter)
                                          for shard in held.shards])
         ids, more = page(found, query.limit)
         points = (await self._get(held, PointsQuery(tuple(ids.tolist()), query.include, query.vectors))
                   if len(ids) else [])
         return _json({"points": points, "next": int(ids[-1]) if more else None})
 
-    async def _run(self, function: Callable, *args: object):
-        """A blocking read of a collection (its log read, a pass over its ids) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+    async def _run(self, held: Held, function: Callable, *args: object):
+        """A blocking read of a collection (a search, its log read, a pass over its ids) off the
+        event loop, on the collections' thread, in turn with the other collections' (a 503 when
+        `max_collection_waiting` of this one's wait already)."""
+        try:
+            future = self.executor.submit(held.entry.id, function, *args)
+        except Busy:
+            raise ApiError(503, None, f"collection {held.entry.name!r} is overloaded: "
+                                      f"{self.executor.max_waiting} of its requests wait",
+                           self.args.retry_after_s) from None
+        return await asyncio.wrap_future(future)
 
     def close(self) -> None:
         for collection_id in list(self._held):
             self._let_go(collection_id)
         self._writes_thread.shutdown(wait=False)
-        self.executor.shutdown(wait=False)
+        self.executor.shutdown()
         if self._catalogue is not None:
             self._catalogue.close()
 

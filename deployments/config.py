@@ -120,6 +120,9 @@ class AppArgs(BaseModel):
     max_collections_held: int = Field(
         1024, ge=1, description="collections' shards one router replica holds loaded at most (a collection "
                                 "built in N shards counts N; the least recently used let go)")
+    max_collection_waiting: int = Field(
+        256, ge=1, description="one collection's requests waiting for the collections' thread of a router "
+                               "replica (the collections take it in turn); past it a fast 503")
     max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "
                                                               "answers at most")
     max_work: int = Field(
