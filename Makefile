@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-isolation bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -156,6 +156,11 @@ bench-collections: install data vegeta
 # acknowledged write, recall before and after (loadtests/records/grow-under-load.json). Not in make test.
 bench-grow: install data vegeta
 	$(BIN)/python -m loadtests.grow_under_load
+
+# One collection flooded past capacity beside another at a steady rate: the steady one's p99 and
+# answers (loadtests/records/collections-isolation.json). Not in make test.
+bench-isolation: install data vegeta
+	$(BIN)/python -m loadtests.collections_isolation
 
 # GloVe-50 (the [glove] extra) as parquet, streamed into 4 shards as cosine, served and graded over
 # HTTP: loadtests/records/bench-glove.json. Not in make test.
