@@ -21,6 +21,8 @@ long writes go on.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -201,6 +203,9 @@ class CollectionsFolder:
                 manifest = fold(path, entry.spec, self.backend, refused=refused)
                 if manifest is None:
                     continue
+                if self._dropped(entry):  # dropped while it folded: what the fold wrote goes too
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    continue
                 prune_versions(path, {manifest.index_version, before})
             except Exception as exc:  # noqa: BLE001 (any failure: said, retried later; serving goes on)
                 if not entry.path.exists():
@@ -218,9 +223,20 @@ class CollectionsFolder:
                      f"{manifest.log_position})")
         return folded
 
+    def _dropped(self, entry) -> bool:
+        from shardserve.collection.catalogue import Catalogue
+
+        catalogue = Catalogue(self.root, readonly=True)
+        try:
+            now = catalogue.get(entry.name)
+        finally:
+            catalogue.close()
+        return now is None or now.id != entry.id
+
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 self.run_once()
             except Exception as exc:  # noqa: BLE001 (the catalogue unreadable: said, tried again)
-                self.say(f"shardserve: collections' folds failed: {exc}")
+                with contextlib.suppress(Exception):  # its output gone: the folds go on regardless
+                    self.say(f"shardserve: collections' folds failed: {exc}")

@@ -197,3 +197,29 @@ def test_a_first_build_killed_midway_leaves_the_exact_collection_whole(tmp_path:
     assert all((p / "manifest.json").exists() for p in (path / "versions").iterdir())
     _check(front, reference, exact=False)
     front.close()
+
+
+def test_the_servers_folder_folds_what_is_due_and_says_what_it_refused(tmp_path: Path) -> None:
+    from serving.compactor import CollectionsFolder
+
+    front = _front(tmp_path)
+    said: list[str] = []
+    folder = CollectionsFolder(str(tmp_path), at_ops=500, backend="local", say=said.append)
+    assert folder.run_once() == 0  # no collection, nothing due
+    for spec in (SPEC, dict(SPEC, name="cannot-grow", index="IVF4096,Flat"), dict(SPEC, name="quiet")):
+        assert _call(front, "POST", "/v1/collections", spec)[0] == 201
+    rng, reference = np.random.default_rng(9), {}
+    _upsert(front, np.arange(0, 1100), rng, reference)  # "grows": past its grow_at
+    vectors = rng.normal(size=(1100, 8)).astype(np.float32)
+    for start in (0, 600):
+        body = {"ids": list(range(start, min(start + 600, 1100))), "vectors": vectors[start:start + 600]}
+        assert _on(front, "cannot-grow", "upsert", body)[0] == 200
+    assert _on(front, "quiet", "upsert", {"ids": [1], "vectors": vectors[:1]})[0] == 200  # not due
+    assert folder.run_once() == 2
+    stages = {name: _call(front, "GET", f"/v1/collections/{name}")[1]["stage"]
+              for name in ("grows", "cannot-grow", "quiet")}
+    assert stages == {"grows": "built", "cannot-grow": "exact", "quiet": "exact"}
+    assert any("'cannot-grow' not grown at 1100 points" in line for line in said)
+    assert folder.run_once() == 0  # nothing new: nothing due, the refused one not tried again
+    _check(front, reference, exact=False)
+    front.close()
