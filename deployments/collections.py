@@ -25,18 +25,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
+import orjson
 from pydantic import ValidationError
 
+from deployments.collection_apps import apart_app
 from deployments.config import AppArgs
 from index_build.empty import create_empty
 from index_build.grow import grown
 from shardserve.collection.catalogue import Catalogue, Entry, NameTaken
 from shardserve.collection.spec import CollectionSpec
 from shardserve.errors import ShardserveError
-from shardserve.index.manifest import Manifest, Published, read_shard_checked
+from shardserve.index.manifest import Manifest, Published, read_manifest, read_shard_checked
 from shardserve.index.metadata import combine
+from shardserve.index.storage import Location
 from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.query.parse import is_npy, parse_query
@@ -131,6 +135,7 @@ class CollectionsFront:
         self._held: OrderedDict[int, Held] = OrderedDict()
         self._named: dict[str, int] = {}  # the id held under each name
         self._loading: dict[int, asyncio.Future] = {}  # one load per collection, whoever asks first
+        self._apps: dict[str, Any] = {}  # handles of the applications serving collections apart
         self.max_held = held_within_files(args.max_collections_held)
 
     async def catalogue(self) -> Catalogue:
@@ -168,13 +173,23 @@ class CollectionsFront:
                 return _json({"collections": [_described(e) for e in await self._read(Catalogue.live)]})
         elif operation is None:
             if method == "GET":
-                held = await self._held_named(name)
-                return _json({**_described(held.entry), **_stage(held.manifest),
+                entry = await self._entry(name)
+                apart = await self._forwarded(entry, request, "count", b"{}")
+                if apart is not None:  # served apart: its stage from its manifest, its count from there
+                    manifest = await asyncio.to_thread(read_manifest, Location.parse(str(entry.path)))
+                    return _json({**_described(entry), **_stage(manifest), "served_by": apart_app(entry.path),
+                                  "count": orjson.loads(apart.body)["count"]})
+                held = await self._held_named(name, entry)
+                return _json({**_described(held.entry), **_stage(held.manifest), "served_by": None,
                               "count": await self._run(held, held.count)})
             if method == "DELETE":
                 return await self._drop(name)
         elif method == "POST" and operation in OPERATIONS:
-            held = await self._held_named(name)
+            entry = await self._entry(name)
+            forwarded = await self._forwarded(entry, request, operation, request.body)
+            if forwarded is not None:
+                return forwarded
+            held = await self._held_named(name, entry)
             try:
                 return await getattr(self, f"_{operation}")(held, request)
             except (LogBehind, LogUnavailable) as exc:
@@ -208,10 +223,55 @@ class CollectionsFront:
         self._let_go(entry.id)
         return _json({"dropped": name, "id": entry.id})
 
-    async def _held_named(self, name: str) -> Held:
+    async def _entry(self, name: str) -> Entry:
+        entry = await self._read(Catalogue.get, name)
+        if entry is None:
+            self._let_go_named(name)
+            raise _missing(name)
+        return entry
+
+    def _let_go_named(self, name: str) -> None:
+        stale = self._named.get(name)
+        if stale is not None:
+            self._let_go(stale)
+
+    async def _forwarded(self, entry: Entry, request: HttpRequest, operation: str,
+                         body: bytes) -> Reply | None:
+        """The collection's answer from the application serving it apart
+        (deployments.collection_apps), or None: it is not served apart, or that application is
+        not there (the server restarted: this replica answers it until the folder deploys it again)."""
+        app = apart_app(entry.path)
+        if app is None:
+            return None
+        handle = self._apps.get(app)
+        if handle is None:
+            try:
+                from ray import serve
+
+                handle = self._apps[app] = serve.get_app_handle(app)
+            except Exception as exc:  # noqa: BLE001 (no such application now: answered here)
+                logger.info("collection %s: no application %s (%r): answered here", entry.name, app, exc)
+                return None
+        kept = self._held.get(entry.id)
+        if kept is not None and not kept.front.waiting:
+            self._let_go(entry.id)  # not answered here any more
+        routed = HttpRequest("POST", f"/v1/{operation}", body, request.query, request.content_type,
+                             request.lane, request.traceparent)
+        try:
+            return await handle.respond.remote(routed, "")
+        except Exception as exc:  # noqa: BLE001 (sorted below)
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, ApiError):  # its answer: a refusal, as the client sent it
+                raise ApiError(cause.status, cause.field, cause.message, cause.retry_after) from None
+            self._apps.pop(app, None)  # the application going or gone: answered here
+            logger.info("collection %s: its application %s did not answer (%r): answered here",
+                        entry.name, app, exc)
+            return None
+
+    async def _held_named(self, name: str, entry: Entry | None = None) -> Held:
         """The live collection `name`, loaded in this replica (a 404 when there is none; a copy of
         a dropped one of that name, loaded before, is let go here)."""
-        entry = await self._read(Catalogue.get, name)
+        entry = entry or await self._read(Catalogue.get, name)
         stale = self._named.get(name)
         if stale is not None and (entry is None or stale != entry.id):
             self._let_go(stale)  # a dropped one of that name, loaded before

@@ -131,12 +131,15 @@ class CollectionsFolder:
     go on. After a fold, versions older than the one it replaced go, and the log below them."""
 
     def __init__(self, root: str, at_ops: int = COLLECTION_COMPACT_AT, poll_s: float = 5.0,
-                 retry_s: float = 60.0, backend: str = "ray", say: Callable[[str], None] | None = None):
+                 retry_s: float = 60.0, backend: str = "ray", say: Callable[[str], None] | None = None,
+                 app_args: dict | None = None):
         if at_ops < 1:
             raise BadArgument("at_ops must be >= 1")
         self.root, self.at_ops, self.backend = root, at_ops, backend
         self.poll_s, self.retry_s = poll_s, retry_s
         self.say = say or (lambda line: print(line, flush=True))
+        # None: no Serve here (a test's), nothing served apart; else the app settings `serve` uses
+        self.app_args = app_args
         self.folds = 0
         self._failed_until: dict[int, float] = {}
         self._refused: dict[str, int] = {}  # live rows a collection's growth was refused at
@@ -185,6 +188,7 @@ class CollectionsFolder:
         finally:
             catalogue.close()
         folded = 0
+        running = self._apart_apps(entries)
         for entry in entries:
             if self._stop.is_set():
                 break
@@ -202,10 +206,12 @@ class CollectionsFolder:
 
                 manifest = fold(path, entry.spec, self.backend, refused=refused)
                 if manifest is None:
+                    self._serve_apart(entry, None, running)
                     continue
                 if self._dropped(entry):  # dropped while it folded: what the fold wrote goes too
                     shutil.rmtree(entry.path, ignore_errors=True)
                     continue
+                self._serve_apart(entry, manifest, running)
                 prune_versions(path, {manifest.index_version, before})
             except Exception as exc:  # noqa: BLE001 (any failure: said, retried later; serving goes on)
                 if not entry.path.exists():
@@ -222,6 +228,43 @@ class CollectionsFolder:
                      f"({manifest.num_vectors} points, {len(manifest.shards)} shards, log position "
                      f"{manifest.log_position})")
         return folded
+
+    def _apart_apps(self, entries: list) -> set[str]:
+        """The collections' applications running now, after deleting those of collections no longer
+        live (dropped)."""
+        if self.app_args is None:
+            return set()
+        from deployments.collection_apps import PREFIX, app_of, delete_apart, running_apps
+
+        running = running_apps()
+        live = {app_of(entry.id) for entry in entries}
+        for app in {name for name in running if name.split("-index")[0] not in live}:
+            if app.startswith(PREFIX) and "-index" not in app:
+                self.say(f"shardserve: {app}: its collection is gone, deleting it")
+                delete_apart(app, running)
+        return running
+
+    def _serve_apart(self, entry, folded: Manifest | None, running: set[str]) -> None:
+        """Deploy the collection apart once built past its `apart_at` (again, after a restart), and
+        swap a new fold of it into its application."""
+        if self.app_args is None:
+            return
+        from deployments.collection_apps import apart_app, app_of, deploy_apart
+        from deployments.swap import swap_index
+        from index_build.grow import grown
+
+        app = app_of(entry.id)
+        if app in running and apart_app(entry.path) == app:
+            if folded is not None:
+                report = swap_index(str(entry.path), app, skip_gate=True)
+                self.say(f"shardserve: collection {entry.name!r}: {app} swapped to {report['new_version']}")
+            return
+        manifest = folded or read_manifest(Location.parse(str(entry.path)))
+        large = grown(manifest) and manifest.num_vectors >= entry.spec.apart_at
+        if apart_app(entry.path) is not None or large:  # once apart, apart for good
+            deploy_apart(entry.id, entry.path, self.app_args)
+            self.say(f"shardserve: collection {entry.name!r} ({manifest.num_vectors} points) served apart by "
+                     f"{app}: {len(manifest.shards)} shard deployments of its own")
 
     def _dropped(self, entry) -> bool:
         from shardserve.collection.catalogue import Catalogue

@@ -170,7 +170,7 @@ def _collections_folder(published: Published, app_args: dict) -> CollectionsFold
     from deployments.collections import default_root
 
     root = app_args.get("collections_dir") or default_root(published.location.uri)
-    return None if root is None else CollectionsFolder(str(root)).start()
+    return None if root is None else CollectionsFolder(str(root), app_args=app_args).start()
 
 
 def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool = False) -> int:

@@ -234,3 +234,73 @@ def test_collections_survive_a_sigkill_of_every_process_of_the_server(tmp_path: 
             assert hits / 500 >= 0.99
     finally:
         again.stop()
+
+
+def _apart_replicas(server) -> list[bytes]:
+    from shardserve.runtime import procfs
+
+    titles = [procfs.cmdline(pid).split(b"\0", 1)[0] for pid in server.pids()]
+    return [title for title in titles if b"ServeReplica:collection-" in title]
+
+
+@pytest.mark.haproxy
+def test_a_large_collection_is_served_apart_by_shard_deployments_of_its_own(tmp_path: Path) -> None:
+    """`shardserve serve`: a collection built past its `apart_at` is deployed as its own router and
+    shards (processes that were not there), every request to it forwarded there and answered from
+    the same directory and log (nothing written before is lost, writes after are read back at once),
+    a fold of it swapped into its shards, and once it is dropped, its processes go."""
+    from index_build.job import build_index
+    from loadtests.served import Server
+    from shardserve.runtime.ports import free_port
+
+    index = tmp_path / "idx"
+    build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=2000, backend="local")
+    server = Server(index, free_port(), log=tmp_path / "serve.log", flags=("--num-cpus", "2"))
+    rng = np.random.default_rng(4)
+    points: dict[int, np.ndarray] = {}
+
+    def write(client: Client, ids: range) -> None:
+        for start in range(ids.start, ids.stop, 500):
+            part = list(range(start, min(start + 500, ids.stop)))
+            vectors = rng.normal(size=(len(part), 8)).astype(np.float32)
+            client.upsert(part, vectors)
+            points.update(zip(part, vectors, strict=True))
+
+    def check(client: Client) -> None:
+        ids = sorted(points)
+        found = {p.id: p.vector for start in range(0, len(ids), 1000)
+                 for p in client.get(ids[start:start + 1000], include=[], vectors=True)}
+        assert set(found) == set(ids) and all(np.array_equal(found[i], points[i]) for i in ids)
+        assert client.count() == len(ids)
+        matrix = np.stack([points[i] for i in ids])
+        hits = 0
+        for query in matrix[:30]:
+            truth = np.asarray(ids)[np.argsort(((matrix - query) ** 2).sum(1))[:10]]
+            hits += len(set(client.search(query, k=10).ids) & set(truth.tolist()))
+        assert hits / 300 >= 0.99
+
+    try:
+        server.wait_said("Ctrl-C stops it.", 0)
+        with Client(server.url, timeout_s=60) as client:
+            assert _apart_replicas(server) == []
+            big = client.create_collection("big", 8, index="IVF16,Flat", shards=2, grow_at=1000,
+                                           apart_at=1000)
+            write(big, range(0, 1500))
+            described = server.wait_for(lambda: (d := big.index())["served_by"] and d, "served apart", 300)
+            assert described["stage"] == "built" and described["served_by"].startswith("collection-")
+            assert len(_apart_replicas(server)) >= 3  # its router and its 2 shards
+            check(big)  # what the router replicas held is all there
+            write(big, range(1500, 1700))
+            big.delete([3, 1600])
+            points.pop(3), points.pop(1600)
+            check(big)  # forwarded writes, read back at once
+            version = described["version"]
+            write(big, range(2000, 6200))  # past the fold threshold: compacted, swapped into its shards
+            server.wait_for(lambda: big.index()["version"] != version, "the fold swapped in", 300)
+            check(big)
+            client.drop_collection("big")
+            with pytest.raises(ApiError):
+                big.count()
+            server.wait_for(lambda: _apart_replicas(server) == [], "its processes gone", 300, 0.5)
+    finally:
+        server.stop()

@@ -28,6 +28,7 @@ MAX_DIM = 8192
 MAX_SHARDS = 64
 MAX_COLUMNS = 64
 GROW_AT = 20_000  # rows at which a collection served exactly is built as its index
+APART_AT = 200_000  # points at which a built collection gets shard deployments of its own
 
 
 class CollectionSpec(BaseModel):
@@ -45,6 +46,9 @@ class CollectionSpec(BaseModel):
                                            "IVFn,Flat or IVFn,PQmx4fs,RFlat")
     grow_at: int = Field(GROW_AT, ge=1_000, le=10_000_000,
                          description="rows past which it is built as `index` (served exactly below)")
+    apart_at: int = Field(APART_AT, ge=1_000, le=1_000_000_000,
+                          description="points past which, once built, it is served by shard deployments of "
+                                      "its own (replicas, autoscaling) instead of by the router replicas")
 
     @field_validator("name")
     @classmethod
