@@ -174,11 +174,14 @@ class CollectionsFront:
         elif operation is None:
             if method == "GET":
                 entry = await self._entry(name)
-                apart = await self._forwarded(entry, request, "count", b"{}")
-                if apart is not None:  # served apart: its stage from its manifest, its count from there
+                served = await self._forwarded(entry, request, "index", b"", "GET")
+                counted = None if served is None else await self._forwarded(entry, request, "count", b"{}")
+                if served is not None and counted is not None:  # served apart: the version it serves
+                    version = orjson.loads(served.body)["index_version"]
                     manifest = await asyncio.to_thread(read_manifest, Location.parse(str(entry.path)))
-                    return _json({**_described(entry), **_stage(manifest), "served_by": apart_app(entry.path),
-                                  "count": orjson.loads(apart.body)["count"]})
+                    return _json({**_described(entry), **_stage(manifest), "version": version,
+                                  "served_by": apart_app(entry.path),
+                                  "count": orjson.loads(counted.body)["count"]})
                 held = await self._held_named(name, entry)
                 return _json({**_described(held.entry), **_stage(held.manifest), "served_by": None,
                               "count": await self._run(held, held.count)})
@@ -235,8 +238,8 @@ class CollectionsFront:
         if stale is not None:
             self._let_go(stale)
 
-    async def _forwarded(self, entry: Entry, request: HttpRequest, operation: str,
-                         body: bytes) -> Reply | None:
+    async def _forwarded(self, entry: Entry, request: HttpRequest, operation: str, body: bytes,
+                         method: str = "POST") -> Reply | None:
         """The collection's answer from the application serving it apart
         (deployments.collection_apps), or None: it is not served apart, or that application is
         not there (the server restarted: this replica answers it until the folder deploys it again)."""
@@ -255,7 +258,7 @@ class CollectionsFront:
         kept = self._held.get(entry.id)
         if kept is not None and not kept.front.waiting:
             self._let_go(entry.id)  # not answered here any more
-        routed = HttpRequest("POST", f"/v1/{operation}", body, request.query, request.content_type,
+        routed = HttpRequest(method, f"/v1/{operation}", body, request.query, request.content_type,
                              request.lane, request.traceparent)
         try:
             return await handle.respond.remote(routed, "")
