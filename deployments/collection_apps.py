@@ -5,7 +5,7 @@ A collection lives in the router replicas while it is small (deployments.collect
 built (index_build.grow) and holds its spec's `apart_at` points or more, the server's folder
 (serving.compactor.CollectionsFolder) deploys its directory, which is an index directory like any,
 as two Serve applications, `collection-<id>` (a router, no HTTP route of its own) and its index app
-(its shards), exactly as `shardserve serve` deploys an index; then it writes `apart.json` in the
+(its shards), exactly as `shardserve serve` deploys an index; then it writes `served-apart` in the
 directory. From then on the router replicas forward each of its requests (search, writes, the point
 API) to that application's router, which answers them from the same directory and the same write
 log: nothing moves, so nothing can be lost in the move, and a write acknowledged by either path is
@@ -19,13 +19,12 @@ applications are deleted by the folder.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from shardserve.index.manifest import Published
 
-APART = "apart.json"  # in a collection's directory: the application serving it apart
+APART = "served-apart"  # in a collection's directory: the name of the application serving it apart
 PREFIX = "collection-"
 # Their replicas' reservations: logical, so that a server holds several beside its own index and
 # the versions a swap runs side by side; the cores are shared as the other replicas share them.
@@ -39,8 +38,8 @@ def app_of(collection_id: int) -> str:
 def apart_app(path: Path) -> str | None:
     """The application serving the collection at `path` apart, if the folder deployed one."""
     try:
-        return str(json.loads((path / APART).read_bytes())["app"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return (path / APART).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -64,7 +63,7 @@ def deploy_apart(collection_id: int, path: Path, overrides: dict) -> str:
     run_app(index_app(args, None, published), index_app_name(app), None, blocking=True)
     run_app(router_app(args, published), app, None, blocking=True)
     written = path / f".{APART}.tmp"
-    written.write_text(json.dumps({"app": app}))
+    written.write_text(app)
     os.replace(written, path / APART)
     return app
 

@@ -8,6 +8,11 @@ Both collections' searches share the router replica's collections thread, which 
 collections in turn, and the edge's admission. The record keeps both levels of the small one
 (its p99 beside the flood against alone is the check) and the flood's own level (answered, 503s and
 how fast they came back).
+
+What it shows (the record's own run): the collections thread takes the two in turn, so what the
+small collection gets answered waits for at most one of the large one's scans; but the edge's
+admission is one queue for every collection, and past capacity it sheds the small one's requests
+as it sheds the flood's. Lanes per collection at the edge are not built.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from loadtests.vegeta_run import attack, make_targets, vegeta, write_targets
 from shardserve.client import Client
 from shardserve.runtime.ports import free_port
 
-TARGETS = {"small_p99_beside_flood_vs_alone": ("<=", 3.0), "small_answered_beside_flood": ("==", 1.0)}
+TARGETS = {"small_answered_p99_beside_flood_vs_alone": ("<=", 3.0),
+           "small_answered_beside_flood": ("==", 1.0)}
 
 
 def _fill(client: Client, name: str, vectors: np.ndarray, **spec) -> None:
@@ -76,9 +82,11 @@ def main() -> None:
             flood.join()
         finally:
             server.stop()
-    ratio = round(beside["p99_ms"] / alone["p99_ms"], 3)
+    # the answered searches' p99 (a fast 503 must not make a p99 look good)
+    answered_p99 = beside["p99_ms_by_status"].get("200")
+    ratio = round(answered_p99 / alone["p99_ms_by_status"]["200"], 3) if answered_p99 else float("inf")
     answered = beside["status_codes"].get("200", 0) / max(beside["requests"], 1)
-    values = {"small_p99_beside_flood_vs_alone": ratio, "small_answered_beside_flood": answered}
+    values = {"small_answered_p99_beside_flood_vs_alone": ratio, "small_answered_beside_flood": answered}
     checks = {name: {"value": values[name], "target": f"{op} {bound}",
                      "met": values[name] <= bound if op == "<=" else values[name] == bound}
               for name, (op, bound) in TARGETS.items()}

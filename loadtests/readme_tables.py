@@ -608,7 +608,32 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "text-autoscale": text_autoscale_table(load("autoscale-text.json")),
             "bench-tracing": tracing_table(load("bench-tracing.json")),
             "bench-collections": collections_table(load("bench-collections.json")),
-            "grow-under-load": grow_table(load("grow-under-load.json"))}
+            "grow-under-load": grow_table(load("grow-under-load.json")),
+            "collections-isolation": isolation_table(load("collections-isolation.json"))}
+
+
+def _checks_rows(record: dict) -> list[str]:
+    """A record's checks (`ratios`: value, target, met) as a table, after a blank line."""
+    return ["", "| check | measured | target | met |", "|---|---|---|---|",
+            *(f"| {name.replace('_', ' ')} | {round(check['value'], 4)} | {check['target']} | "
+              f"{'yes' if check['met'] else '**no**'} |" for name, check in record["ratios"].items())]
+
+
+def isolation_table(record: dict) -> str:
+    """`make bench-isolation`: one collection flooded beside another."""
+    index, load = record["index"], record["load"]
+    rows = ["| level | offered / s | requests | 200 | 503 | p99 of 200s ms | p99 of 503s ms |",
+            "|---|---|---|---|---|---|---|"]
+    for level in record["levels"]:
+        codes, by_status = level["status_codes"], level.get("p99_ms_by_status") or {}
+        rows.append(f"| {level['label']} | {_cell(level['value'])} | {level['requests']:,} | "
+                    f"{codes.get('200', 0):,} | {codes.get('503', 0):,} | {_cell(by_status.get('200'))} | "
+                    f"{_cell(by_status.get('503'))} |")
+    rows += _checks_rows(record)
+    rows += ["", f"{index['dataset']} ({index['dim']} dims): {index['small']:,} points searched at "
+                 f"{load['rate']:g}/s beside {index['large']:,} searched at {load['flood']:g}/s, both exact, "
+                 f"{load['duration_s']:g} s a level."]
+    return "\n".join(rows)
 
 
 def grow_table(record: dict) -> str:
@@ -621,9 +646,7 @@ def grow_table(record: dict) -> str:
         rows.append(f"| {n} | {level['stage_at_start']} → {level['stage_at_end']} | "
                     f"{level['points_acknowledged']:,} | {level['requests']:,} | {codes.get('200', 0):,} | "
                     f"{codes.get('503', 0):,} | {_cell(level['p99_ms'])} |")
-    rows += ["", "| check | measured | target | met |", "|---|---|---|---|"]
-    rows += [f"| {name.replace('_', ' ')} | {check['value']} | {check['target']} | "
-             f"{'yes' if check['met'] else '**no**'} |" for name, check in record["ratios"].items()]
+    rows += _checks_rows(record)
     rows += ["", f"{index['dataset']} ({index['dim']} dims), `{index['index']}` in {index['shards']} shards "
                  f"past {index['grow_at']:,} points, {index['prefill']:,} before the load; "
                  f"{load['search_rate']:g} searches/s and {load['write_rate']:g} upserts/s for "

@@ -16,11 +16,15 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import BadArgument, ShardserveError
 
 
 class Busy(ShardserveError):
     """A key already has `max_waiting` calls waiting."""
+
+
+class Closed(ShardserveError, RuntimeError):
+    """The executor is shut down."""
 
 
 class FairExecutor:
@@ -29,7 +33,7 @@ class FairExecutor:
 
     def __init__(self, name: str, max_waiting: int, initializer: Callable[[], Any] | None = None):
         if max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
+            raise BadArgument("max_waiting must be >= 1")
         self.max_waiting = max_waiting
         self._queues: OrderedDict[Hashable, deque] = OrderedDict()  # keys with work, in turn order
         self._ready = threading.Condition()
@@ -42,7 +46,7 @@ class FairExecutor:
         future: Future = Future()
         with self._ready:
             if self._closed:
-                raise RuntimeError("the executor is shut down")
+                raise Closed("the executor is shut down")
             queue = self._queues.get(key)
             if queue is None:
                 queue = self._queues[key] = deque()
