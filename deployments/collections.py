@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import faiss
+import numpy as np
 import orjson
 from pydantic import ValidationError
 
@@ -104,7 +105,9 @@ class Held:
         if len(self.shards) == 1:
             self.shards[0].catch_up()
             return self.shards[0].live_rows()
-        return sum(len(shard.live_ids()[0]) for shard in self.shards)
+        # distinct ids: an overwrite moving an id between shards, applied by one shard and not yet by
+        # the other, is not counted twice
+        return len(np.unique(np.concatenate([shard.live_ids()[0] for shard in self.shards])))
 
     def close(self) -> None:
         for shard in self.shards:
@@ -440,7 +443,7 @@ class CollectionsFront:
         if where is None:
             return _json({"count": await self._run(held, held.count)})
         found = await self._run(held, lambda: [shard.live_ids(where)[0] for shard in held.shards])
-        return _json({"count": sum(len(ids) for ids in found)})
+        return _json({"count": len(np.unique(np.concatenate(found)))})
 
     async def _scroll(self, held: Held, request: HttpRequest) -> Reply:
         query = parse_scroll(request.body, held.checks, self.limits.max_page)
