@@ -269,7 +269,11 @@ class CollectionsFront:
             cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, ApiError):  # its answer: a refusal, as the client sent it
                 raise ApiError(cause.status, cause.field, cause.message, cause.retry_after) from None
-            self._apps.pop(app, None)  # the application going or gone: answered here
+            self._apps.pop(app, None)  # the application going or gone
+            if operation in ("upsert", "delete"):  # it may have applied it: the client decides
+                raise ApiError(503, None, f"collection {entry.name!r}: its application did not answer; "
+                                          "the write may or may not be applied: retry it",
+                               self.args.retry_after_s) from None
             logger.info("collection %s: its application %s did not answer (%r): answered here",
                         entry.name, app, exc)
             return None
