@@ -75,6 +75,9 @@ ROUTE = re.compile(r"/v1/collections(?:/([^/]+)(?:/([a-z]+))?)?")
 OPERATIONS = frozenset({"search", "upsert", "delete", "points", "count", "scroll"})
 
 
+APP_MISSING_S = 5.0  # an application serving a collection apart not found: asked for again after this
+
+
 def default_root(index: str) -> Path | None:
     """Where `shardserve serve DIR` keeps its collections: DIR/collections, for an index on a local
     disk (None otherwise: they need a local disk, as the write log does)."""
@@ -139,6 +142,8 @@ class CollectionsFront:
         self._named: dict[str, int] = {}  # the id held under each name
         self._loading: dict[int, asyncio.Future] = {}  # one load per collection, whoever asks first
         self._apps: dict[str, Any] = {}  # handles of the applications serving collections apart
+        self._missing_until: dict[str, float] = {}  # applications not found: not asked again until then
+        self._forwarding: dict[int, int] = {}  # requests forwarded and not answered yet, per collection
         self.max_held = held_within_files(args.max_collections_held)
 
     async def catalogue(self) -> Catalogue:
@@ -179,6 +184,9 @@ class CollectionsFront:
                 entry = await self._entry(name)
                 served = await self._forwarded(entry, request, "index", b"", "GET")
                 counted = None if served is None else await self._forwarded(entry, request, "count", b"{}")
+                for reply in (served, counted):
+                    if reply is not None and reply.status != 200:
+                        return reply  # its refusal (an overload's 503), as it gave it
                 if served is not None and counted is not None:  # served apart: the version it serves
                     version = orjson.loads(served.body)["index_version"]
                     manifest = await asyncio.to_thread(read_manifest, Location.parse(str(entry.path)))
@@ -247,36 +255,41 @@ class CollectionsFront:
         (deployments.collection_apps), or None: it is not served apart, or that application is
         not there (the server restarted: this replica answers it until the folder deploys it again)."""
         app = apart_app(entry.path)
-        if app is None:
+        if app is None or time.monotonic() < self._missing_until.get(app, 0.0):
             return None
         handle = self._apps.get(app)
         if handle is None:
             try:
                 from ray import serve
 
-                handle = self._apps[app] = serve.get_app_handle(app)
+                # a call to Serve's controller: off the event loop
+                handle = self._apps[app] = await asyncio.to_thread(serve.get_app_handle, app)
             except Exception as exc:  # noqa: BLE001 (no such application now: answered here)
+                self._missing_until[app] = time.monotonic() + APP_MISSING_S  # asked again later
                 logger.info("collection %s: no application %s (%r): answered here", entry.name, app, exc)
                 return None
         kept = self._held.get(entry.id)
         if kept is not None and not kept.front.waiting:
             self._let_go(entry.id)  # not answered here any more
+        if self._forwarding.get(entry.id, 0) >= self.args.max_collection_waiting:
+            raise ApiError(503, None, f"collection {entry.name!r} is overloaded: "
+                                      f"{self.args.max_collection_waiting} of its requests wait",
+                           self.args.retry_after_s)
         routed = HttpRequest(method, f"/v1/{operation}", body, request.query, request.content_type,
                              request.lane, request.traceparent)
+        self._forwarding[entry.id] = self._forwarding.get(entry.id, 0) + 1
         try:
             return await handle.respond.remote(routed, "")
         except Exception as exc:  # noqa: BLE001 (sorted below)
             cause = getattr(exc, "cause", None) or exc
             if isinstance(cause, ApiError):  # its answer: a refusal, as the client sent it
                 raise ApiError(cause.status, cause.field, cause.message, cause.retry_after) from None
-            self._apps.pop(app, None)  # the application going or gone
-            if operation in ("upsert", "delete"):  # it may have applied it: the client decides
-                raise ApiError(503, None, f"collection {entry.name!r}: its application did not answer; "
-                                          "the write may or may not be applied: retry it",
-                               self.args.retry_after_s) from None
-            logger.info("collection %s: its application %s did not answer (%r): answered here",
-                        entry.name, app, exc)
-            return None
+            self._apps.pop(app, None)  # asked for again at the next request
+            # a write may be applied already, a read may be answered by now: the client retries
+            raise ApiError(503, None, f"collection {entry.name!r}: its application did not answer "
+                                      f"({type(cause).__name__}); retry", self.args.retry_after_s) from None
+        finally:
+            self._forwarding[entry.id] -= 1
 
     async def _held_named(self, name: str, entry: Entry | None = None) -> Held:
         """The live collection `name`, loaded in this replica (a 404 when there is none; a copy of

@@ -120,6 +120,12 @@ class AppArgs(BaseModel):
     max_collections_held: int = Field(
         1024, ge=1, description="collections' shards one router replica holds loaded at most (a collection "
                                 "built in N shards counts N; the least recently used let go)")
+    min_apart_at: int = Field(
+        100_000, ge=1_000, description="the server's floor under a collection's apart_at: no smaller "
+                                       "collection gets shard deployments of its own")
+    max_collections_apart: int = Field(
+        8, ge=0, description="collections served apart by shard deployments of their own at most; the others "
+                             "stay in the router replicas")
     max_collection_waiting: int = Field(
         256, ge=1, description="one collection's requests waiting for the collections' thread of a router "
                                "replica (the collections take it in turn); past it a fast 503")

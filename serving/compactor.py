@@ -197,8 +197,10 @@ class CollectionsFolder:
                 continue
             try:
                 if not self.due(path, entry.spec.grow_at):
+                    self._serve_apart(entry, None, running)  # e.g. deployed again after a restart
                     continue
                 before = read_manifest(Location.parse(path)).index_version
+
                 def refused(rows: int, exc: Exception, path: str = path, name: str = entry.name) -> None:
                     self._refused[path] = rows
                     self.say(f"shardserve: collection {name!r} not grown at {rows} points, compacted "
@@ -234,14 +236,15 @@ class CollectionsFolder:
         live (dropped)."""
         if self.app_args is None:
             return set()
-        from deployments.collection_apps import PREFIX, app_of, delete_apart, running_apps
+        from deployments.collection_apps import collection_of, running_apps
+        from shardserve.runtime.ray_private import delete_app_nowait
 
         running = running_apps()
-        live = {app_of(entry.id) for entry in entries}
-        for app in {name for name in running if name.split("-index")[0] not in live}:
-            if app.startswith(PREFIX) and "-index" not in app:
-                self.say(f"shardserve: {app}: its collection is gone, deleting it")
-                delete_apart(app, running)
+        live = {entry.id for entry in entries}
+        for name in sorted(running):
+            if collection_of(name) not in live:  # its router app, index apps, swapped versions alike
+                self.say(f"shardserve: {name}: its collection is gone, deleting it")
+                delete_app_nowait(name)
         return running
 
     def _serve_apart(self, entry, folded: Manifest | None, running: set[str]) -> None:
@@ -249,22 +252,36 @@ class CollectionsFolder:
         swap a new fold of it into its application."""
         if self.app_args is None:
             return
-        from deployments.collection_apps import apart_app, app_of, deploy_apart
+        from deployments.collection_apps import (
+            APART_TIMEOUT_S,
+            MAX_COLLECTIONS_APART,
+            MIN_APART_AT,
+            apart_app,
+            app_of,
+            collection_of,
+            deploy_apart,
+        )
         from deployments.swap import swap_index
         from index_build.grow import grown
 
         app = app_of(entry.id)
         if app in running and apart_app(entry.path) == app:
             if folded is not None:
-                report = swap_index(str(entry.path), app, skip_gate=True)
+                report = swap_index(str(entry.path), app, skip_gate=True, timeout_s=APART_TIMEOUT_S)
                 self.say(f"shardserve: collection {entry.name!r}: {app} swapped to {report['new_version']}")
             return
         manifest = folded or read_manifest(Location.parse(str(entry.path)))
-        large = grown(manifest) and manifest.num_vectors >= entry.spec.apart_at
-        if apart_app(entry.path) is not None or large:  # once apart, apart for good
-            deploy_apart(entry.id, entry.path, self.app_args)
-            self.say(f"shardserve: collection {entry.name!r} ({manifest.num_vectors} points) served apart by "
-                     f"{app}: {len(manifest.shards)} shard deployments of its own")
+        threshold = max(entry.spec.apart_at, int(self.app_args.get("min_apart_at", MIN_APART_AT)))
+        large = grown(manifest) and manifest.num_vectors >= threshold
+        if apart_app(entry.path) is None and not large:
+            return
+        apart = {collection_of(name) for name in running} - {entry.id}
+        limit = int(self.app_args.get("max_collections_apart", MAX_COLLECTIONS_APART))
+        if apart_app(entry.path) is None and len(apart) >= limit:
+            return  # the router replicas keep serving it
+        deploy_apart(entry.id, entry.path, self.app_args, timeout_s=APART_TIMEOUT_S)
+        self.say(f"shardserve: collection {entry.name!r} ({manifest.num_vectors} points) served apart by "
+                 f"{app}: {len(manifest.shards)} shard deployments of its own")
 
     def _dropped(self, entry) -> bool:
         from shardserve.collection.catalogue import Catalogue

@@ -255,7 +255,8 @@ def test_a_large_collection_is_served_apart_by_shard_deployments_of_its_own(tmp_
 
     index = tmp_path / "idx"
     build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=2000, backend="local")
-    server = Server(index, free_port(), log=tmp_path / "serve.log", flags=("--num-cpus", "2"))
+    server = Server(index, free_port(), log=tmp_path / "serve.log",
+                    flags=("--num-cpus", "2", "--arg", "min_apart_at=1000"))
     rng = np.random.default_rng(4)
     points: dict[int, np.ndarray] = {}
 

@@ -10,6 +10,7 @@ backlog, and the memory it holds, stays its own.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -86,7 +87,10 @@ class FairExecutor:
 
     def _work(self) -> None:
         if self._initializer is not None:
-            self._initializer()
+            try:
+                self._initializer()
+            except Exception:  # noqa: BLE001 (a setting not applied: the calls still run, never hang)
+                logging.getLogger(__name__).exception("the executor's initializer failed")
         while (call := self._next()) is not None:
             future, fn, args = call
             if not future.set_running_or_notify_cancel():
