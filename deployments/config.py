@@ -129,6 +129,15 @@ class AppArgs(BaseModel):
     max_collection_waiting: int = Field(
         256, ge=1, description="one collection's requests waiting for the collections' thread of a router "
                                "replica (the collections take it in turn); past it a fast 503")
+    collection_compact_at: int = Field(
+        4096, ge=1, description="a collection's write operations waiting past its newest version before "
+                                "`serve` folds them into a new one (compaction, then every replica moves)")
+    chroma_shards: int = Field(2, ge=1, le=64, description="shards a collection created through Chroma's API "
+                                                           "is built in once it grows (docs/chroma.md)")
+    chroma_max_batch: int = Field(5461, ge=1, le=100_000,
+                                  description="records one Chroma add, update or upsert takes at most")
+    chroma_allow_reset: bool = Field(False, description="Chroma's POST /api/v2/reset deletes every Chroma "
+                                                        "collection, tenant and database: refused unless set")
     max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "
                                                               "answers at most")
     max_work: int = Field(

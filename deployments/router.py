@@ -26,6 +26,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from deployments.autoscaling import ReportsCoresWanted
+from deployments.chroma import PREFIX as CHROMA_PREFIX
+from deployments.chroma import chroma_front
+from deployments.chroma import respond as chroma_respond
 from deployments.collections import CollectionsFront, default_root
 from deployments.config import AppArgs, index_app_name
 from deployments.index_set import IndexSet, follow_links
@@ -84,7 +87,7 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
     body bounded in size and time, so an upload holds no admission slot."""
     root = request.scope.get("root_path", "")  # Serve puts the route prefix here
     body = b""
-    if request.method == "POST":
+    if request.method in ("POST", "PUT"):
         body = await receive_body(request.stream(), request.headers.get("content-length"),
                                   args.max_body_bytes, args.body_timeout_s)
     route = request.scope.get("path", "")[len(root):]
@@ -454,6 +457,16 @@ def _let_go(links: ShardLinks | None) -> None:
     give_back()
 
 
+def _collections_route(router: "Router", request: HttpRequest,
+                       route: str) -> tuple[str, Callable[[], Awaitable[Reply]]] | None:
+    """(metrics label, answer) of a native collections route or a Chroma one; None for others."""
+    if route == "/v1/collections" or route.startswith("/v1/collections/"):
+        return "collections", lambda: router.collections.respond(request, route)
+    if route == CHROMA_PREFIX or route.startswith(CHROMA_PREFIX + "/"):
+        return "chroma", lambda: chroma_respond(router.chroma, request)
+    return None
+
+
 @serve.deployment(max_ongoing_requests=512)
 class Router(ReportsCoresWanted):
     """Plain ASGI-request ingress (no per-request FastAPI stack): exact routes under its prefix."""
@@ -473,6 +486,7 @@ class Router(ReportsCoresWanted):
         self.tracer = Tracer(a.trace_config("shardserve-router"), {"shardserve.replica": self.replica_id})
         root = Path(a.collections_dir) if a.collections_dir else default_root(a.index)
         self.collections = CollectionsFront(root, a, self.limits)
+        self.chroma = chroma_front(self.collections, a)
         self.batcher = AdaptiveBatcher(self._search_batch, a.max_batch_size, 1,
                                        size_of=lambda item: len(item[1].matrix))
         _shape_batches(self.batcher, a, self.active.manifest)
@@ -504,8 +518,8 @@ class Router(ReportsCoresWanted):
                           else _write(self, request, route == "/v1/upsert"))
         if method == "POST" and route in POINT_ROUTES:
             return await _points_route(self, request, route)
-        if route == "/v1/collections" or route.startswith("/v1/collections/"):
-            return await _counted(self, "collections", lambda: self.collections.respond(request, route))
+        if (collections := _collections_route(self, request, route)) is not None:
+            return await _counted(self, *collections)
         if method == "GET" and route in ("/v1/health", "/v1/index"):
             return await _health(self) if route == "/v1/health" else _summary(self)
         if method == "GET" and (docs := docs_reply(route, root)) is not None:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from deployments.config import AppArgs
 from shardserve.errors import BadArgument
 from shardserve.index.manifest import Manifest, read_manifest
 from shardserve.index.storage import Location
@@ -117,8 +118,9 @@ class AutoCompactor:
                 self._stop.wait(wait)
 
 
-COLLECTION_COMPACT_AT = 4096  # a collection's operations waiting past its newest version (every
-# router replica holds them in memory: a small bound, since a server holds many collections)
+# a collection's operations waiting past its newest version (every router replica holds them in
+# memory: a small bound, since a server holds many collections); the app argument sets it
+COLLECTION_COMPACT_AT = AppArgs.model_fields["collection_compact_at"].default
 
 
 class CollectionsFolder:

@@ -20,7 +20,7 @@ import time
 
 from deployments.config import EMBEDDER_MAX_REPLICAS, AppArgs
 from deployments.run import APP_NAME, absolute, deploy, undeploy
-from serving.compactor import COMPACT_AT, AutoCompactor, CollectionsFolder
+from serving.compactor import COLLECTION_COMPACT_AT, COMPACT_AT, AutoCompactor, CollectionsFolder
 from serving.edge import Admission, EdgeProcess, haproxy_binary
 from serving.prometheus import HOST as PROMETHEUS_HOST
 from serving.prometheus import PrometheusProcess, prometheus_binary
@@ -170,7 +170,8 @@ def _collections_folder(published: Published, app_args: dict) -> CollectionsFold
     from deployments.collections import default_root
 
     root = app_args.get("collections_dir") or default_root(published.location.uri)
-    return None if root is None else CollectionsFolder(str(root), app_args=app_args).start()
+    at_ops = int(app_args.get("collection_compact_at", COLLECTION_COMPACT_AT))
+    return None if root is None else CollectionsFolder(str(root), at_ops, app_args=app_args).start()
 
 
 def room_for_two_versions(shards: int, replicas_per_shard: int, embedder: bool = False) -> int:

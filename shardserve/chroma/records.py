@@ -1,0 +1,486 @@
+"""Chroma's record operations (add, update, upsert, delete, get, query, count) on one native
+collection, through `Native`: the native collections' routes, called in-process (their checks,
+write log, forwarding to a collection served apart, fairness), never a second store.
+
+What Chroma asks that the native API does not give is done here:
+- **insertion order**: each record carries `seq`, taken when it is first written (a replica's clock,
+  made strictly increasing); an update keeps it. A get answers in `seq` order, its limit and offset
+  applied after the filters, as Chroma's does.
+- **filters over keys that come with writes**: the native columns are fixed at creation, so a
+  `where` is evaluated here (shardserve.chroma.where) over the records' stored metadata, and the
+  ids it passes become the native search's `$id` filter (in parts of at most MAX_IN, merged by the
+  one `merge_topk`).
+- **merges**: an update or upsert merges metadata key by key (a null value deletes its key) and
+  keeps what it does not give; an add of an id held is ignored. Read, merged, written under the
+  collection's lock in this replica.
+- **distances**: Chroma's (squared L2, 1 - dot, 1 - cosine), computed again in float64 on the
+  stored float32 vectors of the k found, so they equal what Chroma's reference computes.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from shardserve.chroma import points as P
+from shardserve.chroma.where import BadWhere, matches
+from shardserve.query.filters import MAX_IN
+from shardserve.query.merge import merge_topk
+
+# (method, route under /v1/collections/{native}, JSON body) -> the decoded answer; raises ApiError
+Native = Callable[[str, str, object], Awaitable[object]]
+INCLUDABLE = {"documents", "embeddings", "metadatas", "distances", "uris"}
+MAX_SCANNED = 200_000  # records a filtered get, delete or query passes over here
+MAX_BRUTE = 20_000  # records a query with n_results past the native max_k scores here
+
+
+class ChromaRefusal(Exception):
+    """An answer in Chroma's error shape: its status, its error name, its message."""
+
+    def __init__(self, status: int, name: str, message: str):
+        super().__init__(message)
+        self.status, self.name, self.message = status, name, message
+
+
+def invalid(message: str) -> ChromaRefusal:
+    return ChromaRefusal(400, "InvalidArgumentError", message)
+
+
+@dataclass
+class Record:
+    pid: int
+    sid: str
+    document: str | None
+    uri: str | None
+    metadata: dict | None
+    seq: int
+    vector: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_page: int
+    max_write_points: int
+    max_k: int
+
+
+class Sequencer:
+    """Strictly increasing insertion stamps (nanoseconds since the epoch, bumped past the last)."""
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def take(self, n: int) -> list[int]:
+        start = max(time.time_ns(), self.last + 1)
+        self.last = start + n - 1
+        return list(range(start, start + n))
+
+
+def embeddings_of(value: object, count: int, field: str = "embeddings") -> list[list[float] | None] | None:
+    """The request's embeddings: number lists or base64 little-endian float32 (Chroma's two forms)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != count:
+        raise invalid(f"{field}: expected {count} embeddings")
+    out: list[list[float] | None] = []
+    for item in value:
+        if item is None:
+            out.append(None)
+        elif isinstance(item, str):
+            try:
+                raw = base64.b64decode(item, validate=True)
+            except ValueError:
+                raise invalid(f"{field}: not base64") from None
+            if len(raw) % 4:
+                raise invalid(f"{field}: base64 of {len(raw)} bytes is not float32s")
+            out.append(list(struct.unpack(f"<{len(raw) // 4}f", raw)))
+        elif isinstance(item, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                            for x in item):
+            out.append([float(x) for x in item])
+        else:
+            raise invalid(f"{field}: each embedding is a list of numbers or a base64 string")
+    for vector in out:
+        if vector is not None:
+            if not vector:
+                raise invalid(f"{field}: an embedding is empty")
+            if not all(math.isfinite(x) for x in vector):
+                raise invalid(f"{field}: an embedding holds NaN or infinity")
+    return out
+
+
+def _aligned(payload: dict, field: str, count: int) -> list:
+    value = payload.get(field)
+    if value is None:
+        return [None] * count
+    if not isinstance(value, list) or len(value) != count:
+        raise invalid(f"{field}: expected {count} entries, one per id")
+    return value
+
+
+def _ids(payload: dict, required: bool = True) -> list[str] | None:
+    ids = payload.get("ids")
+    if ids is None and not required:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise invalid("ids: expected a list of non-empty strings")
+    if len(set(ids)) != len(ids):
+        raise ChromaRefusal(400, "DuplicateIDError", "ids: duplicates in one request")
+    return ids
+
+
+def _checked_metadata(metadata: object, where: str) -> dict | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise invalid(f"{where}: expected an object")
+    for key, value in metadata.items():
+        if not key or key[0] in "#$":
+            raise invalid(f"{where}: key {key[:40]!r} is empty or starts with # or $")
+        if value is None or isinstance(value, (str, int, float, bool)):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise invalid(f"{where}: {key!r} is NaN or infinite")
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, (str, int, float, bool)) for v in value):
+            continue
+        if isinstance(value, dict) and value.get("#type") == "sparse_vector":
+            continue
+        raise invalid(f"{where}: {key!r} holds a {type(value).__name__}")
+    return metadata
+
+
+def merged(old: dict | None, new: dict | None) -> dict | None:
+    """Chroma's update: keys set, a null deleting its key; no metadata given keeps the old."""
+    if new is None:
+        return old
+    out = dict(old or {})
+    for key, value in new.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out or None
+
+
+class Records:
+    """One Chroma collection's records in native collection `native` (None: not written yet, so
+    its dimension is not known)."""
+
+    def __init__(self, native: Native, name: str, metric: str, dim: int | None, limits: Limits,
+                 sequencer: Sequencer):
+        self.native, self.name, self.metric, self.dim = native, name, metric, dim
+        self.limits, self.sequencer = limits, sequencer
+
+    # --- reads of native points
+    def _record(self, point: dict) -> Record:
+        row = point["metadata"]
+        vector = point.get("vector")
+        if vector is not None:
+            vector = P.given(list(vector), P.norm_of(row))
+        return Record(int(point["id"]), row["sid"], row.get("doc"), row.get("uri"), P.metadata_of(row),
+                      int(row.get("seq") or 0), vector)
+
+    async def held(self, sids: list[str], vectors: bool) -> dict[str, Record]:
+        """The records among `sids`, by id (one whose hash another id holds is refused)."""
+        found: dict[str, Record] = {}
+        if self.dim is None:
+            return found
+        for start in range(0, len(sids), self.limits.max_page):
+            part = sids[start:start + self.limits.max_page]
+            pids = dict(zip(P.point_ids(part), part, strict=True))
+            answer = await self.native("POST", "points", {"ids": list(pids), "vectors": vectors})
+            for point in answer["points"]:  # type: ignore[index]
+                record = self._record(point)
+                if record.sid != pids[record.pid]:
+                    raise _collision(pids[record.pid], record.sid)
+                found[record.sid] = record
+        return found
+
+    async def scanned(self, vectors: bool) -> list[Record]:
+        """Every record, in insertion order (a walk of the native scroll)."""
+        records: list[Record] = []
+        if self.dim is None:
+            return records
+        after = None
+        while True:
+            answer = await self.native("POST", "scroll", {"limit": self.limits.max_page, "after": after,
+                                                          "vectors": vectors})
+            records.extend(self._record(point) for point in answer["points"])  # type: ignore[index]
+            if len(records) > MAX_SCANNED:
+                raise invalid(f"collection {self.name}: more than {MAX_SCANNED} records to filter here; "
+                              "give ids, or use the native API's typed filters")
+            after = answer["next"]  # type: ignore[index]
+            if after is None:
+                break
+        records.sort(key=lambda r: (r.seq, r.pid))
+        return records
+
+    async def selected(self, ids: list[str] | None, where: dict | None, where_document: dict | None,
+                       vectors: bool) -> list[Record]:
+        """The records passing `ids`, `where` and `where_document`, in insertion order."""
+        if ids is not None:
+            found = await self.held(ids, vectors)
+            records = sorted(found.values(), key=lambda r: (r.seq, r.pid))
+        else:
+            records = await self.scanned(vectors)
+        if where or where_document:
+            try:
+                records = [r for r in records if matches(where, r.metadata, r.document)
+                           and _document_matches(where_document, r.document)]
+            except BadWhere as exc:
+                raise invalid(str(exc)) from None
+        return records
+
+    # --- writes
+    def _checked_dim(self, vectors: list[list[float] | None]) -> int | None:
+        dims = {len(v) for v in vectors if v is not None}
+        if len(dims) > 1:
+            raise invalid("Inconsistent dimensions in provided embeddings")
+        dim = next(iter(dims), None)
+        if dim is not None and self.dim is not None and dim != self.dim:
+            raise invalid(f"Collection expecting embedding with dimension of {self.dim}, got {dim}")
+        return dim
+
+    async def _write(self, records: list[Record]) -> None:
+        for start in range(0, len(records), self.limits.max_write_points):
+            part = records[start:start + self.limits.max_write_points]
+            vectors = np.asarray([r.vector for r in part], np.float32)
+            norms = P.norms(vectors) if self.metric == "cosine" else None
+            rows = [{**P.stored(r.sid, r.document, r.uri, r.metadata,
+                                None if norms is None else float(norms[i])), "seq": r.seq}
+                    for i, r in enumerate(part)]
+            await self.native("POST", "upsert", {"ids": [r.pid for r in part], "vectors": vectors.tolist(),
+                                                 "metadata": rows})
+
+    async def write(self, mode: str, payload: dict, max_batch: int,
+                    create: Callable[[int], Awaitable[None]]) -> None:
+        """add, update or upsert (`mode`) of the request's records. `create(dim)`: makes the native
+        collection at the first write (the dimension known then)."""
+        ids = _ids(payload)
+        assert ids is not None
+        if len(ids) > max_batch:
+            raise invalid(f"Batch size {len(ids)} exceeds maximum batch size {max_batch}")
+        vectors = embeddings_of(payload.get("embeddings"), len(ids))
+        metadatas = [_checked_metadata(m, "metadatas") for m in _aligned(payload, "metadatas", len(ids))]
+        documents = _aligned(payload, "documents", len(ids))
+        uris = _aligned(payload, "uris", len(ids))
+        if not all(d is None or isinstance(d, str) for d in documents + uris):
+            raise invalid("documents and uris are strings or null")
+        if mode != "update" and (vectors is None or any(v is None for v in vectors)):
+            raise invalid(f"{mode} needs an embedding for every id")
+        dim = None if vectors is None else self._checked_dim(vectors)
+        if mode == "update" and self.dim is None:
+            return  # nothing held: an update of ids not held does nothing
+        if self.dim is None:
+            assert dim is not None
+            await create(dim)
+            self.dim = dim
+            self._checked_dim(vectors or [])
+        held = await self.held(ids, vectors=vectors is None or any(v is None for v in vectors))
+        fresh = [i for i, sid in enumerate(ids) if sid not in held]
+        stamps = iter(self.sequencer.take(len(fresh)))
+        writes: list[Record] = []
+        for i, sid in enumerate(ids):
+            old = held.get(sid)
+            vector = None if vectors is None else vectors[i]
+            if old is None:
+                if mode == "update":
+                    continue
+                writes.append(Record(P.point_id(sid), sid, documents[i], uris[i], metadatas[i], next(stamps),
+                                     vector))
+            elif mode != "add":
+                given_documents = payload.get("documents") is not None
+                given_uris = payload.get("uris") is not None
+                writes.append(Record(old.pid, sid, documents[i] if given_documents else old.document,
+                                     uris[i] if given_uris else old.uri, merged(old.metadata, metadatas[i]),
+                                     old.seq, vector if vector is not None else old.vector))
+        await self._write(writes)
+
+    async def delete(self, payload: dict) -> int:
+        ids = _ids(payload, required=False)
+        where, where_document = payload.get("where"), payload.get("where_document")
+        if ids is None and not where and not where_document:
+            raise invalid("delete needs ids, where or where_document")
+        records = await self.selected(ids, where, where_document, vectors=False)
+        limit = payload.get("limit")
+        if limit is not None:
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise invalid("limit: a non-negative integer")
+            records = records[:limit]
+        for start in range(0, len(records), self.limits.max_write_points):
+            part = records[start:start + self.limits.max_write_points]
+            await self.native("POST", "delete", {"ids": [r.pid for r in part]})
+        return len(records)
+
+    # --- reads
+    async def get(self, payload: dict) -> dict:
+        include = _include(payload.get("include"), {"documents", "metadatas"}, query=False)
+        limit, offset = payload.get("limit"), payload.get("offset") or 0
+        for name, value in (("limit", limit), ("offset", offset)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise invalid(f"{name}: a non-negative integer")
+        records = await self.selected(_ids(payload, required=False), payload.get("where"),
+                                      payload.get("where_document"), vectors="embeddings" in include)
+        records = records[offset:] if limit is None else records[offset:offset + limit]
+        return {"ids": [r.sid for r in records], **_fields(records, include), "include": sorted(include)}
+
+    async def count(self) -> int:
+        if self.dim is None:
+            return 0
+        return int((await self.native("POST", "count", {}))["count"])  # type: ignore[index]
+
+    async def query(self, payload: dict) -> dict:
+        include = _include(payload.get("include"), {"documents", "metadatas", "distances"}, query=True)
+        queries = embeddings_of(payload.get("query_embeddings"), len(payload.get("query_embeddings") or []),
+                                "query_embeddings")
+        if not queries:
+            raise invalid("query_embeddings: at least one")
+        n = payload.get("n_results", 10)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise invalid("n_results: a positive integer")
+        ids = _ids(payload, required=False)
+        where, where_document = payload.get("where"), payload.get("where_document")
+        empty = {"ids": [[] for _ in queries], **{f: [[] for _ in queries] for f in sorted(include)},
+                 "include": sorted(include)}
+        if self.dim is None or (ids is not None and not ids):
+            return _with_nulls(empty, include)
+        matrix = np.asarray(queries, np.float64)
+        if matrix.ndim != 2:
+            raise invalid("Inconsistent dimensions in provided embeddings")
+        self._checked_dim(list(queries))
+        allowed: list[Record] | None = None
+        if ids is not None or where or where_document:
+            allowed = await self.selected(ids, where, where_document, vectors=False)
+            if ids is not None and len({r.sid for r in allowed}) < len(ids) and not (where or where_document):
+                missing = sorted(set(ids) - {r.sid for r in allowed})
+                raise ChromaRefusal(500, "InternalError", f"Error finding id {missing[0][:80]}")
+            if not allowed:
+                return _with_nulls(empty, include)
+        found = await self._nearest(matrix, n, allowed)
+        wanted = sorted({pid for row in found for pid in row})
+        records = {r.pid: r for r in await self._points(wanted)}
+        answer: dict = {"ids": []}
+        for field in include:
+            answer[field] = []
+        for q, row in enumerate(found):
+            hits = [records[pid] for pid in row if pid in records]
+            distances = [_distance(self.metric, matrix[q], np.asarray(r.vector, np.float32)) for r in hits]
+            order = sorted(range(len(hits)), key=lambda i: distances[i])
+            hits, distances = [hits[i] for i in order], [distances[i] for i in order]
+            answer["ids"].append([r.sid for r in hits])
+            for field, values in _fields(hits, include - {"distances"}).items():
+                answer[field].append(values)
+            if "distances" in include:
+                answer["distances"].append(distances)
+        answer["include"] = sorted(include)
+        return _with_nulls(answer, include)
+
+    async def _points(self, pids: list[int]) -> list[Record]:
+        records: list[Record] = []
+        for start in range(0, len(pids), self.limits.max_page):
+            answer = await self.native("POST", "points", {"ids": pids[start:start + self.limits.max_page],
+                                                          "vectors": True})
+            records.extend(self._record(point) for point in answer["points"])  # type: ignore[index]
+        return records
+
+    async def _nearest(self, matrix: np.ndarray, n: int, allowed: list[Record] | None) -> list[list[int]]:
+        """Per query, the ids of its n nearest among `allowed` (None: all), by the native search (in
+        parts of MAX_IN ids, merged), or scored here when n is past the native max_k."""
+        if n > self.limits.max_k:
+            return await self._brute(matrix, n, allowed)
+        parts: list[list[int] | None] = [None] if allowed is None else [
+            [r.pid for r in allowed[s:s + MAX_IN]] for s in range(0, len(allowed), MAX_IN)]
+        distances, ids = [], []
+        for part in parts:
+            body: dict = {"vectors": matrix.astype(np.float32).tolist(), "k": n}
+            if part is not None:
+                body["filter"] = {"$id": {"$in": part}}
+            answer = await self.native("POST", "search", body)
+            d = np.full((len(matrix), n), np.inf, np.float32)
+            i = np.full((len(matrix), n), -1, np.int64)
+            for q, result in enumerate(answer["results"]):  # type: ignore[index]
+                found = len(result["ids"])
+                d[q, :found], i[q, :found] = result["distances"], result["ids"]
+                if self.metric != "l2":
+                    d[q, found:] = -np.inf
+            distances.append(d)
+            ids.append(i)
+        _, best = merge_topk(distances, ids, n, higher_is_better=self.metric != "l2")
+        return [[int(pid) for pid in row if pid >= 0] for row in best]
+
+    async def _brute(self, matrix: np.ndarray, n: int, allowed: list[Record] | None) -> list[list[int]]:
+        pids = [r.pid for r in allowed] if allowed is not None else [r.pid for r in await self.scanned(False)]
+        if len(pids) > MAX_BRUTE:
+            raise invalid(f"n_results {n} is past {self.limits.max_k} (max_k) over more than {MAX_BRUTE} "
+                          "records")
+        records = await self._points(pids)
+        if not records:
+            return [[] for _ in matrix]
+        vectors = np.asarray([r.vector for r in records], np.float32)
+        scores = np.asarray([[_distance(self.metric, q, v) for v in vectors] for q in matrix])
+        order = np.argsort(scores, axis=1, kind="stable")[:, :n]
+        return [[records[j].pid for j in row] for row in order]
+
+
+def _distance(metric: str, query: np.ndarray, vector: np.ndarray) -> float:
+    """Chroma's distance (hnswlib's): squared L2, 1 - dot, 1 - cosine (its epsilon)."""
+    q, v = np.asarray(query, np.float32).astype(np.float64), vector.astype(np.float64)
+    if metric == "l2":
+        return float(np.sum((q - v) ** 2))
+    if metric == "ip":
+        return float(1.0 - q @ v)
+    return float(1.0 - (q @ v) / (np.linalg.norm(q) * np.linalg.norm(v) + 1e-30))
+
+
+def _document_matches(where_document: dict | None, document: str | None) -> bool:
+    from shardserve.chroma.where import matches_document
+
+    return matches_document(where_document, document)
+
+
+def _include(value: object, default: set[str], query: bool) -> set[str]:
+    if value is None:
+        return set(default)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid("include: a list of names")
+    unknown = set(value) - INCLUDABLE - {"data"}
+    if unknown:
+        raise invalid(f"include: {sorted(unknown)[0][:40]!r} is not one of {sorted(INCLUDABLE)}")
+    if "distances" in value and not query:
+        raise invalid("include: distances only with a query")
+    return set(value) - {"data"}
+
+
+def _fields(records: list[Record], include: set[str]) -> dict:
+    out: dict = {}
+    if "embeddings" in include:
+        out["embeddings"] = [r.vector for r in records]
+    if "documents" in include:
+        out["documents"] = [r.document for r in records]
+    if "metadatas" in include:
+        out["metadatas"] = [r.metadata for r in records]
+    if "uris" in include:
+        out["uris"] = [r.uri for r in records]
+    return out
+
+
+def _with_nulls(answer: dict, include: set[str]) -> dict:
+    for field in ("embeddings", "documents", "metadatas", "distances", "uris"):
+        if field not in include:
+            answer[field] = None
+    return answer
+
+
+def _collision(sid: str, held: str) -> ChromaRefusal:
+    return ChromaRefusal(409, "ChromaError", f"id {sid[:80]!r} hashes to the record of id {held[:80]!r} in "
+                                             "this collection: use another id")
+
+
+def dumps(payload: object) -> bytes:
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)

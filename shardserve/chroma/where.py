@@ -1,0 +1,190 @@
+"""Chroma's `where` and `where_document`, evaluated on one record as Chroma 1.5.9 does.
+
+    {"k": v}  is {"k": {"$eq": v}};  $and / $or take lists of clauses;  `where` AND `where_document`
+    $eq        the key is present and equal (int and float compare as numbers; a bool is never a number)
+    $ne        the key is absent, of another kind, or not equal
+    $gt $gte $lt $lte   numbers only: the key holds a number and the comparison holds
+    $in / $nin the value is (is not) one of the list's, of the list's own kind
+    $contains / $not_contains   on a list value: it holds (does not hold) the operand
+    where_document: $contains / $not_contains (case-sensitive substring), $regex / $not_regex
+    (unanchored search; a record without a document is "" for the negations, absent for the others)
+
+Rust's regex syntax allows a flag group in mid-pattern (`(?i)c(?-i)at`); Python's `re` only at the
+start: `python_regex` rewrites one as the scoped group Python knows (`(?-i:at)`), to the end of the
+group it is in. A where that is not Chroma's syntax is a BadWhere (the front's 400).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+MAX_DEPTH = 32
+MAX_PATTERN = 4096
+
+
+class BadWhere(ValueError):
+    """Not a filter Chroma would take: the message says why."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if _number(value):
+        return "number"
+    return type(value).__name__
+
+
+def _equal(value: object, operand: object) -> bool:
+    return _kind(value) == _kind(operand) and value == operand
+
+
+_ORDER: dict[str, Callable[[Any, Any], bool]] = {
+    "$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+    "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b}
+
+
+def _field(metadata: dict, key: str, condition: object) -> bool:
+    if not isinstance(condition, dict):
+        condition = {"$eq": condition}
+    if len(condition) != 1:
+        raise BadWhere(f"Expected operator expression for {key!r} to have exactly one operator")
+    (op, operand), = condition.items()
+    present = key in metadata and metadata[key] is not None
+    value = metadata.get(key)
+    if op == "$eq":
+        return present and not isinstance(value, list) and _equal(value, operand)
+    if op == "$ne":
+        return not (present and not isinstance(value, list) and _equal(value, operand))
+    if op in _ORDER:
+        if not _number(operand):
+            raise BadWhere(f"{op} needs a number, got {type(operand).__name__}")
+        return present and _number(value) and _ORDER[op](value, operand)
+    if op in ("$in", "$nin"):
+        if not isinstance(operand, list) or not operand:
+            raise BadWhere(f"{op} needs a non-empty list")
+        found = present and not isinstance(value, list) and any(_equal(value, o) for o in operand)
+        return found if op == "$in" else not found
+    if op in ("$contains", "$not_contains"):
+        held = present and isinstance(value, list) and any(_equal(v, operand) for v in value)
+        return held if op == "$contains" else not held
+    raise BadWhere(f"unknown operator {str(op)[:40]!r} for {key!r}")
+
+
+def _clause(node: object, depth: int, what: str) -> bool:
+    """Whether `node` has clauses to evaluate (BadWhere if it is not a clause, or too deep)."""
+    if not node:
+        return False
+    if depth > MAX_DEPTH:
+        raise BadWhere(f"a {what} nested deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict):
+        raise BadWhere(f"a {what} is an object")
+    return True
+
+
+def matches(where: dict | None, metadata: dict | None, document: str | None, depth: int = 0) -> bool:
+    """Whether a record with `metadata` and `document` passes `where` (which may name `#document`)."""
+    if not _clause(where, depth, "where"):
+        return True
+    assert where is not None
+    metadata = metadata or {}
+    for key, condition in where.items():
+        if key in ("$and", "$or"):
+            if not isinstance(condition, list):
+                raise BadWhere(f"{key} takes a list of where clauses")
+            results = (matches(clause, metadata, document, depth + 1) for clause in condition)
+            if not (all(results) if key == "$and" else any(results)):
+                return False
+        elif key == "#document":
+            if not matches_document(condition, document, depth + 1):
+                return False
+        elif not _field(metadata, key, condition):
+            return False
+    return True
+
+
+def matches_document(where_document: dict | None, document: str | None, depth: int = 0) -> bool:
+    if not _clause(where_document, depth, "where_document"):
+        return True
+    assert where_document is not None
+    for op, operand in where_document.items():
+        if op in ("$and", "$or"):
+            if not isinstance(operand, list):
+                raise BadWhere(f"{op} takes a list of where_document clauses")
+            results = (matches_document(clause, document, depth + 1) for clause in operand)
+            if not (all(results) if op == "$and" else any(results)):
+                return False
+            continue
+        if not isinstance(operand, str):
+            raise BadWhere(f"{op} in where_document takes a string")
+        if op == "$contains":
+            found = document is not None and operand in document
+        elif op == "$not_contains":
+            found = document is None or operand not in document
+        elif op == "$regex":
+            found = document is not None and compiled(operand).search(document) is not None
+        elif op == "$not_regex":
+            found = document is None or compiled(operand).search(document) is None
+        else:
+            raise BadWhere(f"unknown where_document operator {op[:40]!r}")
+        if not found:
+            return False
+    return True
+
+
+@lru_cache(maxsize=256)
+def compiled(pattern: str) -> re.Pattern:
+    if len(pattern) > MAX_PATTERN:
+        raise BadWhere(f"a regex of more than {MAX_PATTERN} characters")
+    try:
+        return re.compile(python_regex(pattern))
+    except re.error as exc:
+        raise BadWhere(f"invalid regex {pattern[:80]!r}: {exc}") from None
+
+
+_FLAGS = re.compile(r"\(\?([a-zA-Z]*-?[a-zA-Z]*)\)")
+
+
+def python_regex(pattern: str) -> str:
+    """`pattern` with each flag group after the start, `(?flags)`, made a scoped group `(?flags:...)`
+    that runs to the end of the group it appears in (Rust's meaning), escapes and classes kept."""
+    out: list[str] = []
+    scoped: list[list[str]] = [[]]  # per open group: the flag groups opened in it, still open
+    i, in_class = 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]" or bool(out and out[-1] == "[")
+            out.append(char)
+        elif char == "[":
+            in_class = True
+            out.append(char)
+        elif char == "(":
+            flags = _FLAGS.match(pattern, i)
+            if flags is not None and (i > 0 or "-" in flags[1]):
+                out.append(f"(?{flags[1]}:")
+                scoped[-1].append(flags[1])
+                i = flags.end()
+                continue
+            scoped.append([])
+            out.append(char)
+        elif char == ")" and len(scoped) > 1:
+            out.append(")" * len(scoped.pop()) + ")")
+        elif char == "|" and scoped[-1]:
+            # the flags reach the group's other alternatives too (Rust): closed before, opened after
+            out.append(")" * len(scoped[-1]) + "|" + "".join(f"(?{f}:" for f in scoped[-1]))
+        else:
+            out.append(char)
+        i += 1
+    out.append(")" * len(scoped[0]))
+    return "".join(out)

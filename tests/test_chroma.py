@@ -1,0 +1,232 @@
+"""Chroma's API on the collections of one router replica (deployments.chroma over a real
+CollectionsFront: real FAISS, real write logs, no Ray), and its plain parts: where, regex, the
+catalogue. Chroma's own client and test suite run against `shardserve serve` in `make test-chroma`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deployments.chroma import chroma_front
+from deployments.collections import CollectionsFront
+from deployments.config import AppArgs
+from shardserve.chroma.catalogue import ChromaCatalogue, Exists, native_name
+from shardserve.chroma.front import check_name, configured
+from shardserve.chroma.records import ChromaRefusal, merged
+from shardserve.chroma.where import BadWhere, matches, matches_document, python_regex
+from shardserve.query.api import Limits
+
+DB = "/tenants/default_tenant/databases/default_database"
+
+
+class Chroma:
+    """The Chroma routes of one replica, called as its door would."""
+
+    def __init__(self, root: Path, **args: object):
+        app = AppArgs(**{"index": "-", "chroma_allow_reset": True, **args})  # type: ignore[arg-type]
+        limits = Limits(app.max_k, app.max_vectors, app.max_work, app.max_body_bytes, app.max_write_points,
+                        200_000, max_page=app.max_page)
+        self.native = CollectionsFront(root, app, limits)
+        self.front = chroma_front(self.native, app)
+
+    def __call__(self, method: str, path: str, body: object = None, query: str = "") -> tuple[int, object]:
+        raw = b"" if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        status, answer, headers = asyncio.run(self.front.respond(method, path, query, raw))
+        decoded = orjson.loads(answer)
+        if status >= 400:
+            assert set(decoded) == {"error", "message"} and "chroma-trace-id" in headers
+        return status, decoded
+
+    def create(self, name: str, space: str = "l2") -> str:
+        status, made = self("POST", f"{DB}/collections", {"name": name, "metadata": {"hnsw:space": space}})
+        assert status == 200, made
+        return made["id"]  # type: ignore[index]
+
+    def on(self, collection: str, op: str, body: object) -> tuple[int, object]:
+        return self("POST", f"{DB}/collections/{collection}/{op}", body)
+
+
+@pytest.fixture
+def chroma(tmp_path: Path) -> Chroma:
+    return Chroma(tmp_path)
+
+
+def _distance(metric: str, q: np.ndarray, v: np.ndarray) -> float:
+    q64, v64 = q.astype(np.float64), v.astype(np.float64)
+    if metric == "l2":
+        return float(np.sum((q64 - v64) ** 2))
+    if metric == "ip":
+        return float(1 - q64 @ v64)
+    return float(1 - q64 @ v64 / (np.linalg.norm(q64) * np.linalg.norm(v64)))
+
+
+@pytest.mark.parametrize("space", ["l2", "ip", "cosine"])
+def test_records_answer_in_insertion_order_with_chromas_distances(chroma: Chroma, space: str) -> None:
+    cid = chroma.create(f"points-{space}", space)
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(40, 6)).astype(np.float32)
+    ids = [f"r{i:02d}" for i in range(40)][::-1]  # inserted in descending name order
+    meta = [{"i": i, "even": i % 2 == 0, "tags": ["a", "b"] if i % 3 == 0 else ["c"]} for i in range(40)]
+    encoded = [base64.b64encode(struct.pack("<6f", *v)).decode() for v in vectors[:20]]
+    assert chroma.on(cid, "add", {"ids": ids[:20], "embeddings": encoded, "metadatas": meta[:20],
+                                  "documents": [f"doc {i}" for i in range(20)]})[0] == 200
+    assert chroma.on(cid, "add", {"ids": ids[20:], "embeddings": vectors[20:].tolist(),
+                                  "metadatas": meta[20:], "documents": None})[0] == 200
+    status, count = chroma("GET", f"{DB}/collections/{cid}/count")
+    assert (status, count) == (200, 40)
+    status, got = chroma.on(cid, "get", {"include": ["embeddings", "metadatas", "documents"]})
+    assert got["ids"] == ids  # type: ignore[index]
+    np.testing.assert_allclose(np.asarray(got["embeddings"]), vectors, rtol=1e-5)  # type: ignore[index]
+    assert got["documents"][20:] == [None] * 20  # type: ignore[index]
+    status, page = chroma.on(cid, "get", {"where": {"even": True}, "limit": 3, "offset": 2, "include": []})
+    assert page["ids"] == [ids[i] for i in range(40) if i % 2 == 0][2:5]  # type: ignore[index]
+    queries = vectors[:3] + 0.01
+    status, found = chroma.on(cid, "query", {"query_embeddings": queries.tolist(), "n_results": 5,
+                                             "where": {"tags": {"$contains": "a"}},
+                                             "include": ["distances", "metadatas"]})
+    assert status == 200, found
+    allowed = [i for i in range(40) if i % 3 == 0]
+    for q, (got_ids, got_distances) in enumerate(zip(found["ids"], found["distances"], strict=True)):  # type: ignore[index]
+        exact = sorted((_distance(space, queries[q], vectors[i]), ids[i]) for i in allowed)[:5]
+        assert got_ids == [sid for _, sid in exact]
+        np.testing.assert_allclose(got_distances, [d for d, _ in exact], rtol=1e-5, atol=1e-6)
+
+
+def test_writes_follow_chromas_rules_add_ignores_update_merges_delete_filters(chroma: Chroma) -> None:
+    cid = chroma.create("rules")
+    first = {"ids": ["a", "b"], "embeddings": [[1, 0], [0, 1]], "documents": ["one", "two"],
+             "metadatas": [{"k": 1, "s": "x"}, None]}
+    assert chroma.on(cid, "add", first)[0] == 200
+    added = {"ids": ["a", "c"], "embeddings": [[9, 9], [1, 1]], "metadatas": None}
+    assert chroma.on(cid, "add", added)[0] == 200
+    _, got = chroma.on(cid, "get", {"ids": ["a", "c"], "include": ["embeddings", "metadatas", "documents"]})
+    assert got["ids"] == ["a", "c"] and got["embeddings"][0] == [1, 0]  # type: ignore[index]  # add ignored "a"
+    assert got["metadatas"] == [{"k": 1, "s": "x"}, None]  # type: ignore[index]
+    updated = {"ids": ["a", "zz"], "metadatas": [{"k": None, "t": True}, {"q": 1}]}
+    assert chroma.on(cid, "update", updated)[0] == 200
+    assert chroma.on(cid, "upsert", {"ids": ["b", "d"], "embeddings": [[0, 2], [3, 3]],
+                                     "metadatas": [{"n": 2.5}, {"n": 1}]})[0] == 200
+    _, got = chroma.on(cid, "get", {"include": ["metadatas", "documents", "embeddings"]})
+    assert got["ids"] == ["a", "b", "c", "d"]  # type: ignore[index]  # an update keeps its place
+    assert got["metadatas"] == [{"s": "x", "t": True}, {"n": 2.5}, None, {"n": 1}]  # type: ignore[index]
+    assert got["documents"] == ["one", "two", None, None]  # type: ignore[index]
+    assert got["embeddings"][1] == [0, 2]  # type: ignore[index]
+    status, deleted = chroma.on(cid, "delete", {"where": {"n": {"$gte": 1}}, "where_document": None})
+    assert (status, deleted) == (200, {"deleted": 2})
+    status, error = chroma.on(cid, "add", {"ids": ["e"], "embeddings": [[1, 2, 3]]})
+    assert status == 400 and "dimension of 2, got 3" in error["message"]  # type: ignore[index]
+    assert chroma("GET", f"{DB}/collections/{cid}/count") == (200, 2)
+
+
+def test_collections_catalogue_over_the_api(chroma: Chroma, tmp_path: Path) -> None:
+    cid = chroma.create("first")
+    assert chroma("POST", f"{DB}/collections", {"name": "first"})[0] == 409
+    status, again = chroma("POST", f"{DB}/collections", {"name": "first", "get_or_create": True,
+                                                        "metadata": {"other": 1}})
+    assert again["id"] == cid and again["metadata"] == {"hnsw:space": "l2"}  # type: ignore[index]
+    assert chroma("POST", f"{DB}/collections", {"name": "x", "metadata": None})[0] == 400
+    assert chroma("POST", f"{DB}/collections", {"name": "empty-meta", "metadata": {}})[0] == 400
+    status, model = chroma("GET", f"{DB}/collections/first")
+    assert model["configuration_json"]["hnsw"]["space"] == "l2" and model["dimension"] is None  # type: ignore[index]
+    chroma.on(cid, "add", {"ids": ["p"], "embeddings": [[0.5, 0.5, 0.5]]})
+    assert chroma("GET", f"{DB}/collections/by-id/{cid}")[1]["dimension"] == 3  # type: ignore[index]
+    modified = {"new_name": "renamed", "new_metadata": {"v": 2}}
+    assert chroma("PUT", f"{DB}/collections/{cid}", modified)[0] == 200
+    assert chroma("GET", f"{DB}/collections/first")[0] == 404
+    assert chroma("GET", f"{DB}/collections_count") == (200, 1)
+    # the records live in a native collection, visible through the native API
+    described = asyncio.run(chroma.front.native("GET", native_name(cid), None))
+    assert described["count"] == 1  # type: ignore[index]
+    assert chroma("DELETE", f"{DB}/collections/renamed") == (200, {})
+    status, error = chroma("DELETE", f"{DB}/collections/renamed")
+    assert status == 404 and "does not exist" in error["message"]  # type: ignore[index]
+    assert chroma.on(cid, "get", {})[0] == 404
+    assert chroma("POST", "/tenants", {"name": "acme"}) == (200, {})
+    assert chroma("POST", "/tenants/acme/databases", {"name": "prod"}) == (200, {})
+    assert chroma("GET", "/tenants/acme/databases")[1][0]["name"] == "prod"  # type: ignore[index]
+    assert chroma("POST", "/reset") == (200, True)
+    assert chroma("GET", "/tenants/acme")[0] == 404
+    assert chroma("GET", f"{DB}")[0] == 200
+
+
+def test_reset_is_refused_unless_the_server_allows_it(tmp_path: Path) -> None:
+    closed = Chroma(tmp_path, chroma_allow_reset=False)
+    status, error = closed("POST", "/reset")
+    assert status == 403 and "chroma_allow_reset" in error["message"]  # type: ignore[index]
+
+
+def test_where_follows_chromas_types_and_missing_keys() -> None:
+    record = {"n": 3, "f": 2.5, "b": True, "s": "x", "tags": ["a", "b"]}
+    assert matches({"n": 3.0}, record, None)  # int and float compare as numbers
+    assert not matches({"b": 1}, record, None)  # a bool is never a number
+    assert matches({"missing": {"$ne": 1}}, record, None)  # $ne and $nin match a missing key
+    assert matches({"missing": {"$nin": [1]}}, record, None)
+    assert not matches({"s": {"$gt": 1}}, record, None)  # numbers only
+    assert matches({"tags": {"$contains": "a"}}, record, None) and not matches({"tags": "a"}, record, None)
+    assert matches({"$or": [{"n": 1}, {"f": {"$lt": 3}}]}, record, None)
+    assert not matches({"$and": [{"n": 3}, {"s": "y"}]}, record, None)
+    assert matches_document({"$not_contains": "z"}, None) and not matches_document({"$contains": "z"}, None)
+    assert matches({"#document": {"$contains": "Cat"}}, {}, "a Cat")
+    assert not matches_document({"$contains": "cat"}, "a Cat")  # case-sensitive
+    with pytest.raises(BadWhere):
+        matches({"n": {"$between": 1}}, record, None)
+
+
+def test_a_rust_flag_group_in_mid_pattern_is_scoped_as_rust_means_it() -> None:
+    pattern = re.compile(python_regex("(?i)c(?-i)at"))
+    assert [bool(pattern.search(s)) for s in ["cat", "Cat", "CAT", "cAT"]] == [True, True, False, False]
+    alternatives = re.compile(python_regex("a(?i)b|c"))
+    assert [bool(alternatives.fullmatch(s)) for s in ["aB", "C", "Ab"]] == [True, True, False]
+    assert python_regex(r"[(?i)]\(?x") == r"[(?i)]\(?x"  # inside a class or escaped: kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab()|?:i-[]\\*", max_size=16))
+def test_the_regex_rewrite_keeps_any_pattern_without_flag_groups_and_never_loops(pattern: str) -> None:
+    try:
+        rewritten = python_regex(pattern)
+    except IndexError:
+        pytest.fail("the rewrite read past the pattern")
+    if "(?" not in pattern:
+        assert rewritten == pattern
+
+
+def test_update_merges_metadata_key_by_key() -> None:
+    assert merged({"a": 1, "b": 2}, {"b": None, "c": 3}) == {"a": 1, "c": 3}
+    assert merged({"a": 1}, None) == {"a": 1}
+    assert merged({"a": 1}, {"a": None}) is None
+
+
+def test_names_and_configuration_are_chromas() -> None:
+    assert check_name("my-coll.1") == "my-coll.1"
+    for bad in ["ab", "a..b", "-abc", "10.0.0.1", "x" * 513]:
+        with pytest.raises(ChromaRefusal):
+            check_name(bad)
+    assert configured(None, {"hnsw:space": "cosine", "hnsw:M": 8})["hnsw"] == {
+        "space": "cosine", "ef_construction": 100, "ef_search": 100, "max_neighbors": 8,
+        "sync_threshold": 1000, "resize_factor": 1.2}
+    assert configured({"hnsw": {"space": "ip"}}, {"hnsw:space": "cosine"})["hnsw"]["space"] == "ip"
+    with pytest.raises(ChromaRefusal):
+        configured({"hnsw": {"space": "hamming"}}, None)
+
+
+def test_the_catalogue_survives_a_reopen_and_names_its_orphans(tmp_path: Path) -> None:
+    catalogue = ChromaCatalogue(tmp_path)
+    made = catalogue.create("default_tenant", "default_database", "kept", {"a": 1}, {"hnsw": None})
+    gone = catalogue.create("default_tenant", "default_database", "gone", None, {})
+    with pytest.raises(Exists):
+        catalogue.create("default_tenant", "default_database", "kept", None, {})
+    assert catalogue.delete(gone.id) is not None
+    catalogue.close()
+    reopened = ChromaCatalogue(tmp_path)
+    assert reopened.named("default_tenant", "default_database", "kept") == made
+    assert reopened.orphans([made.native, gone.native, "docs"]) == [gone.native]
