@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-isolation bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-chroma test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-isolation bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -199,6 +199,18 @@ peer: $(PEER_VENV)/bin/chroma
 $(PEER_VENV)/bin/chroma:
 	$(PY) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/pip install -q chromadb==1.5.9
+
+# What the wheel's own tests import (chromadb/test/conftest.py), pinned: its conftest needs pytest 8.
+PEER_SUITE := $(PEER_VENV)/.suite-deps
+$(PEER_SUITE): $(PEER_VENV)/bin/chroma
+	$(PEER_VENV)/bin/pip install -q pytest==8.3.5 pytest-asyncio==0.26.0 hypothesis==6.170.17 psutil==7.2.2 \
+		fastapi==0.165.0 uvicorn==0.54.0 opentelemetry-instrumentation-fastapi==0.66b2
+	touch $@
+
+# Chroma's own test suite (the pinned wheel's property and API tests) against `shardserve serve`,
+# as users run it and with collections folded every 300 writes: loadtests/records/chroma-suite.json.
+test-chroma: install data peer $(PEER_SUITE)
+	$(BIN)/python -m loadtests.chroma_suite
 
 # Online writes on the default `shardserve serve` beside Chroma's server, same base, one run:
 # loadtests/records/bench-writes.json.
