@@ -18,19 +18,21 @@ PREFIX = "/api/v2"
 
 
 def chroma_front(collections: CollectionsFront, args: AppArgs) -> ChromaFront:
-    async def native(method: str, route: str, body: object) -> object:
+    async def native(method: str, route: str, body: object, reserved: bool = False) -> object:
         path = "/v1/collections" + (f"/{route}" if route else "")
         data = b"" if body is None else orjson.dumps(body)
-        reply = await collections.respond(HttpRequest(method, path, data, "", JSON), path)
+        reply = await collections.respond(HttpRequest(method, path, data, "", JSON), path, reserved)
         answer = orjson.loads(reply.body) if reply.body else None
         if reply.status >= 300:
             message = answer.get("error") if isinstance(answer, dict) else None
             raise ApiError(reply.status, None, str(message or reply.body[:200]))
         return answer
 
-    limits = Limits(args.max_page, args.max_write_points, args.max_k)
-    return ChromaFront(collections.root, native, limits, args.chroma_shards, args.chroma_max_batch,
-                       args.chroma_allow_reset)
+    # one Chroma write is one native write (one log transaction: all or nothing)
+    batch = min(args.chroma_max_batch, args.max_write_points)
+    limits = Limits(args.max_page, args.max_write_points, args.max_k, args.max_vectors, batch)
+    return ChromaFront(collections.root, native, limits, args.chroma_shards, args.chroma_allow_reset,
+                       args.max_collections)
 
 
 async def respond(front: ChromaFront, request: HttpRequest) -> Reply:

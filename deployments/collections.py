@@ -36,6 +36,7 @@ from deployments.collection_apps import apart_app
 from deployments.config import AppArgs
 from index_build.empty import create_empty
 from index_build.grow import grown
+from shardserve.chroma.catalogue import NATIVE
 from shardserve.collection.catalogue import Catalogue, Entry, NameTaken
 from shardserve.collection.spec import CollectionSpec
 from shardserve.errors import ShardserveError
@@ -168,7 +169,9 @@ class CollectionsFront:
         catalogue = await self.catalogue()
         return await asyncio.to_thread(getattr(catalogue, function.__name__), *args)
 
-    async def respond(self, request: HttpRequest, route: str) -> Reply:
+    async def respond(self, request: HttpRequest, route: str, reserved: bool = False) -> Reply:
+        """Every /v1/collections route. `reserved`: a creation may take a name Chroma's collections
+        keep for themselves (`chroma-<32 hex>`: only Chroma's API, in-process, passes it)."""
         match = ROUTE.fullmatch(route)
         if match is None:
             return _json({"error": f"no route {request.method} {route}", "field": None}, 404)
@@ -176,7 +179,7 @@ class CollectionsFront:
         method = request.method
         if name is None:
             if method == "POST":
-                return await self._create(request.body)
+                return await self._create(request.body, reserved)
             if method == "GET":
                 return _json({"collections": [_described(e) for e in await self._read(Catalogue.live)]})
         elif operation is None:
@@ -211,13 +214,16 @@ class CollectionsFront:
                                self.args.retry_after_s) from None
         return _json({"error": f"no route {method} {route}", "field": None}, 404)
 
-    async def _create(self, body: bytes) -> Reply:
+    async def _create(self, body: bytes, reserved: bool = False) -> Reply:
         try:
             spec = CollectionSpec.model_validate_json(body or b"{}")
         except ValidationError as exc:
             error = exc.errors()[0]
             field = ".".join(str(part) for part in error["loc"]) or "body"
             raise ApiError(422, field, f"{field}: {error['msg']}") from None
+        if NATIVE.fullmatch(spec.name) and not reserved:
+            raise ApiError(422, "name", "names chroma-<32 hex digits> are kept for the collections of "
+                                        "Chroma's API")
         catalogue = await self.catalogue()
         if len(await self._read(Catalogue.live)) >= self.args.max_collections:
             raise ApiError(409, None, f"this server holds its maximum of {self.args.max_collections} "

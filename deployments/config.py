@@ -134,8 +134,9 @@ class AppArgs(BaseModel):
                                 "`serve` folds them into a new one (compaction, then every replica moves)")
     chroma_shards: int = Field(2, ge=1, le=64, description="shards a collection created through Chroma's API "
                                                            "is built in once it grows (docs/chroma.md)")
-    chroma_max_batch: int = Field(5461, ge=1, le=100_000,
-                                  description="records one Chroma add, update or upsert takes at most")
+    chroma_max_batch: int = Field(1000, ge=1, le=100_000,
+                                  description="records one Chroma add, update or upsert takes at most (and "
+                                              "at most max_write_points: one write, one log transaction)")
     chroma_allow_reset: bool = Field(False, description="Chroma's POST /api/v2/reset deletes every Chroma "
                                                         "collection, tenant and database: refused unless set")
     max_page: int = Field(1000, ge=1, le=100_000, description="points one get by ids or one scroll page "

@@ -90,7 +90,8 @@ async def _read_request(request: Request, args: AppArgs) -> tuple[HttpRequest, s
     if request.method in ("POST", "PUT"):
         body = await receive_body(request.stream(), request.headers.get("content-length"),
                                   args.max_body_bytes, args.body_timeout_s)
-    route = request.scope.get("path", "")[len(root):]
+    raw = request.scope.get("raw_path")  # as sent, as the front door sees it (Chroma's names decode once)
+    route = (raw.decode("latin-1") if raw else request.scope.get("path", ""))[len(root):]
     headers = request.headers
     return HttpRequest(request.method, route, body, request.url.query, headers.get("content-type", ""),
                        headers.get("x-shardserve-lane", ""), headers.get("traceparent", "")[:64]), root

@@ -50,13 +50,13 @@ def _peer_site() -> Path:
     return site / "chromadb" / "test"
 
 
-def run_suite(url_port: int, tests: list[str], preset: str, junit: Path) -> int:
+def run_suite(url_port: int, tests: list[str], preset: str, junit: Path, seed: int) -> int:
     env = {**os.environ, "CHROMA_INTEGRATION_TEST_ONLY": "1", "CHROMA_SERVER_HOST": "localhost",
            "CHROMA_SERVER_HTTP_PORT": str(url_port), "PROPERTY_TESTING_PRESET": preset}
-    deselect = [arg for test in DESELECTED if "::" in test for arg in ("--deselect", test)]
+    deselect = ["-k", " and ".join(f"not {test.split('::')[1]}" for test in DESELECTED if "::" in test)]
     ignore = [arg for test in DESELECTED if "::" not in test for arg in ("--ignore", test)]
     command = [str(PEER / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-               "-rfE", f"--junitxml={junit}", *deselect, *ignore, *tests]
+               "-rfE", f"--junitxml={junit}", f"--hypothesis-seed={seed}", *deselect, *ignore, *tests]
     return subprocess.run(command, cwd=_peer_site(), env=env, check=False).returncode
 
 
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="fast", choices=["fast", "normal"],
                         help="Hypothesis examples per property (Chroma's PROPERTY_TESTING_PRESET)")
+    parser.add_argument("--seed", type=int, default=68, help="Hypothesis's seed: the same examples every run "
+                                                            "(a red run is reproduced by its seed)")
     parser.add_argument("--only", action="append", help="a test path under chromadb/test (repeatable)")
     parser.add_argument("--runs", default="default,folds,killed",
                         help="default, folds (the suite), killed (SIGKILL of the server under Chroma's adds)")
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "or of one run writes none)")
     args = parser.parse_args(argv)
     tests = args.only or SUITE
-    record = header("chroma-suite", tool=None, chromadb=CHROMA_VERSION, preset=args.preset, tests=tests,
+    record = header("chroma-suite", tool=None, chromadb=CHROMA_VERSION, preset=args.preset, seed=args.seed,
+                    tests=tests,
                     deselected=DESELECTED, runs={})
     failed = False
     with tempfile.TemporaryDirectory(prefix="chroma-suite-") as work:
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait_said("Ctrl-C stops it.", 0)
                 wait_for(functools.partial(_beats, server.url), "Chroma's heartbeat", timeout_s=60)
                 started = time.monotonic()
-                code = run_suite(port, tests, args.preset, workdir / f"{run}.xml")
+                code = run_suite(port, tests, args.preset, workdir / f"{run}.xml", args.seed)
                 counted = results(workdir / f"{run}.xml")
                 counted["seconds"] = round(time.monotonic() - started, 1)
                 counted["server_flags"] = list(flags)

@@ -231,3 +231,84 @@ def test_the_catalogue_survives_a_reopen_and_names_its_orphans(tmp_path: Path) -
     reopened = ChromaCatalogue(tmp_path)
     assert reopened.named("default_tenant", "default_database", "kept") == made
     assert reopened.orphans([made.native, gone.native, "docs"]) == [gone.native]
+
+
+def test_a_write_racing_a_delete_on_another_replica_never_brings_the_record_back(tmp_path: Path) -> None:
+    """Two router replicas (two fronts on one directory): an update that read a record, then a delete
+    of it by the other replica, then the update's write. The write lock spans replicas and the
+    read, so the update either wrote before the delete or finds the record gone: it never comes back."""
+    one, two = Chroma(tmp_path), Chroma(tmp_path)
+    cid = one.create("raced")
+    assert one.on(cid, "add", {"ids": ["x"], "embeddings": [[1.0, 2.0]], "metadatas": [{"a": 1}]})[0] == 200
+
+    async def race() -> None:
+        original = one.front.native
+        paused, go = asyncio.Event(), asyncio.Event()
+
+        async def slow(method: str, route: str, body: object, reserved: bool = False) -> object:
+            answer = await original(method, route, body, reserved)
+            if route.endswith("/points"):  # the update has read the record: hold it there
+                paused.set()
+                await go.wait()
+            return answer
+
+        one.front.native = slow
+        update = asyncio.create_task(one.front.respond("POST", f"{DB}/collections/{cid}/update", "",
+                                                       orjson.dumps({"ids": ["x"], "metadatas": [{"b": 2}]})))
+        await paused.wait()
+        delete = asyncio.create_task(two.front.respond("POST", f"{DB}/collections/{cid}/delete", "",
+                                                       orjson.dumps({"ids": ["x"]})))
+        await asyncio.sleep(0.3)
+        assert not delete.done()  # the other replica waits for the lock
+        go.set()
+        assert (await update)[0] == 200 and (await delete)[0] == 200
+
+    asyncio.run(race())
+    assert two.on(cid, "get", {})[1]["ids"] == []  # type: ignore[index]
+
+
+def test_a_batch_is_refused_whole_and_a_refused_first_write_sets_no_dimension(chroma: Chroma) -> None:
+    cid = chroma.create("whole")
+    batch = {"ids": [f"r{i}" for i in range(300)], "embeddings": [[float(i), 1.0] for i in range(300)],
+             "documents": ["d"] * 299 + ["x" * 9000]}
+    status, error = chroma.on(cid, "add", batch)
+    assert status == 400 and "more than 8192 bytes" in error["message"]  # type: ignore[index]
+    assert chroma("GET", f"{DB}/collections/by-id/{cid}")[1]["dimension"] is None  # type: ignore[index]
+    assert chroma("GET", f"{DB}/collections/{cid}/count") == (200, 0)
+    too_many = {"ids": [f"r{i}" for i in range(1001)], "embeddings": [[1.0, 1.0]] * 1001}
+    assert "exceeds maximum batch size 1000" in chroma.on(cid, "add", too_many)[1]["message"]  # type: ignore[index]
+    assert chroma("GET", "/pre-flight-checks")[1]["max_batch_size"] == 1000  # type: ignore[index]
+
+
+def test_a_filter_is_checked_whole_and_bounded_before_any_record_is(chroma: Chroma) -> None:
+    cid = chroma.create("checked")
+    chroma.on(cid, "add", {"ids": ["a"], "embeddings": [[1.0]], "metadatas": [{"v": 5}]})
+    for where in [{"$and": [{"zz": 1}, {"a": {"$bogus": 1}}]}, {"$not": {"v": 5}},
+                  {"v": {"$in": list(range(300))}}, {"$or": [{"v": i} for i in range(300)]}]:
+        status, error = chroma.on(cid, "get", {"where": where})
+        assert status == 400, where
+    # checked though no record has a document
+    assert chroma.on(cid, "get", {"where_document": {"$regex": "("}})[0] == 400
+    assert chroma.on(cid, "get", {"where": {"v": {"$in": [5.0]}}})[1]["ids"] == []  # type: ignore[index]
+    assert chroma.on(cid, "get", {"where": {"v": {"$in": [5]}}})[1]["ids"] == ["a"]  # type: ignore[index]
+
+
+def test_the_native_api_cannot_take_a_name_chromas_collections_keep(chroma: Chroma) -> None:
+    cid = chroma.create("kept")
+    status, error = asyncio.run(_native_create(chroma, native_name(cid)))
+    assert status == 422 and "kept for the collections of Chroma" in error
+    # and the native collections a reset sweeps are only Chroma's own
+    asyncio.run(chroma.front.native("POST", "", {"name": "chroma-mydata", "dim": 2}))
+    assert chroma("POST", "/reset") == (200, True)
+    names = [c["name"] for c in asyncio.run(chroma.front.native("GET", "", None))["collections"]]  # type: ignore[index]
+    assert names == ["chroma-mydata"]
+
+
+async def _native_create(chroma: Chroma, name: str) -> tuple[int, str]:
+    from shardserve.query.api import ApiError
+
+    try:
+        await chroma.front.native("POST", "", {"name": name, "dim": 2})
+    except ApiError as error:
+        return error.status, error.message
+    return 201, ""

@@ -5,11 +5,13 @@ A Chroma collection's points live in a native collection named `chroma-<uuid hex
 created at its first write, when the dimension is known (Chroma sets it then). What is here is only
 what Chroma names: creating a Chroma collection is one committed row, and so is dropping it (the
 native collection is dropped after; a kill between leaves a native collection no row names, which
-`orphans` finds and the front drops).
+`orphans` finds and the front drops: when it opens the catalogue, and after each drop). The names
+`chroma-<32 hex>` are reserved: the native API refuses to create one.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 import time
@@ -42,13 +44,19 @@ CREATE TABLE IF NOT EXISTS collections (
     metadata TEXT,
     configuration TEXT NOT NULL,
     created REAL NOT NULL,
+    dim INTEGER,
     UNIQUE (tenant, database, name)
 );
 """
+NATIVE = re.compile(r"chroma-[0-9a-f]{32}")  # the native names Chroma's collections take (reserved)
 
 
 class Exists(Exception):
     """A name taken in its namespace."""
+
+
+class Missing(Exception):
+    """The tenant or database a creation names is not there (deleted meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,7 @@ class ChromaCollection:
     name: str
     metadata: dict | None
     configuration: dict
+    dim: int | None = None  # set by its first write, with its native collection
 
     @property
     def native(self) -> str:
@@ -143,37 +152,41 @@ class ChromaCatalogue:
         return None if gone is None else [_collection(row) for row in rows]
 
     # collections
-    def create(self, tenant: str, database: str, name: str, metadata: dict | None,
-               configuration: dict) -> ChromaCollection:
-        made = ChromaCollection(str(uuid.uuid4()), tenant, database, name, metadata, configuration)
-        with self._lock:
-            try:
-                self._db.execute("INSERT INTO collections (id, tenant, database, name, metadata, "
-                                 "configuration, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                 (made.id, tenant, database, name, _dumped(metadata),
-                                  orjson.dumps(configuration).decode(), time.time()))
-            except sqlite3.IntegrityError:
-                raise Exists(f"Collection [{name}] already exists") from None
-        return made
-
-    def get_or_create(self, tenant: str, database: str, name: str, metadata: dict | None,
-                      configuration: dict) -> ChromaCollection:
-        """The collection of that name, made as given if there is none: one transaction, so a drop
-        or a creation racing it is before it or after it."""
+    def create(self, tenant: str, database: str, name: str, metadata: dict | None, configuration: dict,
+               existing: bool = False, at_most: int | None = None) -> ChromaCollection:
+        """A new collection (Exists if the name is taken, unless `existing`: then that one), in one
+        transaction with the check that its database is there (Missing otherwise: a database
+        deleted meanwhile takes no collection) and that fewer than `at_most` exist."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("INSERT OR IGNORE INTO collections (id, tenant, database, name, metadata, "
-                                 "configuration, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                 (str(uuid.uuid4()), tenant, database, name, _dumped(metadata),
-                                  orjson.dumps(configuration).decode(), time.time()))
+                if self._db.execute("SELECT 1 FROM databases WHERE tenant = ? AND name = ?",
+                                    (tenant, database)).fetchone() is None:
+                    raise Missing(f"Database [{database}] not found")
                 row = self._db.execute(f"SELECT {_COLUMNS} FROM collections WHERE tenant = ? AND "
                                        "database = ? AND name = ?", (tenant, database, name)).fetchone()
+                if row is not None and not existing:
+                    raise Exists(f"Collection [{name}] already exists")
+                if row is None:
+                    if at_most is not None and self._db.execute(
+                            "SELECT count(*) FROM collections").fetchone()[0] >= at_most:
+                        raise Exists(f"this server holds its maximum of {at_most} collections")
+                    row = self._db.execute(
+                        "INSERT INTO collections (id, tenant, database, name, metadata, configuration, "
+                        f"created) VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING {_COLUMNS}",
+                        (str(uuid.uuid4()), tenant, database, name, _dumped(metadata),
+                         orjson.dumps(configuration).decode(), time.time())).fetchone()
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
         return _collection(row)
+
+    def set_dim(self, collection_id: str, dim: int) -> bool:
+        """Record the dimension its first write set (False: the collection is gone)."""
+        with self._lock:
+            return self._db.execute("UPDATE collections SET dim = ? WHERE id = ? RETURNING id",
+                                    (dim, collection_id)).fetchone() is not None
 
     def named(self, tenant: str, database: str, name: str) -> ChromaCollection | None:
         return self._one("tenant = ? AND database = ? AND name = ?", (tenant, database, name))
@@ -194,19 +207,18 @@ class ChromaCatalogue:
                                         (tenant, database)).fetchone()[0])
 
     def modify(self, collection_id: str, name: str | None, metadata: dict | None,
-               configuration: dict | None) -> None:
+               configuration: dict | None) -> bool:
+        """One transaction; False when the collection is gone."""
         with self._lock:
             try:
-                if name is not None:
-                    self._db.execute("UPDATE collections SET name = ? WHERE id = ?", (name, collection_id))
-                if metadata is not None:
-                    self._db.execute("UPDATE collections SET metadata = ? WHERE id = ?",
-                                     (_dumped(metadata), collection_id))
-                if configuration is not None:
-                    self._db.execute("UPDATE collections SET configuration = ? WHERE id = ?",
-                                     (orjson.dumps(configuration).decode(), collection_id))
+                row = self._db.execute(
+                    "UPDATE collections SET name = coalesce(?, name), metadata = coalesce(?, metadata), "
+                    "configuration = coalesce(?, configuration) WHERE id = ? RETURNING id",
+                    (name, _dumped(metadata), None if configuration is None else
+                     orjson.dumps(configuration).decode(), collection_id)).fetchone()
             except sqlite3.IntegrityError:
                 raise Exists(f"Collection [{name}] already exists") from None
+        return row is not None
 
     def delete(self, collection_id: str) -> ChromaCollection | None:
         with self._lock:
@@ -225,7 +237,7 @@ class ChromaCatalogue:
 
     def orphans(self, natives: list[str]) -> list[str]:
         """Among native collection names, those of Chroma collections no row names any more."""
-        ours = [name for name in natives if name.startswith(NATIVE_PREFIX)]
+        ours = [name for name in natives if NATIVE.fullmatch(name)]
         with self._lock:
             live = {native_name(str(row[0])) for row in self._db.execute("SELECT id FROM collections")}
         return [name for name in ours if name not in live]
@@ -240,7 +252,7 @@ class ChromaCatalogue:
             self._db.close()
 
 
-_COLUMNS = "id, tenant, database, name, metadata, configuration"
+_COLUMNS = "id, tenant, database, name, metadata, configuration, dim"
 
 
 def _dumped(metadata: dict | None) -> str | None:
@@ -248,6 +260,7 @@ def _dumped(metadata: dict | None) -> str | None:
 
 
 def _collection(row: tuple) -> ChromaCollection:
-    collection_id, tenant, database, name, metadata, configuration = row
+    collection_id, tenant, database, name, metadata, configuration, dim = row
     return ChromaCollection(str(collection_id), str(tenant), str(database), str(name),
-                            None if metadata is None else orjson.loads(metadata), orjson.loads(configuration))
+                            None if metadata is None else orjson.loads(metadata), orjson.loads(configuration),
+                            None if dim is None else int(dim))

@@ -14,18 +14,22 @@ shardserve.chroma.records. Plain async Python: `native` is the native collection
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import functools
 import ipaddress
+import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
 import orjson
 
 from shardserve.chroma import points as P
-from shardserve.chroma.catalogue import ChromaCatalogue, ChromaCollection, Exists
+from shardserve.chroma.catalogue import ChromaCatalogue, ChromaCollection, Exists, Missing
 from shardserve.chroma.records import ChromaRefusal, Limits, Records, Sequencer, dumps, invalid
 from shardserve.query.api import ApiError
 
@@ -37,8 +41,12 @@ LEGACY_KEYS = {"hnsw:space": "space", "hnsw:construction_ef": "ef_construction",
                "hnsw:search_ef": "ef_search", "hnsw:M": "max_neighbors",
                "hnsw:sync_threshold": "sync_threshold", "hnsw:resize_factor": "resize_factor"}
 SPACES = ("l2", "ip", "cosine")
-# native call: (method, route, body) where route is "" (the collections) or "{name}[/{op}]"
-Call = Callable[[str, str, object], Awaitable[object]]
+MAX_NAME = 512  # characters of a tenant's or a database's name (a collection's: NAME)
+MAX_METADATA_BYTES = 16 * 1024  # a collection's metadata, as JSON
+LOCK_WAIT_S = 30.0  # a write waits this long for another replica's write to the same collection
+# native call: (method, route, body[, reserved]) where route is "" (the collections) or
+# "{name}[/{op}]"; `reserved`: a creation may take a `chroma-<hex>` name (the native API refuses it)
+Call = Callable[..., Awaitable[object]]
 
 _NATIVE_ERRORS = {404: (404, "NotFoundError"), 409: (409, "UniqueConstraintError"),
                   422: (400, "InvalidArgumentError"), 413: (400, "InvalidArgumentError"),
@@ -105,16 +113,16 @@ class ChromaFront:
     """Chroma's routes for one router replica. `root`: the collections directory (None: none
     there, a 501); `native(method, route, body)`: the native collections' routes."""
 
-    def __init__(self, root: Path | None, native: Call, limits: Limits, shards: int, max_batch: int,
-                 allow_reset: bool):
+    def __init__(self, root: Path | None, native: Call, limits: Limits, shards: int, allow_reset: bool,
+                 max_collections: int):
         self.root, self.native, self.limits = root, native, limits
-        self.shards, self.max_batch, self.allow_reset = shards, max_batch, allow_reset
+        self.shards, self.allow_reset, self.max_collections = shards, allow_reset, max_collections
         self._catalogue: ChromaCatalogue | None = None
-        self._dims: dict[str, int] = {}  # native dimension, once its collection exists (never changes)
         self._locks: dict[str, asyncio.Lock] = {}
         self.sequencer = Sequencer()
 
     async def catalogue(self) -> ChromaCatalogue:
+        """The catalogue, opened on first use (off the loop), its orphans dropped then."""
         if self._catalogue is None:
             if self.root is None:
                 raise ChromaRefusal(501, "ChromaError", "collections need a local directory "
@@ -122,6 +130,7 @@ class ChromaFront:
             opened = await asyncio.to_thread(ChromaCatalogue, self.root)
             if self._catalogue is None:
                 self._catalogue = opened
+                await self._sweep()
             else:
                 opened.close()
         return self._catalogue
@@ -143,7 +152,15 @@ class ChromaFront:
         except ChromaRefusal as refusal:
             return error_body(refusal)
         except ApiError as error:
-            return error_body(refusal_of(error))
+            status, body, headers = error_body(refusal_of(error))
+            if error.retry_after:
+                headers["Retry-After"] = str(int(error.retry_after))
+            return status, body, headers
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError,
+                RecursionError) as exc:
+            # a body of the wrong shape somewhere no check named (orjson's errors are ValueErrors)
+            return error_body(invalid(f"the request is not one Chroma's API takes: {type(exc).__name__}: "
+                                      f"{str(exc)[:200]}"))
 
     async def _route(self, method: str, parts: list[str], query: dict, payload: object) -> object:
         if not parts or parts == ["heartbeat"]:
@@ -152,7 +169,7 @@ class ChromaFront:
         if parts == ["version"]:
             return VERSION
         if parts == ["pre-flight-checks"]:
-            return {"max_batch_size": self.max_batch, "supports_base64_encoding": True}
+            return {"max_batch_size": self.limits.max_batch, "supports_base64_encoding": True}
         if parts == ["auth", "identity"]:
             return {"user_id": "", "tenant": "default_tenant", "databases": ["default_database"]}
         if parts == ["healthcheck"]:
@@ -164,14 +181,14 @@ class ChromaFront:
         if not isinstance(payload, dict):
             raise invalid("the body is a JSON object")
         if len(parts) == 1 and method == "POST":
-            name = payload.get("name")
-            if not isinstance(name, str) or len(name) < 3:
-                raise invalid("a tenant name is at least 3 characters")
+            name = _short_name(payload.get("name"), "tenant")
             try:
                 await self._cat("create_tenant", name)
             except Exists as exc:
                 raise ChromaRefusal(409, "UniqueConstraintError", str(exc)) from None
             return {}
+        if len(parts) == 1:
+            raise _not_found(f"no route {method} /api/v2/tenants")
         tenant = parts[1]
         if len(parts) == 2 and method == "GET":
             if not await self._cat("tenant", tenant):
@@ -185,16 +202,14 @@ class ChromaFront:
                          payload: dict) -> object:
         if not parts:
             if method == "POST":
-                name = payload.get("name")
-                if not isinstance(name, str) or len(name) < 3:
-                    raise invalid("a database name is at least 3 characters")
-                if not await self._cat("tenant", tenant):
-                    raise _not_found(f"Tenant [{tenant}] not found")
+                name = _short_name(payload.get("name"), "database")
                 try:
                     await self._cat("create_database", tenant, name)
                 except Exists:
                     raise ChromaRefusal(409, "UniqueConstraintError",
                                         f"Database [{name}] already exists") from None
+                except Missing as exc:
+                    raise _not_found(str(exc)) from None
                 return {}
             limit, offset = _paging(query)
             return [{"id": i, "name": n, "tenant": tenant}
@@ -210,11 +225,12 @@ class ChromaFront:
                 gone = await self._cat("delete_database", tenant, database)
                 if gone is None:
                     raise _not_found(f"Database [{database}] not found")
-                for collection in gone:
-                    await self._drop_native(collection)
+                await self._sweep()
                 return {}
         if await self._cat("database", tenant, database) is None:
             raise _not_found(f"Database [{database}] not found")
+        if len(parts) == 1:
+            raise _not_found(f"no route {method} {'/'.join(parts)}")
         if parts[1:] == ["collections_count"]:
             return await self._cat("counted", tenant, database)
         if parts[1] != "collections":
@@ -224,17 +240,18 @@ class ChromaFront:
             if method == "POST":
                 return await self._create(tenant, database, payload)
             limit, offset = _paging(query)
-            return [await self._model(c) for c in await self._cat("listed", tenant, database, limit, offset)]
+            return [self._model(c) for c in await self._cat("listed", tenant, database, limit, offset)]
         if rest[0] == "by-id" and len(rest) == 2:
-            return await self._model(await self._by_id(tenant, database, rest[1]))
+            return self._model(await self._by_id(tenant, database, rest[1]))
         if len(rest) == 1:
             if method == "GET":
-                return await self._model(await self._by_name(tenant, database, rest[0]))
+                return self._model(await self._by_name(tenant, database, rest[0]))
             if method == "DELETE":
                 found = await self._by_name(tenant, database, rest[0])
                 if await self._cat("delete", found.id) is None:
                     raise _collection_missing(rest[0])
-                await self._drop_native(found)
+                self._locks.pop(found.id, None)
+                await self._sweep()
                 return {}
             if method == "PUT":
                 return await self._modify(await self._by_id(tenant, database, rest[0]), payload)
@@ -257,26 +274,22 @@ class ChromaFront:
 
     async def _create(self, tenant: str, database: str, payload: dict) -> dict:
         name = check_name(payload.get("name"))
-        metadata = payload.get("metadata")
-        if metadata is not None and (not isinstance(metadata, dict) or not metadata):
-            raise invalid("Expected metadata to be a non-empty dict")
+        metadata = _collection_metadata(payload.get("metadata"))
         configuration = configured(payload.get("configuration"), metadata)
-        if payload.get("get_or_create"):
-            return await self._model(await self._cat("get_or_create", tenant, database, name, metadata,
-                                                     configuration))
         try:
-            made = await self._cat("create", tenant, database, name, metadata, configuration)
+            made = await self._cat("create", tenant, database, name, metadata, configuration,
+                                   bool(payload.get("get_or_create")), self.max_collections)
         except Exists as exc:
             raise ChromaRefusal(409, "UniqueConstraintError", str(exc)) from None
-        return await self._model(made)
+        except Missing as exc:
+            raise _not_found(str(exc)) from None
+        return self._model(made)
 
     async def _modify(self, found: ChromaCollection, payload: dict) -> dict:
         name = payload.get("new_name")
         if name is not None:
             check_name(name)
-        metadata = payload.get("new_metadata")
-        if metadata is not None and (not isinstance(metadata, dict) or not metadata):
-            raise invalid("Expected metadata to be a non-empty dict")
+        metadata = _collection_metadata(payload.get("new_metadata"))
         configuration = None
         new = payload.get("new_configuration")
         if isinstance(new, dict) and isinstance(new.get("hnsw"), dict):
@@ -285,98 +298,141 @@ class ChromaFront:
                          and k != "space"})
             configuration = {**found.configuration, "hnsw": hnsw}
         try:
-            await self._cat("modify", found.id, name, metadata, configuration)
+            if not await self._cat("modify", found.id, name, metadata, configuration):
+                raise _collection_missing(found.name)
         except Exists as exc:
             raise ChromaRefusal(409, "UniqueConstraintError", str(exc)) from None
         return {}
 
-    async def _model(self, found: ChromaCollection) -> dict:
+    def _model(self, found: ChromaCollection) -> dict:
         return {"id": found.id, "name": found.name, "configuration_json": found.configuration, "schema": None,
-                "metadata": found.metadata, "dimension": await self._dim(found), "tenant": found.tenant,
+                "metadata": found.metadata, "dimension": found.dim, "tenant": found.tenant,
                 "database": found.database, "version": 0, "log_position": 0}
 
-    async def _dim(self, found: ChromaCollection) -> int | None:
-        dim = self._dims.get(found.id)
-        if dim is None:
+    async def _sweep(self) -> None:
+        """Drop the native collections of Chroma collections no row names any more (dropped, a
+        database or a reset; a first write racing a drop; a process killed between the two)."""
+        assert self._catalogue is not None
+        listed = await self.native("GET", "", None)
+        names = [c["name"] for c in listed["collections"]]  # type: ignore[index]
+        for name in await asyncio.to_thread(self._catalogue.orphans, names):
             try:
-                described = await self.native("GET", found.native, None)
+                await self.native("DELETE", name, None)
             except ApiError as error:
-                if error.status == 404:
-                    return None
-                raise
-            dim = self._dims[found.id] = int(described["dim"])  # type: ignore[index]
-        return dim
-
-    async def _drop_native(self, found: ChromaCollection) -> None:
-        self._dims.pop(found.id, None)
-        try:
-            await self.native("DELETE", found.native, None)
-        except ApiError as error:
-            if error.status != 404:
-                raise
+                if error.status != 404:
+                    raise
 
     async def _reset(self) -> bool:
         if not self.allow_reset:
             raise ChromaRefusal(403, "AuthorizationError", "Resetting is not allowed by this configuration "
                                                            "(start the server with --arg "
                                                            "chroma_allow_reset=true)")
-        for collection in await self._cat("reset"):
-            await self._drop_native(collection)
-        listed = await self.native("GET", "", None)
-        names = [c["name"] for c in listed["collections"]]  # type: ignore[index]
-        for name in await self._cat("orphans", names):
-            try:
-                await self.native("DELETE", name, None)
-            except ApiError as error:
-                if error.status != 404:
-                    raise
-        self._dims.clear()
+        await self._cat("reset")
+        self._locks.clear()
+        await self._sweep()
         return True
 
     # --- records
     def _metric(self, found: ChromaCollection) -> str:
         return str((found.configuration.get("hnsw") or HNSW_DEFAULTS)["space"])
 
-    async def _records(self, method: str, found: ChromaCollection, operation: str, payload: dict) -> object:
-        native = found.native
-
-        async def call(verb: str, op: str, body: object) -> object:
-            return await self.native(verb, f"{native}/{op}", body)
-
-        records = Records(call, found.name, self._metric(found), await self._dim(found), self.limits,
-                          self.sequencer)
-
-        async def create(dim: int) -> None:
-            spec = {"name": native, "dim": dim, "metric": self._metric(found), "metadata": P.COLUMNS,
-                    "shards": self.shards}
+    @contextlib.asynccontextmanager
+    async def _writing(self, found: ChromaCollection) -> AsyncIterator[ChromaCollection]:
+        """The collection's write lock, across the replicas on its node (an flock, polled: a
+        cancelled request holds nothing), then its row read again (a 404 if it was deleted
+        meanwhile): a write's read, merge and append are one step for every replica."""
+        assert self.root is not None
+        async with self._locks.setdefault(found.id, asyncio.Lock()):
+            locks = self.root / "locks" / "chroma"
+            locks.mkdir(parents=True, exist_ok=True)
+            handle = os.open(locks / found.id, os.O_CREAT | os.O_RDWR, 0o600)
             try:
-                await self.native("POST", "", spec)
-            except ApiError as error:
-                if error.status != 409:  # made by another replica meanwhile: its dimension is checked
-                    raise
-                self._dims.pop(found.id, None)
-                dim_now = await self._dim(found)
-                if dim_now != dim:
-                    raise invalid(f"Collection expecting embedding with dimension of {dim_now}, "
-                                  f"got {dim}") from None
-            self._dims[found.id] = dim
+                deadline = time.monotonic() + LOCK_WAIT_S
+                while True:
+                    try:
+                        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise ChromaRefusal(503, "ChromaError", f"collection {found.name}: other "
+                                                f"writes held it for {LOCK_WAIT_S:g} s; retry") from None
+                        await asyncio.sleep(0.002)
+                now = await self._cat("get", found.id)
+                if now is None:
+                    raise _collection_missing(found.name)
+                yield now
+            finally:
+                os.close(handle)  # the flock goes with it
 
+    def _records_of(self, found: ChromaCollection) -> Records:
+        async def call(verb: str, op: str, body: object) -> object:
+            try:
+                return await self.native(verb, f"{found.native}/{op}", body)
+            except ApiError as error:
+                if error.status == 404:  # deleted meanwhile: Chroma's words for it
+                    raise _collection_missing(found.name) from None
+                raise
+
+        return Records(call, found.name, self._metric(found), found.dim, self.limits, self.sequencer)
+
+    async def _created(self, found: ChromaCollection, dim: int) -> None:
+        """The native collection of `found`'s first write (under its write lock), its dimension
+        recorded; a collection deleted meanwhile loses it again (and is a 404)."""
+        spec = {"name": found.native, "dim": dim, "metric": self._metric(found), "metadata": P.COLUMNS,
+                "shards": self.shards}
+        try:
+            await self.native("POST", "", spec, True)
+        except ApiError as error:
+            if error.status != 409:
+                raise
+            try:  # made before, by a write whose row update was lost to a kill: its dimension rules
+                described = await self.native("GET", found.native, None)
+            except ApiError:
+                raise error from None  # not made: the server is full (its 409, as it said it)
+            if int(described["dim"]) != dim:  # type: ignore[index]
+                raise invalid(f"Collection expecting embedding with dimension of {described['dim']}, "  # type: ignore[index]
+                              f"got {dim}") from None
+        if not await self._cat("set_dim", found.id, dim):
+            await self._sweep()
+            raise _collection_missing(found.name)
+
+    async def _records(self, method: str, found: ChromaCollection, operation: str, payload: dict) -> object:
         if operation == "count" and method == "GET":
-            return await records.count()
+            return await self._records_of(found).count()
         if method != "POST":
             raise _not_found(f"no route {method} {operation}")
-        if operation in ("add", "update", "upsert"):
-            async with self._locks.setdefault(found.id, asyncio.Lock()):
-                await records.write(operation, payload, self.max_batch, create)
+        if operation in ("add", "update", "upsert", "delete"):
+            async with self._writing(found) as now:
+                records = self._records_of(now)
+                if operation == "delete":
+                    return {"deleted": await records.delete(payload)}
+                await records.write(operation, payload, functools.partial(self._created, now))
             return {}
-        if operation == "delete":
-            async with self._locks.setdefault(found.id, asyncio.Lock()):
-                return {"deleted": await records.delete(payload)}
         if operation == "get":
-            return await records.get(payload)
+            return await self._records_of(found).get(payload)
         if operation == "query":
-            return await records.query(payload)
+            return await self._records_of(found).query(payload)
         raise _not_found(f"no route {method} {operation}")
+
+
+def _short_name(name: object, what: str) -> str:
+    if not isinstance(name, str) or not 3 <= len(name) <= MAX_NAME:
+        raise invalid(f"a {what} name is 3 to {MAX_NAME} characters")
+    return name
+
+
+def _collection_metadata(metadata: object) -> dict | None:
+    """A collection's metadata: null, or a non-empty object of scalars within MAX_METADATA_BYTES."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not metadata:
+        raise invalid("Expected metadata to be a non-empty dict")
+    for key, value in metadata.items():
+        if not isinstance(value, (str, int, float, bool)) and value is not None:
+            raise invalid(f"metadata {str(key)[:40]!r}: a string, number or boolean")
+    if len(orjson.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise invalid(f"a collection's metadata is at most {MAX_METADATA_BYTES} bytes as JSON")
+    return metadata
 
 
 def _paging(query: dict) -> tuple[int | None, int]:

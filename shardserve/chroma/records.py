@@ -19,9 +19,9 @@ What Chroma asks that the native API does not give is done here:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import math
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,15 +30,18 @@ import numpy as np
 import orjson
 
 from shardserve.chroma import points as P
-from shardserve.chroma.where import BadWhere, matches
+from shardserve.chroma.where import BadWhere, check, matches
 from shardserve.query.filters import MAX_IN
 from shardserve.query.merge import merge_topk
+from shardserve.writes.parse import MAX_METADATA_BYTES, MAX_STRING_BYTES
 
 # (method, route under /v1/collections/{native}, JSON body) -> the decoded answer; raises ApiError
 Native = Callable[[str, str, object], Awaitable[object]]
 INCLUDABLE = {"documents", "embeddings", "metadatas", "distances", "uris"}
 MAX_SCANNED = 200_000  # records a filtered get, delete or query passes over here
 MAX_BRUTE = 20_000  # records a query with n_results past the native max_k scores here
+MAX_ANSWERED = 100_000  # records one get answers
+MAX_QUERIES_PER = 16_384  # query embeddings one query takes (searched max_vectors at a time)
 
 
 class ChromaRefusal(Exception):
@@ -69,7 +72,8 @@ class Limits:
     max_page: int
     max_write_points: int
     max_k: int
-
+    max_vectors: int  # query embeddings per query
+    max_batch: int  # records one write takes, ids one get, delete or query names
 
 class Sequencer:
     """Strictly increasing insertion stamps (nanoseconds since the epoch, bumped past the last)."""
@@ -100,7 +104,7 @@ def embeddings_of(value: object, count: int, field: str = "embeddings") -> list[
                 raise invalid(f"{field}: not base64") from None
             if len(raw) % 4:
                 raise invalid(f"{field}: base64 of {len(raw)} bytes is not float32s")
-            out.append(list(struct.unpack(f"<{len(raw) // 4}f", raw)))
+            out.append(np.frombuffer(raw, "<f4").astype(np.float64).tolist())
         elif isinstance(item, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                             for x in item):
             out.append([float(x) for x in item])
@@ -124,15 +128,34 @@ def _aligned(payload: dict, field: str, count: int) -> list:
     return value
 
 
-def _ids(payload: dict, required: bool = True) -> list[str] | None:
+def _ids(payload: dict, limit: int, required: bool = True) -> list[str] | None:
     ids = payload.get("ids")
     if ids is None and not required:
         return None
     if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
         raise invalid("ids: expected a list of non-empty strings")
+    if len(ids) > limit:
+        raise invalid(f"Batch size {len(ids)} exceeds maximum batch size {limit}")
     if len(set(ids)) != len(ids):
         raise ChromaRefusal(400, "DuplicateIDError", "ids: duplicates in one request")
+    pids = P.point_ids(ids)
+    if len(set(pids)) != len(pids):  # two ids of one hash: never one answered for the other
+        raise ChromaRefusal(409, "ChromaError", "two ids of this request hash to one point: use other ids")
     return ids
+
+
+def _fits(record: Record) -> None:
+    """The native write's own bounds, checked for every record before any is written (a batch is
+    refused whole, never written in part)."""
+    for name, value in (("id", record.sid), ("document", record.document), ("uri", record.uri)):
+        if value is not None and len(value.encode("utf-8", "surrogatepass")) > MAX_STRING_BYTES:
+            raise invalid(f"{name} of {record.sid[:40]!r}: more than {MAX_STRING_BYTES} bytes")
+    row = P.stored(record.sid, record.document, record.uri, record.metadata, 1.0)
+    if row["meta"] is not None and len(row["meta"].encode()) > MAX_STRING_BYTES:
+        raise invalid(f"metadata of {record.sid[:40]!r}: more than {MAX_STRING_BYTES} bytes as JSON")
+    if len(orjson.dumps(row)) + 32 > MAX_METADATA_BYTES:
+        raise invalid(f"record {record.sid[:40]!r}: id, document, uri and metadata over {MAX_METADATA_BYTES} "
+                      "bytes")
 
 
 def _checked_metadata(metadata: object, where: str) -> dict | None:
@@ -153,6 +176,14 @@ def _checked_metadata(metadata: object, where: str) -> dict | None:
             continue
         raise invalid(f"{where}: {key!r} holds a {type(value).__name__}")
     return metadata
+
+
+def _fresh(metadata: dict | None) -> dict | None:
+    """A new record's metadata: null values dropped, none left is null (Chroma's)."""
+    if metadata is None:
+        return None
+    kept = {k: v for k, v in metadata.items() if v is not None}
+    return kept or None
 
 
 def merged(old: dict | None, new: dict | None) -> dict | None:
@@ -183,8 +214,8 @@ class Records:
         vector = point.get("vector")
         if vector is not None:
             vector = P.given(list(vector), P.norm_of(row))
-        return Record(int(point["id"]), row["sid"], row.get("doc"), row.get("uri"), P.metadata_of(row),
-                      int(row.get("seq") or 0), vector)
+        return Record(int(point["id"]), row.get("sid") or "", row.get("doc"), row.get("uri"),
+                      P.metadata_of(row) if "meta" in row else None, int(row.get("seq") or 0), vector)
 
     async def held(self, sids: list[str], vectors: bool) -> dict[str, Record]:
         """The records among `sids`, by id (one whose hash another id holds is refused)."""
@@ -202,15 +233,16 @@ class Records:
                 found[record.sid] = record
         return found
 
-    async def scanned(self, vectors: bool) -> list[Record]:
-        """Every record, in insertion order (a walk of the native scroll)."""
+    async def scanned(self, columns: list[str] | None = None) -> list[Record]:
+        """Every record (`columns`: those read, default all), in insertion order: a walk of the
+        native scroll, without vectors (a window's are fetched after)."""
         records: list[Record] = []
         if self.dim is None:
             return records
         after = None
         while True:
             answer = await self.native("POST", "scroll", {"limit": self.limits.max_page, "after": after,
-                                                          "vectors": vectors})
+                                                          "include": columns})
             records.extend(self._record(point) for point in answer["points"])  # type: ignore[index]
             if len(records) > MAX_SCANNED:
                 raise invalid(f"collection {self.name}: more than {MAX_SCANNED} records to filter here; "
@@ -221,20 +253,24 @@ class Records:
         records.sort(key=lambda r: (r.seq, r.pid))
         return records
 
-    async def selected(self, ids: list[str] | None, where: dict | None, where_document: dict | None,
-                       vectors: bool) -> list[Record]:
-        """The records passing `ids`, `where` and `where_document`, in insertion order."""
+    async def selected(self, ids: list[str] | None, where: dict | None,
+                       where_document: dict | None) -> list[Record]:
+        """The records passing `ids`, `where` and `where_document`, in insertion order, without
+        their vectors. The filters are checked whole first (bounded), then evaluated in a thread."""
+        try:
+            check(where, where_document)
+        except BadWhere as exc:
+            raise invalid(str(exc)) from None
+        filtered = bool(where or where_document)
         if ids is not None:
-            found = await self.held(ids, vectors)
+            found = await self.held(ids, vectors=False)
             records = sorted(found.values(), key=lambda r: (r.seq, r.pid))
         else:
-            records = await self.scanned(vectors)
-        if where or where_document:
-            try:
-                records = [r for r in records if matches(where, r.metadata, r.document)
-                           and _document_matches(where_document, r.document)]
-            except BadWhere as exc:
-                raise invalid(str(exc)) from None
+            records = await self.scanned(None if filtered else ["sid", "seq"])
+        if filtered:
+            records = await asyncio.to_thread(
+                lambda: [r for r in records if matches(where, r.metadata, r.document)
+                         and _document_matches(where_document, r.document)])
         return records
 
     # --- writes
@@ -248,6 +284,7 @@ class Records:
         return dim
 
     async def _write(self, records: list[Record]) -> None:
+        """One native upsert: one log transaction (max_batch is at most max_write_points)."""
         for start in range(0, len(records), self.limits.max_write_points):
             part = records[start:start + self.limits.max_write_points]
             vectors = np.asarray([r.vector for r in part], np.float32)
@@ -258,14 +295,11 @@ class Records:
             await self.native("POST", "upsert", {"ids": [r.pid for r in part], "vectors": vectors.tolist(),
                                                  "metadata": rows})
 
-    async def write(self, mode: str, payload: dict, max_batch: int,
-                    create: Callable[[int], Awaitable[None]]) -> None:
+    async def write(self, mode: str, payload: dict, create: Callable[[int], Awaitable[None]]) -> None:
         """add, update or upsert (`mode`) of the request's records. `create(dim)`: makes the native
         collection at the first write (the dimension known then)."""
-        ids = _ids(payload)
+        ids = _ids(payload, self.limits.max_batch)
         assert ids is not None
-        if len(ids) > max_batch:
-            raise invalid(f"Batch size {len(ids)} exceeds maximum batch size {max_batch}")
         vectors = embeddings_of(payload.get("embeddings"), len(ids))
         metadatas = [_checked_metadata(m, "metadatas") for m in _aligned(payload, "metadatas", len(ids))]
         documents = _aligned(payload, "documents", len(ids))
@@ -277,11 +311,12 @@ class Records:
         dim = None if vectors is None else self._checked_dim(vectors)
         if mode == "update" and self.dim is None:
             return  # nothing held: an update of ids not held does nothing
+        for i, sid in enumerate(ids):  # every record within the native bounds before anything is made
+            _fits(Record(0, sid, documents[i], uris[i], metadatas[i], 0))
         if self.dim is None:
             assert dim is not None
             await create(dim)
             self.dim = dim
-            self._checked_dim(vectors or [])
         held = await self.held(ids, vectors=vectors is None or any(v is None for v in vectors))
         fresh = [i for i, sid in enumerate(ids) if sid not in held]
         stamps = iter(self.sequencer.take(len(fresh)))
@@ -292,22 +327,24 @@ class Records:
             if old is None:
                 if mode == "update":
                     continue
-                writes.append(Record(P.point_id(sid), sid, documents[i], uris[i], metadatas[i], next(stamps),
-                                     vector))
+                writes.append(Record(P.point_id(sid), sid, documents[i], uris[i], _fresh(metadatas[i]),
+                                     next(stamps), vector))
             elif mode != "add":
                 given_documents = payload.get("documents") is not None
                 given_uris = payload.get("uris") is not None
                 writes.append(Record(old.pid, sid, documents[i] if given_documents else old.document,
                                      uris[i] if given_uris else old.uri, merged(old.metadata, metadatas[i]),
                                      old.seq, vector if vector is not None else old.vector))
+        for record in writes:
+            _fits(record)  # a merge may have grown it
         await self._write(writes)
 
     async def delete(self, payload: dict) -> int:
-        ids = _ids(payload, required=False)
+        ids = _ids(payload, self.limits.max_batch, required=False)
         where, where_document = payload.get("where"), payload.get("where_document")
         if ids is None and not where and not where_document:
             raise invalid("delete needs ids, where or where_document")
-        records = await self.selected(ids, where, where_document, vectors=False)
+        records = await self.selected(ids, where, where_document)
         limit = payload.get("limit")
         if limit is not None:
             if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
@@ -325,9 +362,14 @@ class Records:
         for name, value in (("limit", limit), ("offset", offset)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise invalid(f"{name}: a non-negative integer")
-        records = await self.selected(_ids(payload, required=False), payload.get("where"),
-                                      payload.get("where_document"), vectors="embeddings" in include)
+        ids = _ids(payload, self.limits.max_batch, required=False)
+        records = await self.selected(ids, payload.get("where"), payload.get("where_document"))
         records = records[offset:] if limit is None else records[offset:offset + limit]
+        if len(records) > MAX_ANSWERED:
+            raise invalid(f"a get answers at most {MAX_ANSWERED} records: give a limit")
+        if include - {"distances"} and records:  # the window's columns (and vectors), read now
+            window = {r.pid: r for r in await self._points([r.pid for r in records], "embeddings" in include)}
+            records = [window[r.pid] for r in records if r.pid in window]
         return {"ids": [r.sid for r in records], **_fields(records, include), "include": sorted(include)}
 
     async def count(self) -> int:
@@ -337,14 +379,18 @@ class Records:
 
     async def query(self, payload: dict) -> dict:
         include = _include(payload.get("include"), {"documents", "metadatas", "distances"}, query=True)
-        queries = embeddings_of(payload.get("query_embeddings"), len(payload.get("query_embeddings") or []),
-                                "query_embeddings")
+        given_queries = payload.get("query_embeddings")
+        if not isinstance(given_queries, list):
+            raise invalid("query_embeddings: a list of embeddings")
+        queries = embeddings_of(given_queries, len(given_queries), "query_embeddings")
         if not queries:
             raise invalid("query_embeddings: at least one")
+        if len(queries) > MAX_QUERIES_PER:
+            raise invalid(f"at most {MAX_QUERIES_PER} query_embeddings a request")
         n = payload.get("n_results", 10)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise invalid("n_results: a positive integer")
-        ids = _ids(payload, required=False)
+        ids = _ids(payload, self.limits.max_batch, required=False)
         where, where_document = payload.get("where"), payload.get("where_document")
         empty = {"ids": [[] for _ in queries], **{f: [[] for _ in queries] for f in sorted(include)},
                  "include": sorted(include)}
@@ -356,7 +402,7 @@ class Records:
         self._checked_dim(list(queries))
         allowed: list[Record] | None = None
         if ids is not None or where or where_document:
-            allowed = await self.selected(ids, where, where_document, vectors=False)
+            allowed = await self.selected(ids, where, where_document)
             if ids is not None and len({r.sid for r in allowed}) < len(ids) and not (where or where_document):
                 missing = sorted(set(ids) - {r.sid for r in allowed})
                 raise ChromaRefusal(500, "InternalError", f"Error finding id {missing[0][:80]}")
@@ -364,7 +410,7 @@ class Records:
                 return _with_nulls(empty, include)
         found = await self._nearest(matrix, n, allowed)
         wanted = sorted({pid for row in found for pid in row})
-        records = {r.pid: r for r in await self._points(wanted)}
+        records = {r.pid: r for r in await self._points(wanted, True)}
         answer: dict = {"ids": []}
         for field in include:
             answer[field] = []
@@ -381,17 +427,24 @@ class Records:
         answer["include"] = sorted(include)
         return _with_nulls(answer, include)
 
-    async def _points(self, pids: list[int]) -> list[Record]:
+    async def _points(self, pids: list[int], vectors: bool) -> list[Record]:
         records: list[Record] = []
         for start in range(0, len(pids), self.limits.max_page):
             answer = await self.native("POST", "points", {"ids": pids[start:start + self.limits.max_page],
-                                                          "vectors": True})
+                                                          "vectors": vectors})
             records.extend(self._record(point) for point in answer["points"])  # type: ignore[index]
         return records
 
     async def _nearest(self, matrix: np.ndarray, n: int, allowed: list[Record] | None) -> list[list[int]]:
         """Per query, the ids of its n nearest among `allowed` (None: all), by the native search (in
-        parts of MAX_IN ids, merged), or scored here when n is past the native max_k."""
+        parts of MAX_IN ids, merged), or scored here when n is past the native max_k; max_vectors
+        queries at a time."""
+        step = self.limits.max_vectors
+        if len(matrix) > step:
+            rows: list[list[int]] = []
+            for start in range(0, len(matrix), step):
+                rows.extend(await self._nearest(matrix[start:start + step], n, allowed))
+            return rows
         if n > self.limits.max_k:
             return await self._brute(matrix, n, allowed)
         parts: list[list[int] | None] = [None] if allowed is None else [
@@ -415,16 +468,28 @@ class Records:
         return [[int(pid) for pid in row if pid >= 0] for row in best]
 
     async def _brute(self, matrix: np.ndarray, n: int, allowed: list[Record] | None) -> list[list[int]]:
-        pids = [r.pid for r in allowed] if allowed is not None else [r.pid for r in await self.scanned(False)]
+        """Scored here, in a thread, vectorised: at most MAX_BRUTE records x max_vectors queries."""
+        pids = [r.pid for r in (allowed if allowed is not None else await self.scanned(["sid", "seq"]))]
         if len(pids) > MAX_BRUTE:
             raise invalid(f"n_results {n} is past {self.limits.max_k} (max_k) over more than {MAX_BRUTE} "
                           "records")
-        records = await self._points(pids)
+        records = await self._points(pids, True)
         if not records:
             return [[] for _ in matrix]
-        vectors = np.asarray([r.vector for r in records], np.float32)
-        scores = np.asarray([[_distance(self.metric, q, v) for v in vectors] for q in matrix])
-        order = np.argsort(scores, axis=1, kind="stable")[:, :n]
+
+        def scored() -> np.ndarray:
+            vectors = np.asarray([r.vector for r in records], np.float32).astype(np.float64)
+            queries = matrix.astype(np.float32).astype(np.float64)
+            if self.metric == "l2":
+                scores = ((queries[:, None, :] - vectors[None, :, :]) ** 2).sum(axis=2)
+            elif self.metric == "ip":
+                scores = 1.0 - queries @ vectors.T
+            else:
+                norms = np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(vectors, axis=1)[None, :]
+                scores = 1.0 - (queries @ vectors.T) / (norms + 1e-30)
+            return np.argsort(scores, axis=1, kind="stable")[:, :n]
+
+        order = await asyncio.to_thread(scored)
         return [[records[j].pid for j in row] for row in order]
 
 
