@@ -10,7 +10,7 @@ INDEX ?= indexes/fashion-mnist-ivf1024-4
 TEXT_INDEX ?= indexes/fortunes-minilm-2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-chroma test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-isolation bench-text bench-autoscale-text clean
+.PHONY: install data text vegeta jaeger haproxy redis ssh-tools prometheus browser demo demo-text serve test test-chroma test-cluster test-ha test-fast test-release lint bench bench-tracing bench-build bench-admission bench-soak bench-writes bench-compact bench-backpressure bench-crash peer bench-filter bench-scale bench-hygiene bench-glove bench-collections bench-grow bench-isolation bench-chroma bench-text bench-autoscale-text clean
 
 install: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
@@ -206,6 +206,11 @@ $(PEER_SUITE): $(PEER_VENV)/bin/chroma
 	$(PEER_VENV)/bin/pip install -q pytest==8.3.5 pytest-asyncio==0.26.0 hypothesis==6.170.17 psutil==7.2.2 \
 		fastapi==0.165.0 uvicorn==0.54.0 opentelemetry-instrumentation-fastapi==0.66b2
 	touch $@
+
+# The same chromadb.HttpClient code against Chroma's server and `shardserve serve`, Fashion-MNIST 60K with
+# labels: identical filtered answers and the query and add rates at 8 clients: loadtests/records/bench-chroma.json.
+bench-chroma: install data peer $(INDEX)/manifest.json
+	$(BIN)/python -m loadtests.bench_chroma --index $(INDEX)
 
 # Chroma's own test suite (the pinned wheel's property and API tests) against `shardserve serve`,
 # as users run it and with collections folded every 300 writes: loadtests/records/chroma-suite.json.

@@ -113,6 +113,12 @@ class Held:
         # the other, is not counted twice
         return len(np.unique(np.concatenate([shard.live_ids()[0] for shard in self.shards])))
 
+    def counted(self) -> tuple[int, int]:
+        """(count, the log position it is the count at): what a reader keys a cache of the
+        collection on (no write has been acknowledged past it)."""
+        count = self.count()
+        return count, max(shard.position for shard in self.shards)
+
     def close(self) -> None:
         for shard in self.shards:
             shard.close()
@@ -464,7 +470,8 @@ class CollectionsFront:
     async def _count(self, held: Held, request: HttpRequest) -> Reply:
         where = parse_count(request.body, held.checks)
         if where is None:
-            return _json({"count": await self._run(held, held.count)})
+            count, position = await self._run(held, held.counted)
+            return _json({"count": count, "position": position})
         found = await self._run(held, lambda: [shard.live_ids(where)[0] for shard in held.shards])
         return _json({"count": len(np.unique(np.concatenate(found)))})
 

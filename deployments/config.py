@@ -134,6 +134,9 @@ class AppArgs(BaseModel):
                                 "`serve` folds them into a new one (compaction, then every replica moves)")
     chroma_shards: int = Field(2, ge=1, le=64, description="shards a collection created through Chroma's API "
                                                            "is built in once it grows (docs/chroma.md)")
+    chroma_grow_at: int = Field(20_000, ge=1_000, le=10_000_000,
+                                description="points past which a Chroma collection is built as its sharded "
+                                            "index (exact below; a native collection's grow_at)")
     chroma_max_batch: int = Field(1000, ge=1, le=100_000,
                                   description="records one Chroma add, update or upsert takes at most (and "
                                               "at most max_write_points: one write, one log transaction)")

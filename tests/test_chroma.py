@@ -312,3 +312,21 @@ async def _native_create(chroma: Chroma, name: str) -> tuple[int, str]:
     except ApiError as error:
         return error.status, error.message
     return 201, ""
+
+
+def test_a_cached_filter_never_answers_past_a_write_of_another_replica(tmp_path: Path) -> None:
+    """A replica keeps its walk of the records and its filters' answers under the log position they
+    are the state at: a write through another replica moves the position, and the next filtered read
+    walks again."""
+    one, two = Chroma(tmp_path), Chroma(tmp_path)
+    cid = one.create("cached")
+    one.on(cid, "add", {"ids": ["a"], "embeddings": [[1.0, 0.0]], "metadatas": [{"k": 1}]})
+    where = {"where": {"k": 1}, "include": []}
+    assert one.on(cid, "get", where)[1]["ids"] == ["a"]  # type: ignore[index]
+    assert one.on(cid, "get", where)[1]["ids"] == ["a"]  # type: ignore[index]  # from the cache
+    two.on(cid, "add", {"ids": ["b"], "embeddings": [[0.0, 1.0]], "metadatas": [{"k": 1}]})
+    assert one.on(cid, "get", where)[1]["ids"] == ["a", "b"]  # type: ignore[index]
+    two.on(cid, "update", {"ids": ["a"], "metadatas": [{"k": 2}]})
+    assert one.on(cid, "get", where)[1]["ids"] == ["b"]  # type: ignore[index]
+    status, found = one.on(cid, "query", {"query_embeddings": [[1.0, 0.0]], "n_results": 2, **where})
+    assert found["ids"] == [["b"]]  # type: ignore[index]

@@ -30,7 +30,7 @@ import orjson
 
 from shardserve.chroma import points as P
 from shardserve.chroma.catalogue import ChromaCatalogue, ChromaCollection, Exists, Missing
-from shardserve.chroma.records import ChromaRefusal, Limits, Records, Sequencer, dumps, invalid
+from shardserve.chroma.records import ChromaRefusal, Limits, Records, ScanCache, Sequencer, dumps, invalid
 from shardserve.query.api import ApiError
 
 VERSION = "1.0.0"  # the server version Chroma's 1.5.9 server reports
@@ -114,12 +114,13 @@ class ChromaFront:
     there, a 501); `native(method, route, body)`: the native collections' routes."""
 
     def __init__(self, root: Path | None, native: Call, limits: Limits, shards: int, allow_reset: bool,
-                 max_collections: int):
-        self.root, self.native, self.limits = root, native, limits
+                 max_collections: int, grow_at: int):
+        self.root, self.native, self.limits, self.grow_at = root, native, limits, grow_at
         self.shards, self.allow_reset, self.max_collections = shards, allow_reset, max_collections
         self._catalogue: ChromaCatalogue | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self.sequencer = Sequencer()
+        self.cache = ScanCache()
 
     async def catalogue(self) -> ChromaCatalogue:
         """The catalogue, opened on first use (off the loop), its orphans dropped then."""
@@ -373,13 +374,14 @@ class ChromaFront:
                     raise _collection_missing(found.name) from None
                 raise
 
-        return Records(call, found.name, self._metric(found), found.dim, self.limits, self.sequencer)
+        return Records(call, found.name, self._metric(found), found.dim, self.limits, self.sequencer,
+                       self.cache, found.native)
 
     async def _created(self, found: ChromaCollection, dim: int) -> None:
         """The native collection of `found`'s first write (under its write lock), its dimension
         recorded; a collection deleted meanwhile loses it again (and is a 404)."""
         spec = {"name": found.native, "dim": dim, "metric": self._metric(found), "metadata": P.COLUMNS,
-                "shards": self.shards}
+                "shards": self.shards, "grow_at": self.grow_at}
         try:
             await self.native("POST", "", spec, True)
         except ApiError as error:

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -74,6 +75,42 @@ class Limits:
     max_k: int
     max_vectors: int  # query embeddings per query
     max_batch: int  # records one write takes, ids one get, delete or query names
+
+class ScanCache:
+    """A replica's last walks of collections' records and the filters evaluated on them, each kept
+    under the log position it is the state at (the native count says the position now: a write
+    acknowledged anywhere moves it, and the entry is not used again). Bounded in collections and in
+    filters; a filtered get or query of an unchanged collection then costs no walk."""
+
+    def __init__(self, collections: int = 4, filters: int = 64):
+        self.collections, self.filters = collections, filters
+        self._scans: OrderedDict[str, tuple[int, list]] = OrderedDict()
+        self._filtered: OrderedDict[tuple, list] = OrderedDict()
+
+    def scan(self, native: str, position: int) -> list | None:
+        kept = self._scans.get(native)
+        if kept is None or kept[0] != position:
+            return None
+        self._scans.move_to_end(native)
+        return kept[1]
+
+    def keep_scan(self, native: str, position: int, records: list) -> None:
+        self._scans[native] = (position, records)
+        self._scans.move_to_end(native)
+        while len(self._scans) > self.collections:
+            self._scans.popitem(last=False)
+
+    def filtered(self, key: tuple) -> list | None:
+        found = self._filtered.get(key)
+        if found is not None:
+            self._filtered.move_to_end(key)
+        return found
+
+    def keep_filtered(self, key: tuple, records: list) -> None:
+        self._filtered[key] = records
+        while len(self._filtered) > self.filters:
+            self._filtered.popitem(last=False)
+
 
 class Sequencer:
     """Strictly increasing insertion stamps (nanoseconds since the epoch, bumped past the last)."""
@@ -204,9 +241,9 @@ class Records:
     its dimension is not known)."""
 
     def __init__(self, native: Native, name: str, metric: str, dim: int | None, limits: Limits,
-                 sequencer: Sequencer):
+                 sequencer: Sequencer, cache: ScanCache | None = None, key: str = ""):
         self.native, self.name, self.metric, self.dim = native, name, metric, dim
-        self.limits, self.sequencer = limits, sequencer
+        self.limits, self.sequencer, self.cache, self.key = limits, sequencer, cache, key
 
     # --- reads of native points
     def _record(self, point: dict) -> Record:
@@ -265,13 +302,33 @@ class Records:
         if ids is not None:
             found = await self.held(ids, vectors=False)
             records = sorted(found.values(), key=lambda r: (r.seq, r.pid))
+        elif filtered and self.cache is not None and self.dim is not None:
+            return await self._cached(where, where_document)
         else:
             records = await self.scanned(None if filtered else ["sid", "seq"])
         if filtered:
-            records = await asyncio.to_thread(
-                lambda: [r for r in records if matches(where, r.metadata, r.document)
-                         and _document_matches(where_document, r.document)])
+            records = await asyncio.to_thread(_passing, records, where, where_document)
         return records
+
+    async def _cached(self, where: dict | None, where_document: dict | None) -> list[Record]:
+        """A filter over every record, through the replica's ScanCache: the walk and the filter's
+        answer reused while the collection's log position has not moved."""
+        assert self.cache is not None
+        answer = await self.native("POST", "count", {})
+        position = answer.get("position") if isinstance(answer, dict) else None
+        if position is None:  # served apart: its answer says no position, nothing is kept
+            return await asyncio.to_thread(_passing, await self.scanned(None), where, where_document)
+        key = (self.key, position, orjson.dumps([where, where_document], option=orjson.OPT_SORT_KEYS))
+        kept = self.cache.filtered(key)
+        if kept is not None:
+            return kept
+        records = self.cache.scan(self.key, position)
+        if records is None:
+            records = await self.scanned(None)
+            self.cache.keep_scan(self.key, position, records)
+        found = await asyncio.to_thread(_passing, records, where, where_document)
+        self.cache.keep_filtered(key, found)
+        return found
 
     # --- writes
     def _checked_dim(self, vectors: list[list[float] | None]) -> int | None:
@@ -501,6 +558,11 @@ def _distance(metric: str, query: np.ndarray, vector: np.ndarray) -> float:
     if metric == "ip":
         return float(1.0 - q @ v)
     return float(1.0 - (q @ v) / (np.linalg.norm(q) * np.linalg.norm(v) + 1e-30))
+
+
+def _passing(records: list[Record], where: dict | None, where_document: dict | None) -> list[Record]:
+    return [r for r in records if matches(where, r.metadata, r.document)
+            and _document_matches(where_document, r.document)]
 
 
 def _document_matches(where_document: dict | None, document: str | None) -> bool:
