@@ -609,7 +609,26 @@ def blocks(records: Path = RECORDS) -> dict[str, str]:
             "bench-tracing": tracing_table(load("bench-tracing.json")),
             "bench-collections": collections_table(load("bench-collections.json")),
             "grow-under-load": grow_table(load("grow-under-load.json")),
-            "collections-isolation": isolation_table(load("collections-isolation.json"))}
+            "collections-isolation": isolation_table(load("collections-isolation.json")),
+            "chroma-suite": chroma_suite_table(load("chroma-suite.json"))}
+
+
+def chroma_suite_table(record: dict) -> str:
+    """`make test-chroma`: Chroma's own tests against `shardserve serve`."""
+    rows = ["| run | server flags | passed | failed | skipped by the wheel | folds while tested | s |",
+            "|---|---|---|---|---|---|---|"]
+    for name, run in record["runs"].items():
+        flags = " ".join(run["server_flags"][2:]) or "(as users run it)"
+        rows.append(f"| {name} | `{flags}` | {run['passed']} | {len(run['failed'])} | "
+                    f"{sum(run['skipped'].values())} | {_cell(run.get('folds'))} | {run['seconds']:g} |")
+    killed = record["killed"]
+    seed = record.get("seed", "–")
+    rows += ["", f"`chromadb` {record['chromadb']}, preset `{record['preset']}`, seed {seed}. "
+                 f"SIGKILL of every process ({killed['processes_killed']}) under Chroma's client after "
+                 f"{killed['acknowledged_records']:,} acknowledged records: after the restart, "
+                 f"{'every one found whole' if killed['all_found'] else '**not all found**'}. Not run: "
+                 + "; ".join(f"`{test}` ({why})" for test, why in record["deselected"].items()) + "."]
+    return "\n".join(rows)
 
 
 def _checks_rows(record: dict) -> list[str]:
