@@ -8,7 +8,7 @@ What Chroma asks that the native API does not give is done here:
   applied after the filters, as Chroma's does.
 - **filters over keys that come with writes**: the native columns are fixed at creation, so a
   `where` is evaluated here (shardserve.chroma.where) over the records' stored metadata, and the
-  ids it passes become the native search's `$id` filter (in parts of at most MAX_IN, merged by the
+  ids it passes become the native search's `$id` filter (in parts of at most ID_PART, merged by the
   one `merge_topk`).
 - **merges**: an update or upsert merges metadata key by key (a null value deletes its key) and
   keeps what it does not give; an add of an id held is ignored. Read, merged, written under the
@@ -32,7 +32,6 @@ import orjson
 
 from shardserve.chroma import points as P
 from shardserve.chroma.where import BadWhere, check, matches
-from shardserve.query.filters import MAX_IN
 from shardserve.query.merge import merge_topk
 from shardserve.writes.parse import MAX_METADATA_BYTES, MAX_STRING_BYTES
 
@@ -42,6 +41,10 @@ INCLUDABLE = {"documents", "embeddings", "metadatas", "distances", "uris"}
 MAX_SCANNED = 200_000  # records a filtered get, delete or query passes over here
 MAX_BRUTE = 20_000  # records a query with n_results past the native max_k scores here
 MAX_ANSWERED = 100_000  # records one get answers
+# ids a native search's `$id` filter names at most: the native check bounds a filter's work by the
+# rows the collection may hold (its base and a full write backlog), and 1,024 values pass it to about
+# 500,000 rows (filters.MAX_FILTER_WORK, IN_VALUES_PER_PASS)
+ID_PART = 1024
 MAX_QUERIES_PER = 16_384  # query embeddings one query takes (searched max_vectors at a time)
 
 
@@ -494,7 +497,7 @@ class Records:
 
     async def _nearest(self, matrix: np.ndarray, n: int, allowed: list[Record] | None) -> list[list[int]]:
         """Per query, the ids of its n nearest among `allowed` (None: all), by the native search (in
-        parts of MAX_IN ids, merged), or scored here when n is past the native max_k; max_vectors
+        parts of ID_PART ids, merged), or scored here when n is past the native max_k; max_vectors
         queries at a time."""
         step = self.limits.max_vectors
         if len(matrix) > step:
@@ -505,7 +508,7 @@ class Records:
         if n > self.limits.max_k:
             return await self._brute(matrix, n, allowed)
         parts: list[list[int] | None] = [None] if allowed is None else [
-            [r.pid for r in allowed[s:s + MAX_IN]] for s in range(0, len(allowed), MAX_IN)]
+            [r.pid for r in allowed[s:s + ID_PART]] for s in range(0, len(allowed), ID_PART)]
         distances, ids = [], []
         for part in parts:
             body: dict = {"vectors": matrix.astype(np.float32).tolist(), "k": n}
