@@ -208,7 +208,7 @@ $(PEER_SUITE): $(PEER_VENV)/bin/chroma
 	touch $@
 
 # The same chromadb.HttpClient code against Chroma's server and `shardserve serve`, Fashion-MNIST 60K with
-# labels: identical filtered answers, and the query and add rates at 8 clients.
+# labels: identical filtered answers, and the query and add rates at 8 clients: bench-chroma.json.
 bench-chroma: install data peer $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench_chroma --index $(INDEX)
 

@@ -9,7 +9,7 @@ labels as metadata:
   which the record names: a 60K collection grows into an IVF index by default);
 - rates at 8 clients: filtered queries, and adds of 10 records, for 20 s each.
 
-    python -m loadtests.bench_chroma --index DIR   # its record goes to loadtests/records/
+    python -m loadtests.bench_chroma --index DIR -> loadtests/records/bench-chroma.json
 """
 
 from __future__ import annotations

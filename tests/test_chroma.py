@@ -330,3 +330,23 @@ def test_a_cached_filter_never_answers_past_a_write_of_another_replica(tmp_path:
     assert one.on(cid, "get", where)[1]["ids"] == ["b"]  # type: ignore[index]
     status, found = one.on(cid, "query", {"query_embeddings": [[1.0, 0.0]], "n_results": 2, **where})
     assert found["ids"] == [["b"]]  # type: ignore[index]
+
+
+def test_a_filter_passing_more_ids_than_one_native_search_names_is_merged_exactly(chroma: Chroma) -> None:
+    """2,500 records pass the filter: the native search is asked in parts (records.ID_PART ids each)
+    and the parts merged by merge_topk: the answer is brute force's over the passing records."""
+    cid = chroma.create("parts")
+    rng = np.random.default_rng(5)
+    vectors = rng.normal(size=(3000, 8)).astype(np.float32)
+    for start in range(0, 3000, 1000):
+        chroma.on(cid, "add", {"ids": [f"p{i}" for i in range(start, start + 1000)],
+                               "embeddings": vectors[start:start + 1000].tolist(),
+                               "metadatas": [{"keep": i % 6 != 0} for i in range(start, start + 1000)]})
+    queries = rng.normal(size=(3, 8)).astype(np.float32)
+    status, found = chroma.on(cid, "query", {"query_embeddings": queries.tolist(), "n_results": 7,
+                                             "where": {"keep": True}, "include": ["distances"]})
+    assert status == 200
+    kept = [i for i in range(3000) if i % 6 != 0]
+    for q, got in enumerate(found["ids"]):  # type: ignore[index]
+        exact = sorted(kept, key=lambda i: _distance("l2", queries[q], vectors[i]))[:7]
+        assert got == [f"p{i}" for i in exact]
