@@ -350,3 +350,20 @@ def test_a_filter_passing_more_ids_than_one_native_search_names_is_merged_exactl
     for q, got in enumerate(found["ids"]):  # type: ignore[index]
         exact = sorted(kept, key=lambda i: _distance("l2", queries[q], vectors[i]))[:7]
         assert got == [f"p{i}" for i in exact]
+
+
+def test_n_results_past_max_k_is_scored_here_exactly(chroma: Chroma) -> None:
+    """Past the native max_k (100) the router scores the records itself, in bounded blocks."""
+    cid = chroma.create("many", "ip")
+    rng = np.random.default_rng(8)
+    vectors = rng.normal(size=(300, 5)).astype(np.float32)
+    chroma.on(cid, "add", {"ids": [f"m{i}" for i in range(300)], "embeddings": vectors.tolist()})
+    queries = rng.normal(size=(70, 5)).astype(np.float32)  # more than one block of queries
+    status, found = chroma.on(cid, "query", {"query_embeddings": queries.tolist(), "n_results": 150,
+                                             "include": ["distances"]})
+    assert status == 200
+    for q in (0, 69):
+        exact = sorted(range(300), key=lambda i: _distance("ip", queries[q], vectors[i]))[:150]
+        assert found["ids"][q] == [f"m{i}" for i in exact]  # type: ignore[index]
+        np.testing.assert_allclose(found["distances"][q],  # type: ignore[index]
+                                   [_distance("ip", queries[q], vectors[i]) for i in exact], atol=1e-6)

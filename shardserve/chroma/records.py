@@ -46,6 +46,8 @@ MAX_ANSWERED = 100_000  # records one get answers
 # 500,000 rows (filters.MAX_FILTER_WORK, IN_VALUES_PER_PASS)
 ID_PART = 1024
 MAX_QUERIES_PER = 16_384  # query embeddings one query takes (searched max_vectors at a time)
+DIRECT_L2 = 1 << 20  # elements of the difference array the direct squared L2 may make
+BRUTE_QUERIES = 64  # queries scored together past max_k (x MAX_BRUTE records x 8 bytes)
 
 
 class ChromaRefusal(Exception):
@@ -476,7 +478,8 @@ class Records:
             answer[field] = []
         for q, row in enumerate(found):
             hits = [records[pid] for pid in row if pid in records]
-            distances = [_distance(self.metric, matrix[q], np.asarray(r.vector, np.float32)) for r in hits]
+            vectors = np.asarray([r.vector for r in hits])
+            distances = _distances(self.metric, matrix[q:q + 1], vectors)[0].tolist() if hits else []
             order = sorted(range(len(hits)), key=lambda i: distances[i])
             hits, distances = [hits[i] for i in order], [distances[i] for i in order]
             answer["ids"].append([r.sid for r in hits])
@@ -538,29 +541,30 @@ class Records:
             return [[] for _ in matrix]
 
         def scored() -> np.ndarray:
-            vectors = np.asarray([r.vector for r in records], np.float32).astype(np.float64)
-            queries = matrix.astype(np.float32).astype(np.float64)
-            if self.metric == "l2":
-                scores = ((queries[:, None, :] - vectors[None, :, :]) ** 2).sum(axis=2)
-            elif self.metric == "ip":
-                scores = 1.0 - queries @ vectors.T
-            else:
-                norms = np.linalg.norm(queries, axis=1)[:, None] * np.linalg.norm(vectors, axis=1)[None, :]
-                scores = 1.0 - (queries @ vectors.T) / (norms + 1e-30)
-            return np.argsort(scores, axis=1, kind="stable")[:, :n]
+            vectors = np.asarray([r.vector for r in records])
+            # BRUTE_QUERIES at a time: a (queries x records) float64 matrix of at most 10 MB
+            return np.concatenate([np.argsort(_distances(self.metric, matrix[s:s + BRUTE_QUERIES], vectors),
+                                              axis=1, kind="stable")[:, :n]
+                                   for s in range(0, len(matrix), BRUTE_QUERIES)])
 
         order = await asyncio.to_thread(scored)
         return [[records[j].pid for j in row] for row in order]
 
 
-def _distance(metric: str, query: np.ndarray, vector: np.ndarray) -> float:
-    """Chroma's distance (hnswlib's): squared L2, 1 - dot, 1 - cosine (its epsilon)."""
-    q, v = np.asarray(query, np.float32).astype(np.float64), vector.astype(np.float64)
+def _distances(metric: str, queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """Chroma's distances (hnswlib's: squared L2, 1 - dot, 1 - cosine with its epsilon) of each
+    query to each vector, in float64 on the float32 values, as (queries, vectors)."""
+    q = np.asarray(queries, np.float32).astype(np.float64)
+    v = np.asarray(vectors, np.float32).astype(np.float64)
     if metric == "l2":
-        return float(np.sum((q - v) ** 2))
+        if len(q) * len(v) * q.shape[1] <= DIRECT_L2:  # the k found: (q - v)^2, exactly as Chroma's reference
+            return ((q[:, None, :] - v[None, :, :]) ** 2).sum(axis=2)
+        # many (ranking past max_k): |q|^2 + |v|^2 - 2 q.v, without a (queries x vectors x dim) array
+        return np.maximum((q * q).sum(axis=1)[:, None] + (v * v).sum(axis=1)[None, :] - 2.0 * (q @ v.T), 0.0)
+    dots = q @ v.T
     if metric == "ip":
-        return float(1.0 - q @ v)
-    return float(1.0 - (q @ v) / (np.linalg.norm(q) * np.linalg.norm(v) + 1e-30))
+        return 1.0 - dots
+    return 1.0 - dots / (np.linalg.norm(q, axis=1)[:, None] * np.linalg.norm(v, axis=1)[None, :] + 1e-30)
 
 
 def _passing(records: list[Record], where: dict | None, where_document: dict | None) -> list[Record]:
