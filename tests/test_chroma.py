@@ -367,3 +367,9 @@ def test_n_results_past_max_k_is_scored_here_exactly(chroma: Chroma) -> None:
         assert found["ids"][q] == [f"m{i}" for i in exact]  # type: ignore[index]
         np.testing.assert_allclose(found["distances"][q],  # type: ignore[index]
                                    [_distance("ip", queries[q], vectors[i]) for i in exact], atol=1e-6)
+
+
+def test_a_database_needs_its_tenant(chroma: Chroma) -> None:
+    status, error = chroma("POST", "/tenants/nobody/databases", {"name": "prod"})
+    assert status == 404 and "Tenant [nobody]" in error["message"]  # type: ignore[index]
+    assert chroma("POST", "/tenants/default_tenant/databases", {"name": "default_database"})[0] == 409

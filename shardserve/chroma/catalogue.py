@@ -28,6 +28,7 @@ BUSY_TIMEOUT_MS = 10_000
 DEFAULT_TENANT = "default_tenant"
 DEFAULT_DATABASE = "default_database"
 NATIVE_PREFIX = "chroma-"
+MAX_NAMES = 10_000  # tenants, and databases, a server holds at most (each name at most 512 characters)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS databases (
@@ -101,6 +102,8 @@ class ChromaCatalogue:
     # tenants and databases
     def create_tenant(self, name: str) -> None:
         with self._lock:
+            if self._db.execute("SELECT count(*) FROM tenants").fetchone()[0] >= MAX_NAMES:
+                raise Exists(f"this server holds its maximum of {MAX_NAMES} tenants")
             try:
                 self._db.execute("INSERT INTO tenants (name) VALUES (?)", (name,))
             except sqlite3.IntegrityError:
@@ -113,11 +116,15 @@ class ChromaCatalogue:
     def create_database(self, tenant: str, name: str) -> str:
         database_id = str(uuid.uuid4())
         with self._lock:
+            if self._db.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone() is None:
+                raise Missing(f"Tenant [{tenant}] not found")
+            if self._db.execute("SELECT count(*) FROM databases").fetchone()[0] >= MAX_NAMES:
+                raise Exists(f"this server holds its maximum of {MAX_NAMES} databases")
             try:
                 self._db.execute("INSERT INTO databases (id, tenant, name) VALUES (?, ?, ?)",
                                  (database_id, tenant, name))
             except sqlite3.IntegrityError:
-                raise Exists(f"database {name} already exists") from None
+                raise Exists(f"Database [{name}] already exists") from None
         return database_id
 
     def database(self, tenant: str, name: str) -> str | None:

@@ -206,9 +206,8 @@ class ChromaFront:
                 name = _short_name(payload.get("name"), "database")
                 try:
                     await self._cat("create_database", tenant, name)
-                except Exists:
-                    raise ChromaRefusal(409, "UniqueConstraintError",
-                                        f"Database [{name}] already exists") from None
+                except Exists as exc:
+                    raise ChromaRefusal(409, "UniqueConstraintError", str(exc)) from None
                 except Missing as exc:
                     raise _not_found(str(exc)) from None
                 return {}
