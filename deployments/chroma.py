@@ -32,7 +32,7 @@ def chroma_front(collections: CollectionsFront, args: AppArgs) -> ChromaFront:
     batch = min(args.chroma_max_batch, args.max_write_points)
     limits = Limits(args.max_page, args.max_write_points, args.max_k, args.max_vectors, batch)
     return ChromaFront(collections.root, native, limits, args.chroma_shards, args.chroma_allow_reset,
-                       args.max_collections, args.chroma_grow_at)
+                       args.max_collections, args.chroma_grow_at, collections.search_among)
 
 
 async def respond(front: ChromaFront, request: HttpRequest) -> Reply:

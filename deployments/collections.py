@@ -44,6 +44,7 @@ from shardserve.index.manifest import Manifest, Published, read_manifest, read_s
 from shardserve.index.metadata import combine
 from shardserve.index.storage import Location
 from shardserve.query.api import ApiError, Limits, ParsedQuery
+from shardserve.query.filters import Among
 from shardserve.query.merge import QueryResult, merge_topk
 from shardserve.query.parse import is_npy, parse_query
 from shardserve.query.render import render_search, windowed
@@ -418,12 +419,33 @@ class CollectionsFront:
         params: dict = dict(query.params)
         if query.filter is not None:
             params["filter"] = query.filter
-        shard_query = ShardQuery(query.matrix, query.k, params)
+        return await self._fanned(held, ShardQuery(query.matrix, query.k, params))
+
+    async def search_among(self, name: str, matrix: np.ndarray, k: int, among: Among | None
+                           ) -> tuple[np.ndarray, np.ndarray] | None:
+        """In-process, for Chroma's API (which checked the batch against the collection and its
+        bounds): (distances, ids) of the k nearest of each row of `matrix` in collection `name`,
+        among the ids of `among` (None: all). None when the collection is served apart: the caller
+        asks its routes, which forward. The ids go to the shards as they are, no JSON between."""
+        entry = await self._entry(name)
+        if apart_app(entry.path) is not None:
+            return None
+        held = await self._held_named(name, entry)
+        params = {} if among is None else {"filter": among}
+        try:
+            result = await self._fanned(held, ShardQuery(np.ascontiguousarray(matrix, np.float32), k, params))
+        except (LogBehind, LogUnavailable) as exc:
+            raise ApiError(503, None, f"collection {name!r} is catching up with its log: {exc}",
+                           self.args.retry_after_s) from None
+        return result.distances, result.ids
+
+    async def _fanned(self, held: Held, shard_query: ShardQuery) -> QueryResult:
+        """A batch answered by every shard of the collection, merged."""
         answers = await self._run(held, lambda: [shard.answer(shard_query) for shard in held.shards])
         if len(answers) == 1:
             distances, ids, ms, matched, _ = answers[0]
             return QueryResult(distances, ids, 1, 1, ms, ms, 1, matched=matched)
-        distances, ids = merge_topk([a[0] for a in answers], [a[1] for a in answers], query.k,
+        distances, ids = merge_topk([a[0] for a in answers], [a[1] for a in answers], shard_query.k,
                                     held.manifest.metric != "l2", positions=[a[4] for a in answers])
         ms = sum(a[2] for a in answers)
         return QueryResult(distances, ids, len(answers), len(answers), ms, ms, 1,

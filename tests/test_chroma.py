@@ -332,9 +332,24 @@ def test_a_cached_filter_never_answers_past_a_write_of_another_replica(tmp_path:
     assert found["ids"] == [["b"]]  # type: ignore[index]
 
 
-def test_a_filter_passing_more_ids_than_one_native_search_names_is_merged_exactly(chroma: Chroma) -> None:
-    """2,500 records pass the filter: the native search is asked in parts (records.ID_PART ids each)
-    and the parts merged by merge_topk: the answer is brute force's over the passing records."""
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_filter_passing_many_ids_is_searched_exactly_over_base_and_delta(chroma: Chroma, in_process: bool
+                                                                           ) -> None:
+    """2,500 records pass the filter, some folded into the base, some in the delta, some deleted
+    since. In-process the shards search among all of them at once (`Among`); through the routes (a
+    collection served apart) the native search is asked in parts of records.ID_PART ids, merged by
+    merge_topk. Either answer is brute force's over the passing records, with Chroma's distances."""
+    from index_build.grow import fold
+    from shardserve.collection.catalogue import Catalogue
+
+    searched: list[int] = []  # the ids each in-process search was among
+    given = chroma.front.search
+
+    async def counted(native: str, matrix: np.ndarray, k: int, among: object) -> object:
+        searched.append(len(among.ids))  # type: ignore[attr-defined]
+        return await given(native, matrix, k, among)  # type: ignore[misc]
+
+    chroma.front.search = counted if in_process else None
     cid = chroma.create("parts")
     rng = np.random.default_rng(5)
     vectors = rng.normal(size=(3000, 8)).astype(np.float32)
@@ -342,14 +357,22 @@ def test_a_filter_passing_more_ids_than_one_native_search_names_is_merged_exactl
         chroma.on(cid, "add", {"ids": [f"p{i}" for i in range(start, start + 1000)],
                                "embeddings": vectors[start:start + 1000].tolist(),
                                "metadatas": [{"keep": i % 6 != 0} for i in range(start, start + 1000)]})
+        if start == 1000:  # the first 2,000 folded into the base, the rest in the delta
+            entry = Catalogue(chroma.native.root, readonly=True).live()[0]  # type: ignore[arg-type]
+            assert fold(entry.path, entry.spec) is not None
+    gone = [i for i in range(0, 3000, 50) if i % 6 != 0]  # deleted in the base and in the delta
+    assert chroma.on(cid, "delete", {"ids": [f"p{i}" for i in gone]})[0] == 200
     queries = rng.normal(size=(3, 8)).astype(np.float32)
     status, found = chroma.on(cid, "query", {"query_embeddings": queries.tolist(), "n_results": 7,
                                              "where": {"keep": True}, "include": ["distances"]})
     assert status == 200
-    kept = [i for i in range(3000) if i % 6 != 0]
+    kept = [i for i in range(3000) if i % 6 != 0 and i not in gone]
     for q, got in enumerate(found["ids"]):  # type: ignore[index]
         exact = sorted(kept, key=lambda i: _distance("l2", queries[q], vectors[i]))[:7]
         assert got == [f"p{i}" for i in exact]
+        np.testing.assert_allclose(found["distances"][q],  # type: ignore[index]
+                                   [_distance("l2", queries[q], vectors[i]) for i in exact], rtol=1e-6)
+    assert searched == ([len(kept)] if in_process else [])
 
 
 def test_n_results_past_max_k_is_scored_here_exactly(chroma: Chroma) -> None:

@@ -26,12 +26,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from urllib.parse import parse_qs, unquote
 
+import numpy as np
 import orjson
 
 from shardserve.chroma import points as P
 from shardserve.chroma.catalogue import ChromaCatalogue, ChromaCollection, Exists, Missing
 from shardserve.chroma.records import ChromaRefusal, Limits, Records, ScanCache, Sequencer, dumps, invalid
 from shardserve.query.api import ApiError
+from shardserve.query.filters import Among
 
 VERSION = "1.0.0"  # the server version Chroma's 1.5.9 server reports
 NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]{1,510}[a-zA-Z0-9]")
@@ -114,8 +116,9 @@ class ChromaFront:
     there, a 501); `native(method, route, body)`: the native collections' routes."""
 
     def __init__(self, root: Path | None, native: Call, limits: Limits, shards: int, allow_reset: bool,
-                 max_collections: int, grow_at: int):
+                 max_collections: int, grow_at: int, search: Call | None = None):
         self.root, self.native, self.limits, self.grow_at = root, native, limits, grow_at
+        self.search = search  # (native name, matrix, k, among): records.Search on that collection
         self.shards, self.allow_reset, self.max_collections = shards, allow_reset, max_collections
         self._catalogue: ChromaCatalogue | None = None
         self._locks: dict[str, asyncio.Lock] = {}
@@ -373,8 +376,18 @@ class ChromaFront:
                     raise _collection_missing(found.name) from None
                 raise
 
+        async def search(matrix: np.ndarray, k: int, among: Among | None
+                         ) -> tuple[np.ndarray, np.ndarray] | None:
+            assert self.search is not None
+            try:
+                return await self.search(found.native, matrix, k, among)  # type: ignore[return-value]
+            except ApiError as error:
+                if error.status == 404:
+                    raise _collection_missing(found.name) from None
+                raise
+
         return Records(call, found.name, self._metric(found), found.dim, self.limits, self.sequencer,
-                       self.cache, found.native)
+                       self.cache, found.native, None if self.search is None else search)
 
     async def _created(self, found: ChromaCollection, dim: int) -> None:
         """The native collection of `found`'s first write (under its write lock), its dimension

@@ -8,8 +8,9 @@ What Chroma asks that the native API does not give is done here:
   applied after the filters, as Chroma's does.
 - **filters over keys that come with writes**: the native columns are fixed at creation, so a
   `where` is evaluated here (shardserve.chroma.where) over the records' stored metadata, and the
-  ids it passes become the native search's `$id` filter (in parts of at most ID_PART, merged by the
-  one `merge_topk`).
+  ids it passes are searched among: in-process, as one array the shards select on (`Among`); through
+  the routes (a collection served apart), as the native search's `$id` filter in parts of at most
+  ID_PART, merged by the one `merge_topk`.
 - **merges**: an update or upsert merges metadata key by key (a null value deletes its key) and
   keeps what it does not give; an add of an id held is ignored. Read, merged, written under the
   collection's lock in this replica.
@@ -32,11 +33,15 @@ import orjson
 
 from shardserve.chroma import points as P
 from shardserve.chroma.where import BadWhere, check, matches
+from shardserve.query.filters import Among
 from shardserve.query.merge import merge_topk
 from shardserve.writes.parse import MAX_METADATA_BYTES, MAX_STRING_BYTES
 
 # (method, route under /v1/collections/{native}, JSON body) -> the decoded answer; raises ApiError
 Native = Callable[[str, str, object], Awaitable[object]]
+# (query matrix, k, the ids searched among or None for all) -> (distances, ids) from the native
+# collection's shards in-process, or None when it is served apart (then its routes answer)
+Search = Callable[[np.ndarray, int, Among | None], Awaitable[tuple[np.ndarray, np.ndarray] | None]]
 INCLUDABLE = {"documents", "embeddings", "metadatas", "distances", "uris"}
 MAX_SCANNED = 200_000  # records a filtered get, delete or query passes over here
 MAX_BRUTE = 20_000  # records a query with n_results past the native max_k scores here
@@ -246,9 +251,11 @@ class Records:
     its dimension is not known)."""
 
     def __init__(self, native: Native, name: str, metric: str, dim: int | None, limits: Limits,
-                 sequencer: Sequencer, cache: ScanCache | None = None, key: str = ""):
+                 sequencer: Sequencer, cache: ScanCache | None = None, key: str = "",
+                 search: Search | None = None):
         self.native, self.name, self.metric, self.dim = native, name, metric, dim
         self.limits, self.sequencer, self.cache, self.key = limits, sequencer, cache, key
+        self.search = search
 
     # --- reads of native points
     def _record(self, point: dict) -> Record:
@@ -510,6 +517,12 @@ class Records:
             return rows
         if n > self.limits.max_k:
             return await self._brute(matrix, n, allowed)
+        if self.search is not None:  # in-process: every allowed id at once, as an array
+            among = None if allowed is None else allowed.among if isinstance(allowed, Passing) else Among.of(
+                np.fromiter((r.pid for r in allowed), np.int64, len(allowed)))
+            answered = await self.search(matrix.astype(np.float32), n, among)
+            if answered is not None:
+                return [[int(pid) for pid in row if pid >= 0] for row in answered[1]]
         parts: list[list[int] | None] = [None] if allowed is None else [
             [r.pid for r in allowed[s:s + ID_PART]] for s in range(0, len(allowed), ID_PART)]
         distances, ids = [], []
@@ -567,9 +580,18 @@ def _distances(metric: str, queries: np.ndarray, vectors: np.ndarray) -> np.ndar
     return 1.0 - dots / (np.linalg.norm(q, axis=1)[:, None] * np.linalg.norm(v, axis=1)[None, :] + 1e-30)
 
 
-def _passing(records: list[Record], where: dict | None, where_document: dict | None) -> list[Record]:
-    return [r for r in records if matches(where, r.metadata, r.document)
-            and _document_matches(where_document, r.document)]
+class Passing(list):
+    """The records that passed a filter, in insertion order, with the ids a query searches among,
+    made once with them (the ScanCache keeps a filter's answer for the queries that follow)."""
+
+    among: Among
+
+
+def _passing(records: list[Record], where: dict | None, where_document: dict | None) -> Passing:
+    found = Passing(r for r in records if matches(where, r.metadata, r.document)
+                    and _document_matches(where_document, r.document))
+    found.among = Among.of(np.fromiter((r.pid for r in found), np.int64, len(found)))
+    return found
 
 
 def _document_matches(where_document: dict | None, document: str | None) -> bool:

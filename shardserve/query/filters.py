@@ -19,6 +19,7 @@ up to 2^53, and ids, hashes or timestamps go past it (two values one apart would
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -248,8 +249,27 @@ def _parsed(filter_json: str) -> dict:
     return parsed
 
 
+class Among(str):
+    """A filter given in-process as the ids it passes (Chroma's API evaluates its own `where`, then
+    searches among the ids found): a string, so the shards' caches (matching rows, selectors,
+    gathered vectors) key it as they key a filter, by `among:<digest of the ids>`, while `matching`
+    reads its `ids` instead of parsing it. Never sent to another process: it is no JSON, and a shard
+    given its text alone refuses it as a filter."""
+
+    ids: np.ndarray
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> Among:
+        distinct = np.unique(np.asarray(ids, np.int64))
+        made = cls("among:" + hashlib.blake2b(distinct.tobytes(), digest_size=16).hexdigest())
+        made.ids = distinct
+        return made
+
+
 def matching(filter_json: str, table: pa.Table, ids: np.ndarray, postings: Postings | None = None
              ) -> np.ndarray:
     """The ids (of `ids`, the table's rows) that pass a checked filter; equality and membership on a
     column with `postings` (built with the table, same row order) read its lists instead."""
+    if isinstance(filter_json, Among):
+        return ids[np.isin(ids, filter_json.ids)]
     return ids[_mask(_parsed(filter_json), table, ids, postings)]
