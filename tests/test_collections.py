@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -167,7 +168,83 @@ def _front(root: Path) -> CollectionsFront:
     return CollectionsFront(root, args, limits)
 
 
-def _call(front: CollectionsFront, method: str, route: str, body: object = None) -> tuple[int, dict]:
+# One router replica's collections front in a process of its own, behind the real front door on
+# loopback: what a SIGKILL can stop mid-request. Started ahead (its imports take seconds), it waits
+# for its directory on stdin, then prints the port it listens on; it ends when stdin closes (the
+# test's process gone).
+_REPLICA = textwrap.dedent("""
+    import asyncio, os, sys, threading
+    from pathlib import Path
+    from deployments.collections import CollectionsFront
+    from deployments.config import AppArgs
+    from deployments.router import _error
+    from shardserve.query.api import ApiError, Limits
+    from shardserve.transport.http_front import FrontDoor
+
+    root = sys.stdin.readline().strip()
+    if not root:
+        sys.exit(0)
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+
+    async def main():
+        args = AppArgs(index="-", max_collections_held=2)
+        front = CollectionsFront(Path(root), args, Limits(100, 64, 1 << 30, 1 << 24, 1000, 200_000))
+
+        async def handler(request):
+            try:
+                return await front.respond(request, request.path)
+            except ApiError as error:
+                return _error(error)
+
+        _, port = await FrontDoor(handler, 1 << 24, 30).listen("127.0.0.1", 0)
+        print(port, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+""")
+
+
+class ReplicaProcess:
+    """A router replica's collections in a child process, asked over HTTP; `kill` SIGKILLs it."""
+
+    _spare: subprocess.Popen | None = None  # the next one, started ahead
+
+    @staticmethod
+    def _spawn() -> subprocess.Popen:
+        here = Path(__file__).resolve().parent.parent
+        return subprocess.Popen([sys.executable, "-c", _REPLICA], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, cwd=here, env={**os.environ, "PYTHONPATH": str(here)})
+
+    def __init__(self, root: Path):
+        self.child = ReplicaProcess._spare or self._spawn()
+        ReplicaProcess._spare = self._spawn()
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(f"{root}\n".encode())
+        self.child.stdin.flush()
+        self.url = f"http://127.0.0.1:{int(self.child.stdout.readline())}"
+        self.client = httpx.Client(timeout=60.0)  # a kept connection: one call costs a millisecond
+
+    def call(self, method: str, route: str, body: object = None) -> tuple[int, dict]:
+        raw = b"" if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        reply = self.client.request(method, self.url + route, content=raw,
+                                    headers={"content-type": "application/json"})
+        return reply.status_code, reply.json()
+
+    def kill(self) -> None:
+        self.client.close()
+        os.kill(self.child.pid, signal.SIGKILL)
+        self.child.wait()
+        assert self.child.returncode == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.child.poll() is None:
+            self.kill()
+
+
+def _call(front: CollectionsFront | ReplicaProcess, method: str, route: str, body: object = None
+          ) -> tuple[int, dict]:
+    if isinstance(front, ReplicaProcess):
+        return front.call(method, route, body)
     raw = b"" if body is None else orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
     request = Request(method, route, raw, "", "application/json", {})
 
@@ -183,7 +260,8 @@ def _call(front: CollectionsFront, method: str, route: str, body: object = None)
     return reply.status, orjson.loads(reply.body)
 
 
-def _on(front: CollectionsFront, name: str, operation: str, body: object) -> tuple[int, dict]:
+def _on(front: CollectionsFront | ReplicaProcess, name: str, operation: str, body: object
+        ) -> tuple[int, dict]:
     return _call(front, "POST", f"/v1/collections/{name}/{operation}", body)
 
 
@@ -236,12 +314,15 @@ class Collections(RuleBasedStateMachine):
         import tempfile
 
         self.root = Path(tempfile.mkdtemp(prefix="collections-"))
-        self.fronts = [_front(self.root), _front(self.root)]
+        self.fronts: list[CollectionsFront | ReplicaProcess] = [_front(self.root), self._second()]
         self.turn = 0
         self.held: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
 
+    def _second(self) -> CollectionsFront | ReplicaProcess:
+        return _front(self.root)
+
     @property
-    def front(self) -> CollectionsFront:
+    def front(self) -> CollectionsFront | ReplicaProcess:
         """The replica the next request reaches: each in turn."""
         self.turn += 1
         return self.fronts[self.turn % 2]
@@ -257,7 +338,7 @@ class Collections(RuleBasedStateMachine):
     def restart(self, replica: int) -> None:
         """A replica started again: it loads what it is asked for from disk."""
         self.fronts[replica].close()
-        self.fronts[replica] = _front(self.root)
+        self.fronts[replica] = _front(self.root) if replica == 0 else self._second()
 
     @rule(target=names, name=st.sampled_from(sorted(SHAPES)))
     def create(self, name: str) -> str:
@@ -367,3 +448,79 @@ class Collections(RuleBasedStateMachine):
 Collections.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_collections_match_a_plain_reference = Collections.TestCase
+
+
+class KilledCollections(Collections):
+    """The same steps and checks, the second replica a process of its own, SIGKILLed now and then:
+    idle, or with a write of its in flight. A write answered 200 before the kill is in the reference
+    like any other; one the kill cut off is read back through the other replica and must be there
+    whole or not at all (one write is one log transaction), then it is the reference."""
+
+    def _second(self) -> CollectionsFront | ReplicaProcess:
+        return ReplicaProcess(self.root)
+
+    @rule()
+    def restart(self) -> None:  # type: ignore[override]
+        """The in-process replica started again (the process is, by `sigkill`)."""
+        super().restart(0)
+
+    @rule(name=Collections.names, ids=st.lists(st.integers(0, 40), min_size=1, max_size=6, unique=True),
+          seed=st.integers(0, 2**16), tag=st.integers(0, 3),
+          after_ms=st.sampled_from([None, 0, 5, 30, 150, 1000]))
+    def sigkill(self, name: str, ids: list[int], seed: int, tag: int, after_ms: int | None) -> None:
+        """SIGKILL of the replica process, idle (`after_ms` None) or `after_ms` into an upsert of
+        `ids` sent to it; then it is started again on the same directory."""
+        import threading
+        import time
+
+        replica = self.fronts[1]
+        assert isinstance(replica, ReplicaProcess)
+        answer: list[tuple[int, dict] | BaseException] = []
+        vectors = np.random.default_rng(seed).normal(size=(len(ids), SHAPES[name][0])).astype(np.float32)
+        if after_ms is not None:
+            def send() -> None:
+                try:
+                    answer.append(replica.call("POST", f"/v1/collections/{name}/upsert",
+                                               {"ids": ids, "vectors": vectors,
+                                                "metadata": [{"tag": tag}] * len(ids)}))
+                except Exception as exc:  # noqa: BLE001 (cut off by the kill: its outcome is read back)
+                    answer.append(exc)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            time.sleep(after_ms / 1000)
+        replica.kill()
+        if after_ms is not None:
+            sender.join()
+            self._settle(name, ids, vectors, tag, answer[0])
+        self.fronts[1] = self._second()
+        event("the replica SIGKILLed " + ("idle" if after_ms is None else "with a write in flight"))
+
+    def _settle(self, name: str, ids: list[int], vectors: np.ndarray, tag: int,
+                outcome: tuple[int, dict] | BaseException) -> None:
+        acknowledged = isinstance(outcome, tuple) and outcome[0] == 200
+        if name not in self.held:
+            assert not acknowledged
+            return
+        if SHAPES[name][1] == "cosine":
+            vectors = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        new = {i: (v, tag) for i, v in zip(ids, vectors, strict=True)}
+        _, got = _on(self.fronts[0], name, "points", {"ids": ids, "vectors": True})
+        now = {p["id"]: (np.asarray(p["vector"], np.float32), p["metadata"]["tag"]) for p in got["points"]}
+
+        def same(state: dict[int, tuple[np.ndarray, int]]) -> bool:
+            return set(now) == set(state) and all(
+                now[i][1] == state[i][1] and np.allclose(now[i][0], state[i][0], atol=1e-6) for i in state)
+
+        old = {i: self.held[name][i] for i in ids if i in self.held[name]}
+        applied = same(new)
+        assert applied or (not acknowledged and same(old)), "a write half applied, or acknowledged and lost"
+        if applied:
+            self.held[name].update(new)
+        event("a write of the killed replica: " + ("acknowledged" if acknowledged else
+                                                    "applied, not answered" if applied else "not applied"))
+
+
+KilledCollections.TestCase.settings = settings(max_examples=10, stateful_step_count=30, deadline=None,
+                                               suppress_health_check=[HealthCheck.too_slow])
+test_a_sigkilled_replica_process_changes_nothing_acknowledged = KilledCollections.TestCase
