@@ -85,8 +85,9 @@ class Load:
 
     def __init__(self, url: str | list[str], dim: int, base: np.ndarray, seed: int = 0,
                  writes_per_s: float | None = None, searcher: bool = True, tag_column: str | None = None,
-                 writers: int = 1):
+                 writers: int = 1, collection: str | None = None):
         self.url, self.dim, self.base = url, dim, base
+        self.collection = collection  # a collection's routes instead of the served index's
         self.tag_column = tag_column  # an int64 column: every 16th op a delete by filter on it
         self.pause_s = 0.0 if writes_per_s is None else 1.0 / writes_per_s
         self.ledger, self.stopping = Ledger(), threading.Event()
@@ -118,7 +119,7 @@ class Load:
     def _write(self, rng: np.random.Generator, ops: int) -> None:
         """Back to back from op number `ops` on (writers start apart: their deletes by filter, one at
         a time per router, do not come due together)."""
-        writer, reader = Client(self.url, timeout_s=30), Client(self.url, timeout_s=30)
+        writer, reader = _client(self.url, 30, self.collection), _client(self.url, 30, self.collection)
         while not self.stopping.is_set():
             ops += 1
             if ops % 16 == 0 and self.tag_column is not None:
@@ -233,7 +234,7 @@ class Load:
             return None
 
     def _search(self) -> None:
-        reader, rng = Client(self.url, timeout_s=30), np.random.default_rng(self.seed + 1000)
+        reader, rng = _client(self.url, 30, self.collection), np.random.default_rng(self.seed + 1000)
         while not self.stopping.is_set():
             try:
                 reader.search(self.base[rng.integers(len(self.base))], k=10)
@@ -242,10 +243,16 @@ class Load:
                 time.sleep(0.05)
 
 
-def check(url: str | list[str], ledger: Ledger) -> dict:
+def _client(url: str | list[str], timeout_s: float, collection: str | None) -> Client:
+    client = Client(url, timeout_s=timeout_s)
+    return client if collection is None else client.collection(collection)
+
+
+def check(url: str | list[str], ledger: Ledger, collection: str | None = None) -> dict:
     """After the kills: every acknowledged upsert still live found by its own vector, no
-    acknowledged delete answered (ids an unanswered write touched are left out)."""
-    client = Client(url, timeout_s=120)
+    acknowledged delete answered (ids an unanswered write touched are left out); in `collection`
+    when given, else the served index."""
+    client = _client(url, 120, collection)
     live = {i: v for i, v in ledger.upserted.items() if i not in ledger.unknown}
     lost, top1 = [], 0
     items = list(live.items())

@@ -19,7 +19,10 @@ to A through the restarted head. It records, per run:
 - `swap_after_ok`: the swap back to A after the restart succeeded and is served;
 - with the store, `writes`: single upserts and deletes (5/s, their log a stream in the same Redis,
   `SHARDSERVE_WRITE_LOG` on every node) from before the kill to after the restart, each checked by
-  a search right after its 200, then all checked again (before the swap back: they are B's).
+  a search right after its 200, then all checked again (before the swap back: they are B's);
+  `collection_writes`: the same into a collection, and `chroma_adds`: single adds through Chroma's
+  API to a Chroma collection, 5/s each (their catalogues and logs in the collections directory, on
+  the workers' disk: one disk on this machine), then read back.
 
 Then, with the store only, worker 2 (a router and shards on it) and its edge are SIGKILLed under
 the same rate through worker 1's edge (a load balancer's health check takes the lost node's edge
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +58,7 @@ from loadtests.during import BackgroundLoad, tally
 from loadtests.local_cluster import LocalCluster, RedisStore
 from loadtests.record import RECORDS, header
 from serving.edge import EdgeProcess
+from shardserve.client import Client
 from shardserve.data.datasets import load_dataset
 from shardserve.runtime import procfs
 
@@ -61,6 +66,8 @@ WORKERS: list[dict[str, float]] = [{"shard_host": 1, "serving": 1}, {"shard_host
 FRONT_PORT = 28080  # each router's door, on its node's address
 EDGE_PORT = 28090  # each serving node's edge, on its node's address
 WRITES_PER_S = 5.0  # single upserts and deletes beside the searches, with the store
+COLLECTION = "during-loss"  # a collection and a Chroma collection written through the loss
+CHROMA = "/api/v2/tenants/default_tenant/databases/default_database"
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
 
 
@@ -186,9 +193,16 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         load = BackgroundLoad(urls, queries, rate, lead_s + down_s + after_s, work / "load", {"nprobe": 8})
         # with the store, the write log is a stream in the same Redis: single writes go on throughout
         writes = Load(urls, base.shape[1], base, writes_per_s=WRITES_PER_S, searcher=False) if store else None
+        # and a collection's and a Chroma collection's (their catalogue and logs on the workers' disk)
+        beside = None
+        if store:
+            Client(urls, timeout_s=60).create_collection(COLLECTION, base.shape[1])
+            beside = (Load(urls, base.shape[1], base, seed=1, writes_per_s=WRITES_PER_S, searcher=False,
+                           collection=COLLECTION), ChromaAdds(urls, base, WRITES_PER_S))
         with load:
-            if writes is not None:
-                writes.start()
+            for writer in (writes, *(beside or ())):
+                if writer is not None:
+                    writer.start()
             time.sleep(lead_s)
             events["head_killed"] = time.time()
             killed = cluster.kill_head()
@@ -200,10 +214,15 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
             if running is not None:
                 events["apps_running"] = running
         hits = load.results()
-        written = None
+        written = collection_written = chroma_written = None
         if writes is not None:
             writes.stop()  # then every acknowledged write checked, through the restarted head
             written = _writes_kept(urls, writes)
+        if beside is not None:
+            for writer in beside:
+                writer.stop()
+            collection_written = _writes_kept(urls, beside[0], COLLECTION)
+            chroma_written = beside[1].kept()
         after = serving_replicas(cluster)
         pointer_ok = version_b is not None and _served_version(url) == version_b
         version_a = None
@@ -227,19 +246,75 @@ def one_run(a: str, b: str, with_store: bool, work: Path, rate: float = 60.0, le
         "replicas_before": sorted(before), "replicas_after": sorted(after),
         "events_s": result["events_s"], "timeline": result["timeline"],
         **({} if written is None else {"writes": written}),
+        **({} if collection_written is None else {"collection_writes": collection_written,
+                                                  "chroma_adds": chroma_written}),
         **({} if lost_worker is None else {"worker_loss": lost_worker}),
     }
 
 
-def _writes_kept(url: list[str], writes: Load) -> dict:
-    """What the writer was told across the head's loss, and what a search finds of it after."""
-    ledger, checked = writes.ledger, check(url, writes.ledger)
+def _writes_kept(url: list[str], writes: Load, collection: str | None = None) -> dict:
+    """What the writer was told across the head's loss, and what a search finds of it after (in
+    `collection` when given)."""
+    ledger, checked = writes.ledger, check(url, writes.ledger, collection)
     return {"upserts_acked": len(ledger.upserted), "deletes_acked": len(ledger.deleted),
             "unknown": len(ledger.unknown), "refused": ledger.refused,
             "upserts_lost": len(checked["upserts_lost"]),
             "deletes_returned": len(checked["deletes_returned"]),
             "seen_at_once": sum(x is True for x in ledger.seen_at_once),
             "missed_at_once": sum(x is False for x in ledger.seen_at_once)}
+
+
+class ChromaAdds:
+    """One record at a time added through Chroma's API (`/api/v2`) to a Chroma collection, the
+    edges in turn, `per_s` a second until stopped: the ids answered 200, and after, which of them a
+    `get` finds."""
+
+    def __init__(self, urls: list[str], base, per_s: float):
+        self.urls, self.base, self.pause_s = urls, base, 1.0 / per_s
+        self.acked: list[str] = []
+        self.failed: dict[str, int] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._add, daemon=True)
+        made = httpx.post(f"{urls[0]}{CHROMA}/collections", json={"name": COLLECTION}, timeout=60)
+        made.raise_for_status()
+        self.route = f"{CHROMA}/collections/{made.json()['id']}"
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=120)
+
+    def _add(self) -> None:
+        clients = [httpx.Client(base_url=url, timeout=30) for url in self.urls]
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            sid = f"r{n}"
+            try:
+                answer = clients[n % len(clients)].post(f"{self.route}/add", json={
+                    "ids": [sid], "embeddings": [self.base[n % len(self.base)].tolist()],
+                    "metadatas": [{"n": n}]})
+                if answer.status_code == 200:
+                    self.acked.append(sid)
+                else:
+                    self.failed[str(answer.status_code)] = self.failed.get(str(answer.status_code), 0) + 1
+            except httpx.HTTPError as exc:
+                self.failed[type(exc).__name__] = self.failed.get(type(exc).__name__, 0) + 1
+            self.stopping.wait(self.pause_s)
+        for client in clients:
+            client.close()
+
+    def kept(self) -> dict:
+        found: set[str] = set()
+        for start in range(0, len(self.acked), 500):
+            answer = httpx.post(f"{self.urls[0]}{self.route}/get", json={"ids": self.acked[start:start + 500],
+                                                                        "include": []}, timeout=120)
+            answer.raise_for_status()
+            found.update(answer.json()["ids"])
+        return {"adds_acked": len(self.acked), "adds_lost": len(set(self.acked) - found),
+                "not_acked": self.failed}
 
 
 def _deployment(name: str) -> str:

@@ -505,6 +505,13 @@ def head_loss_table(record: dict) -> str:
                      f"acknowledged across the head's loss; after it, acknowledged upserts not found: "
                      f"{written['upserts_lost']}, acknowledged deletes back: {written['deletes_returned']}; "
                      f"a search right after each upsert's 200 missed it {written['missed_at_once']} times."]
+    collection, chroma = (record["with_store"].get(key) for key in ("collection_writes", "chroma_adds"))
+    if collection and chroma:
+        rows += ["", f"Beside them, into a collection: {collection['upserts_acked']} upserts and "
+                     f"{collection['deletes_acked']} deletes acknowledged, {collection['upserts_lost']} "
+                     f"upserts not found after, {collection['deletes_returned']} deletes back; through "
+                     f"Chroma's API, {chroma['adds_acked']} adds acknowledged, {chroma['adds_lost']} not "
+                     "found after."]
     lost = record["with_store"].get("worker_loss")
     if lost:
         on_it = ", ".join(lost["deployments_on_killed_worker"])

@@ -1,7 +1,8 @@
 """The head node of a multi-node cluster on loopback SIGKILLed and started again under an open loop
 of searches (loadtests/head_loss.py, bounded): with Ray's GCS in Redis every request is answered,
 no replica restarts, the pointer keeps the last swap, a swap works after, and single writes (their
-log a stream in the same Redis) go on through it with none lost; without it (the control) the
+log a stream in the same Redis) go on through it with none lost, as do a collection's writes and
+Chroma's adds; without it (the control) the
 cluster's state is gone and the serving nodes with it. Then a worker with a router and shards is
 SIGKILLed: the other answers, and its shards are placed again."""
 
@@ -28,6 +29,11 @@ def test_the_head_is_lost_and_restarted_under_load_with_and_without_the_store(tm
     assert written["upserts_acked"] > 0 and written["deletes_acked"] > 0, written
     assert written["upserts_lost"] == 0 and written["deletes_returned"] == 0, written
     assert written["missed_at_once"] == 0, written
+    # a collection's writes and Chroma's adds, beside them through the loss: none lost
+    collection, chroma = kept["collection_writes"], kept["chroma_adds"]
+    assert collection["upserts_acked"] > 0 and collection["upserts_lost"] == 0, collection
+    assert collection["deletes_returned"] == 0 and collection["missed_at_once"] == 0, collection
+    assert chroma["adds_acked"] > 0 and chroma["adds_lost"] == 0, chroma
     lost = kept["worker_loss"]  # then a worker with a router and shards: the other answers, shards move
     assert lost["answered_200_after_the_kill"] > 0 and lost["shards_placed_again"], lost
     # the control: the failure the store guards against
