@@ -4,7 +4,8 @@ appends each batch's first and last index to ACKED once the client has seen it s
 Standalone on purpose: it imports only chromadb and numpy.
 
     python loadtests/chroma_writer.py PORT ACKED          # write until killed
-    python loadtests/chroma_writer.py check PORT ACKED    # every acknowledged record there, whole
+    python loadtests/chroma_writer.py check PORT ACKED    # every acknowledged record there, whole,
+                                                          # the batch in flight whole or absent
 """
 
 import sys
@@ -53,7 +54,16 @@ def check(port: int, acked: str) -> None:
             whole = np.allclose(got["embeddings"][n], vectors(i, i + 1)[0])
             if not whole or got["documents"][n] != f"record {i}" or got["metadatas"][n] != {"i": i}:
                 sys.exit(f"record r{i} differs")
-    print(f"{sum(b - a for a, b in spans)} acknowledged records found whole; count {collection.count()}")
+    # the batch the kill cut off (sent, its answer never seen): one write, so all of it or none
+    last = max((stop for _, stop in spans), default=0)
+    cut = collection.get(ids=[f"r{i}" for i in range(last, last + BATCH)], include=[])["ids"]
+    if len(cut) not in (0, BATCH):
+        sys.exit(f"the batch in flight at the kill was half written: {len(cut)} of {BATCH} records")
+    count = collection.count()
+    if count != last + len(cut):
+        sys.exit(f"count {count}: {last} acknowledged, {len(cut)} of the batch in flight")
+    print(f"{sum(b - a for a, b in spans)} acknowledged records found whole; the batch in flight at the kill "
+          f"{'there whole' if cut else 'absent'}; count {count}")
 
 
 if __name__ == "__main__":
