@@ -46,7 +46,7 @@ from shardserve.index.storage import Location
 from shardserve.query.api import ApiError, Limits, ParsedQuery
 from shardserve.query.filters import Among
 from shardserve.query.merge import QueryResult, merge_topk
-from shardserve.query.parse import is_npy, parse_query
+from shardserve.query.parse import _checked, is_npy, parse_query
 from shardserve.query.render import render_search, windowed
 from shardserve.query.searcher import ShardSearcher
 from shardserve.runtime.fair import Busy, FairExecutor
@@ -431,9 +431,13 @@ class CollectionsFront:
         if apart_app(entry.path) is not None:
             return None
         held = await self._held_named(name, entry)
+        # the native search's own checks of a batch: its dim, finite in float32, no overflowing norm,
+        # no zero row under cosine (a 422, as through the routes)
+        checked = _checked(np.ascontiguousarray(matrix, np.float32), "query_embeddings", held.manifest.dim,
+                           held.manifest.metric)
         params = {} if among is None else {"filter": among}
         try:
-            result = await self._fanned(held, ShardQuery(np.ascontiguousarray(matrix, np.float32), k, params))
+            result = await self._fanned(held, ShardQuery(checked, k, params))
         except (LogBehind, LogUnavailable) as exc:
             raise ApiError(503, None, f"collection {name!r} is catching up with its log: {exc}",
                            self.args.retry_after_s) from None

@@ -396,3 +396,13 @@ def test_a_database_needs_its_tenant(chroma: Chroma) -> None:
     status, error = chroma("POST", "/tenants/nobody/databases", {"name": "prod"})
     assert status == 404 and "Tenant [nobody]" in error["message"]  # type: ignore[index]
     assert chroma("POST", "/tenants/default_tenant/databases", {"name": "default_database"})[0] == 409
+
+
+def test_a_query_the_native_search_refuses_is_refused_in_process_too(chroma: Chroma) -> None:
+    """The in-process search runs the native checks of a batch: an overflowing norm (float32 squared
+    distances would all be inf, and nothing answered) or a zero query under cosine is a 400."""
+    for space, query in (("l2", [1e20, 0.0, 0.0]), ("cosine", [0.0, 0.0, 0.0])):
+        cid = chroma.create(f"checked-{space}", space)
+        chroma.on(cid, "add", {"ids": ["a", "b"], "embeddings": [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]})
+        status, refused = chroma.on(cid, "query", {"query_embeddings": [query], "n_results": 1})
+        assert status == 400 and refused["error"] == "InvalidArgumentError", refused  # type: ignore[index]

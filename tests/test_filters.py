@@ -24,7 +24,7 @@ from shardserve.index.metadata import (
     column_kinds,
 )
 from shardserve.query.api import ApiError
-from shardserve.query.filters import MAX_DEPTH, MAX_IN, check_filter, matching
+from shardserve.query.filters import MAX_DEPTH, MAX_IN, Among, cache_key, check_filter, filter_bytes, matching
 from shardserve.query.merge import merge_topk
 from shardserve.query.searcher import ShardSearcher, load_all_shards
 from shardserve.transport.shard_wire import ShardQuery
@@ -340,3 +340,18 @@ def test_a_learned_filter_ranks_fewer_lists_and_answers_the_same(by: str) -> Non
             assert np.array_equal(got_i, own_i) and np.array_equal(got_d, own_d)
             assert np.array_equal(i, own_i) and np.array_equal(d, own_d)
         assert sum(matched for *_, matched in answers) > 0
+
+
+def test_an_among_is_its_ids_and_its_text_alone_is_no_filter() -> None:
+    """Among (the in-process form Chroma's API searches with) is keyed by the digest of its distinct
+    ids, evaluated by membership, charged to a cache with its ids; a plain string of its text (no
+    checked filter can be one) is refused before any cache is looked in."""
+    among = Among.of(np.array([7, 3, 7, 11]))
+    assert among == Among.of(np.array([11, 3, 7])) and among != Among.of(np.array([3, 7]))
+    table = pa.table({"x": pa.array([0, 0, 0, 0])})
+    assert matching(among, table, np.array([3, 4, 11, 12])).tolist() == [3, 11]
+    assert cache_key(among) is among and filter_bytes(among) == len(among) + 3 * 8
+    with pytest.raises(ApiError) as refused:
+        cache_key(str(among))
+    assert refused.value.status == 422
+    assert cache_key('{"x":{"$eq":0}}') == '{"x":{"$eq":0}}'

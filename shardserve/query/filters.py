@@ -253,8 +253,9 @@ class Among(str):
     """A filter given in-process as the ids it passes (Chroma's API evaluates its own `where`, then
     searches among the ids found): a string, so the shards' caches (matching rows, selectors,
     gathered vectors) key it as they key a filter, by `among:<digest of the ids>`, while `matching`
-    reads its `ids` instead of parsing it. Never sent to another process: it is no JSON, and a shard
-    given its text alone refuses it as a filter."""
+    reads its `ids` instead of parsing it. Never sent to another process; a plain string of its
+    text (no client's: a checked filter is canonical JSON, `{...}`) is refused by `cache_key`
+    before any cache is looked in."""
 
     ids: np.ndarray
 
@@ -264,6 +265,19 @@ class Among(str):
         made = cls("among:" + hashlib.blake2b(distinct.tobytes(), digest_size=16).hexdigest())
         made.ids = distinct
         return made
+
+
+def cache_key(where: str) -> str:
+    """`where` as the shards' caches key it: a checked filter, or an Among (a plain string of an
+    Among's text is refused: it would find the entry an Among of other ids made)."""
+    if where.startswith("among:") and not isinstance(where, Among):
+        raise ApiError(422, "filter", "not a filter: the among: form is the server's own, in-process")
+    return where
+
+
+def filter_bytes(where: str) -> int:
+    """What a cache entry keyed by `where` holds of it: its text, and an Among's ids."""
+    return len(where) + (where.ids.nbytes if isinstance(where, Among) else 0)
 
 
 def matching(filter_json: str, table: pa.Table, ids: np.ndarray, postings: Postings | None = None

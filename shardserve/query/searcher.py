@@ -17,7 +17,7 @@ from shardserve.index.metadata import MetadataTable
 from shardserve.index.storage import Location, cache_root
 from shardserve.query.cache import ByteBoundedCache
 from shardserve.query.filter_plan import FilterPlan, both_selected, plan_filter
-from shardserve.query.filters import matching
+from shardserve.query.filters import cache_key, filter_bytes, matching
 from shardserve.query.half_scan import KEPT_FACTOR, FallbackGate, HalfCopy
 from shardserve.query.list_scan import search_by_lists
 from shardserve.query.scan_choice import ScanChoice
@@ -258,7 +258,7 @@ class ShardSearcher:
                 bits = np.packbits(np.isin(self._id_map(), selected), bitorder="little")
                 kept = (faiss.IDSelectorBitmap(len(self._id_map()), faiss.swig_ptr(bits)), bits)
                 size = bits.nbytes
-            self._selectors.put(where, kept, size + len(where))
+            self._selectors.put(where, kept, size + filter_bytes(where))
         return kept
 
     def _id_map(self) -> np.ndarray:
@@ -326,10 +326,10 @@ class ShardSearcher:
         """The ids of this shard's rows that pass a (checked) filter; the recent ones are cached."""
         if self.metadata is None:
             raise BadArgument(f"shard {self.name} holds no metadata to filter on")
-        found = self._selected.get(where)
+        found = self._selected.get(cache_key(where))
         if found is None:
             found = matching(where, self.metadata.table, self.metadata.ids, self.metadata.postings)
-            self._selected.put(where, found, found.nbytes + len(where))
+            self._selected.put(where, found, found.nbytes + filter_bytes(where))
         return found
 
     def _scan_choosing(self, ivf: faiss.IndexIVF, matrix: np.ndarray, assign: np.ndarray, coarse: np.ndarray,

@@ -42,7 +42,7 @@ import pyarrow as pa
 from shardserve.errors import BadArgument, ShardserveError
 from shardserve.index.indexes import index_from_bytes, search_params
 from shardserve.query.cache import ByteBoundedCache
-from shardserve.query.filters import matching
+from shardserve.query.filters import cache_key, filter_bytes, matching
 from shardserve.query.searcher import FilterPlan, ShardSearcher
 from shardserve.transport.shard_wire import ShardQuery
 from shardserve.writes.ops import Op, Upsert
@@ -258,7 +258,7 @@ class ShardDelta:
         holds `lock`. Kept per filter, and brought up to date by the rows written since."""
         if self._columns is None:
             raise BadArgument("this shard holds no metadata to filter on")
-        kept: _Matched | None = self._matched.get(where)
+        kept: _Matched | None = self._matched.get(cache_key(where))
         if kept is not None and kept.through == self._used and kept.kills == self._kills:
             return kept.rows
         through, rows = (0, np.zeros(0, np.int64)) if kept is None else (kept.through, kept.rows)
@@ -270,7 +270,7 @@ class ShardDelta:
             ids = self._ids[new]
             found = matching(where, self._columns.take(new), ids)
             rows = np.concatenate([rows, new[np.isin(ids, found, assume_unique=True)]])
-        self._matched.put(where, _Matched(self._used, self._kills, rows), rows.nbytes + len(where))
+        self._matched.put(where, _Matched(self._used, self._kills, rows), rows.nbytes + filter_bytes(where))
         return rows
 
     def matching(self, where: str) -> np.ndarray:
