@@ -22,7 +22,7 @@ from shardserve.query.cache import ByteBoundedCache
 # array object, the (vector, truncated) and (value, size) tuples and the ordered-dict slot.
 # Sized for 384-dim float32 vectors; tests/test_embed.py checks that the real growth stays under
 # the counted bytes.
-ENTRY_OVERHEAD = 400
+ENTRY_OVERHEAD = 480
 
 
 class _Embeds(Protocol):
