@@ -406,3 +406,45 @@ def test_a_query_the_native_search_refuses_is_refused_in_process_too(chroma: Chr
         chroma.on(cid, "add", {"ids": ["a", "b"], "embeddings": [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]})
         status, refused = chroma.on(cid, "query", {"query_embeddings": [query], "n_results": 1})
         assert status == 400 and refused["error"] == "InvalidArgumentError", refused  # type: ignore[index]
+
+
+@pytest.mark.parametrize("space", ["l2", "cosine"])
+def test_a_collection_grown_into_two_shards_answers_as_chromas_reference(tmp_path: Path, space: str) -> None:
+    """Past `chroma_grow_at` a Chroma collection is built in `chroma_shards` (2) shards (the folder's
+    fold, run here): filtered queries search among the filter's ids in both shards and merge them,
+    gets keep insertion order, counts and deletes hold across the shards, and writes after the
+    growth land in the shards' deltas."""
+    from index_build.grow import fold
+    from shardserve.collection.catalogue import Catalogue
+
+    chroma = Chroma(tmp_path, chroma_grow_at=1000)
+    cid = chroma.create(f"grown-{space}", space)
+    rng = np.random.default_rng(11)
+    vectors = rng.normal(size=(1300, 8)).astype(np.float32)
+    ids = [f"g{i}" for i in range(1300)]
+    for start in range(0, 1200, 400):
+        part = slice(start, start + 400)
+        chroma.on(cid, "add", {"ids": ids[part], "embeddings": vectors[part].tolist(),
+                               "metadatas": [{"k": i % 5} for i in range(start, start + 400)]})
+    entry = Catalogue(tmp_path, readonly=True).live()[0]
+    grown = fold(entry.path, entry.spec)
+    assert grown is not None and len(grown.shards) == 2 and grown.index_factory == "Flat"
+    chroma.on(cid, "add", {"ids": ids[1200:], "embeddings": vectors[1200:].tolist(),  # into the deltas
+                           "metadatas": [{"k": i % 5} for i in range(1200, 1300)]})
+    gone = list(range(0, 1300, 7))
+    assert chroma.on(cid, "delete", {"ids": [ids[i] for i in gone]})[0] == 200
+    kept = [i for i in range(1300) if i not in gone]
+    assert chroma("GET", f"{DB}/collections/{cid}/count") == (200, len(kept))
+    status, page = chroma.on(cid, "get", {"where": {"k": 2}, "limit": 50, "offset": 100, "include": []})
+    assert page["ids"] == [ids[i] for i in kept if i % 5 == 2][100:150]  # type: ignore[index]
+    queries = rng.normal(size=(4, 8)).astype(np.float32)
+    status, found = chroma.on(cid, "query", {"query_embeddings": queries.tolist(), "n_results": 9,
+                                             "where": {"k": {"$in": [1, 3]}}, "include": ["distances"]})
+    assert status == 200, found
+    allowed = [i for i in kept if i % 5 in (1, 3)]
+    for q in range(4):
+        exact = sorted(allowed, key=lambda i: _distance(space, queries[q], vectors[i]))[:9]
+        assert found["ids"][q] == [ids[i] for i in exact]  # type: ignore[index]
+        np.testing.assert_allclose(found["distances"][q],  # type: ignore[index]
+                                   [_distance(space, queries[q], vectors[i]) for i in exact],
+                                   rtol=1e-5, atol=1e-6)
