@@ -25,12 +25,13 @@ from serving.edge import (
 )
 from shardserve.data.datasets import load_dataset
 from shardserve.errors import ShardserveError
+from shardserve.runtime.ports import free_port
 from tests.conftest import SERVE_PORT as PORT
 from tests.faults import slow_shards
 
 pytestmark = pytest.mark.haproxy
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
-EDGE_PORT = 18081
+EDGE_PORT = free_port()  # one per test process: xdist's workers run this file's tests side by side
 KEY = "test-key-0123456789abcdef"
 
 
