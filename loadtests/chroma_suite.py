@@ -1,9 +1,11 @@
 """Chroma's own test suite, from the pinned `chromadb` wheel, against `shardserve serve`
 (`make test-chroma`): the way Chroma's CI runs it against a remote server.
 
-Two runs, each on a fresh `shardserve serve` (collections built in 2 shards): as users run it,
-then with each collection's writes folded into a new version every few hundred operations (a
-compaction and a move of every replica to it while the suite writes and reads). What the wheel
+Two runs, each on a fresh `shardserve serve`: as users run it (a Chroma collection is one exact
+shard below `chroma_grow_at`, 20,000 records, which the suite's collections stay under), then with
+each collection's writes folded into a new version every few hundred operations (a compaction and a
+move of every replica to it while the suite writes and reads) and, past 1,000 records, grown into
+its 2 shards (`grown` counts those growths). What the wheel
 skips by itself is listed with its own reason; what is not run here is DESELECTED, each with why.
 The result is loadtests/records/chroma-suite.json; the command fails when any test fails.
 
@@ -42,7 +44,7 @@ DESELECTED = {
     "api/test_delete_database.py::test_collection_was_removed": "reads an in-process Chroma's SQLite "
                                                                 "(fixture python_sqlite_persistent)",
 }
-RUNS = {"default": (), "folds": ("--arg", "collection_compact_at=300")}
+RUNS = {"default": (), "folds": ("--arg", "collection_compact_at=300", "--arg", "chroma_grow_at=1000")}
 # the folds run: the tests that write and read records (collections' and tenants' own do neither)
 FOLDED = ["property/test_add.py", "property/test_embeddings.py", "property/test_filtering.py"]
 
@@ -157,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 counted["seconds"] = round(time.monotonic() - started, 1)
                 counted["server_flags"], counted["tests"] = list(flags), chosen
                 counted["folds"] = server.said("shardserve: collection 'chroma-")  # folded while tested
+                counted["grown"] = server.said("' grown into ")  # of them, grown into its shards
                 record["runs"][run] = counted
                 print(f"chroma suite ({run}): {counted['passed']} passed, {len(counted['failed'])} failed, "
-                      f"{sum(counted['skipped'].values())} skipped by the wheel, {counted['folds']} folds",
+                      f"{sum(counted['skipped'].values())} skipped by the wheel, {counted['folds']} folds, "
+                      f"{counted['grown']} grown",
                       flush=True)
                 failed = failed or code != 0 or bool(counted["failed"])
             finally:

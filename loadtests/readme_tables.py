@@ -644,18 +644,20 @@ def bench_chroma_table(record: dict) -> str:
 
 def chroma_suite_table(record: dict) -> str:
     """`make test-chroma`: Chroma's own tests against `shardserve serve`."""
-    rows = ["| run | server flags | passed | failed | skipped by the wheel | folds while tested | s |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| run | server flags | passed | failed | skipped by the wheel | folds while tested | of them "
+            "grown into 2 shards | s |", "|---|---|---|---|---|---|---|---|"]
     for name, run in record["runs"].items():
         flags = " ".join(run["server_flags"][2:]) or "(as users run it)"
         rows.append(f"| {name} | `{flags}` | {run['passed']} | {len(run['failed'])} | "
-                    f"{sum(run['skipped'].values())} | {_cell(run.get('folds'))} | {run['seconds']:g} |")
+                    f"{sum(run['skipped'].values())} | {_cell(run.get('folds'))} | "
+                    f"{_cell(run.get('grown'))} | {run['seconds']:g} |")
     killed = record["killed"]
     seed = record.get("seed", "–")
     rows += ["", f"`chromadb` {record['chromadb']}, preset `{record['preset']}`, seed {seed}. "
                  f"SIGKILL of every process ({killed['processes_killed']}) under Chroma's client after "
                  f"{killed['acknowledged_records']:,} acknowledged records: after the restart, "
-                 f"{'every one found whole' if killed['all_found'] else '**not all found**'}. Not run: "
+                 f"{'every one found whole' if killed['all_found'] else '**not all found**'} "
+                 f"({killed['said']}). Not run: "
                  + "; ".join(f"`{test}` ({why})" for test, why in record["deselected"].items()) + "."]
     return "\n".join(rows)
 
