@@ -213,7 +213,8 @@ bench-chroma: install data peer $(INDEX)/manifest.json
 	$(BIN)/python -m loadtests.bench_chroma --index $(INDEX)
 
 # Chroma's own test suite (the pinned wheel's property and API tests) against `shardserve serve`,
-# as users run it and with collections folded every 300 writes: loadtests/records/chroma-suite.json.
+# as users run it, and with collections folded every 300 writes and grown into 2 shards past 1,000
+# records: loadtests/records/chroma-suite.json.
 test-chroma: install data peer $(PEER_SUITE)
 	$(BIN)/python -m loadtests.chroma_suite
 
