@@ -448,3 +448,18 @@ def test_a_collection_grown_into_two_shards_answers_as_chromas_reference(tmp_pat
         np.testing.assert_allclose(found["distances"][q],  # type: ignore[index]
                                    [_distance(space, queries[q], vectors[i]) for i in exact],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_deleted_collections_write_lock_file_goes_with_it(chroma: Chroma, tmp_path: Path) -> None:
+    """Each collection's writes take an flock on a file of its own: deleting the collection deletes
+    it (and a reset every one), so a server that makes and drops collections keeps no trail of them."""
+    kept, dropped = chroma.create("kept"), chroma.create("dropped")
+    for cid in (kept, dropped):
+        assert chroma.on(cid, "add", {"ids": ["a"], "embeddings": [[1.0, 2.0]]})[0] == 200
+    locks = tmp_path / "locks" / "chroma"
+    assert {p.name for p in locks.iterdir()} == {kept, dropped}
+    assert chroma("DELETE", f"{DB}/collections/dropped")[0] == 200
+    assert {p.name for p in locks.iterdir()} == {kept}
+    assert chroma.on(kept, "add", {"ids": ["b"], "embeddings": [[2.0, 3.0]]})[0] == 200  # its lock works
+    assert chroma("POST", "/reset")[0] == 200
+    assert list(locks.iterdir()) == []

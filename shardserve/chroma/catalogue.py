@@ -249,6 +249,12 @@ class ChromaCatalogue:
             live = {native_name(str(row[0])) for row in self._db.execute("SELECT id FROM collections")}
         return [name for name in ours if name not in live]
 
+    def stale(self, ids: list[str]) -> list[str]:
+        """Among collection ids, those no row names any more (their write locks may go)."""
+        with self._lock:
+            live = {str(row[0]) for row in self._db.execute("SELECT id FROM collections")}
+        return [collection_id for collection_id in ids if collection_id not in live]
+
     def _one(self, where: str, args: tuple) -> ChromaCollection | None:
         with self._lock:
             row = self._db.execute(f"SELECT {_COLUMNS} FROM collections WHERE {where}", args).fetchone()

@@ -324,6 +324,12 @@ class ChromaFront:
             except ApiError as error:
                 if error.status != 404:
                     raise
+        # their write locks' files: a writer holding one reads the row again under it, finds none
+        # and answers 404, whether its file is still there or not (an id is never used again)
+        locks = None if self.root is None else self.root / "locks" / "chroma"
+        if locks is not None and locks.is_dir():
+            for stale in await asyncio.to_thread(self._catalogue.stale, [p.name for p in locks.iterdir()]):
+                (locks / stale).unlink(missing_ok=True)
 
     async def _reset(self) -> bool:
         if not self.allow_reset:
