@@ -140,10 +140,11 @@ class CollectionsFront:
     def __init__(self, root: Path | None, args: AppArgs, limits: Limits):
         self.root, self.args, self.limits = root, args, limits
         # their own threads: a collection's scan or read never queues in front of the index's work
-        # Each collection's reads queue on their own and the thread takes them in turn: a flood on
-        # one waits behind itself, not in front of the others (shardserve.runtime.fair).
+        # Each collection's reads queue on their own and the threads take them in turn, one call of
+        # a collection at a time: a flood on one waits behind itself, not in front of the others,
+        # and holds one thread (shardserve.runtime.fair).
         self.executor = FairExecutor("collections", args.max_collection_waiting,
-                                     lambda: faiss.omp_set_num_threads(1))
+                                     lambda: faiss.omp_set_num_threads(1), workers=args.collection_threads)
         self._writes_thread = ThreadPoolExecutor(1, "collection-writes")  # shared by every collection
         self._catalogue: Catalogue | None = None
         self._held: OrderedDict[int, Held] = OrderedDict()

@@ -127,8 +127,11 @@ class AppArgs(BaseModel):
         8, ge=0, description="collections served apart by shard deployments of their own at most; the others "
                              "stay in the router replicas")
     max_collection_waiting: int = Field(
-        256, ge=1, description="one collection's requests waiting for the collections' thread of a router "
-                               "replica (the collections take it in turn); past it a fast 503")
+        256, ge=1, description="one collection's requests waiting for the collections' threads of a router "
+                               "replica (the collections take them in turn); past it a fast 503")
+    collection_threads: int = Field(
+        2, ge=1, le=64, description="threads of a router replica answering the collections' reads, each "
+                                    "collection on one at a time: a flood on one leaves the others a thread")
     collection_compact_at: int = Field(
         4096, ge=1, description="a collection's write operations waiting past its newest version before "
                                 "`serve` folds them into a new one (compaction, then every replica moves)")

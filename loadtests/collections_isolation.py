@@ -4,15 +4,15 @@ one `shardserve serve`: a committed record (loadtests/records/collections-isolat
 A small collection (`--small` points) is searched at `--rate` (vegeta, open loop) alone, then
 again while a large one (`--large` points, kept exact: its growth threshold set past its size, so
 every search scans all of it) is searched at `--flood` a second, past what the server answers.
-Both collections' searches share the router replica's collections thread, which takes the
-collections in turn, and the edge's admission. The record keeps both levels of the small one
-(its p99 beside the flood against alone is the check) and the flood's own level (answered, 503s and
-how fast they came back).
+Both collections' searches share the router replica's collections threads (`collection_threads`,
+each collection on one at a time, taken in turn) and the edge's admission, with its fair shares
+(serving/edge.py). The record keeps both levels of the small one (its p99 beside the flood against
+alone is the check) and the flood's own level (answered, 503s and how fast they came back).
 
-What it shows (the record's own run): the collections thread takes the two in turn, so what the
-small collection gets answered waits for at most one of the large one's scans; but the edge's
-admission is one queue for every collection, and past capacity it sheds the small one's requests
-as it sheds the flood's. Lanes per collection at the edge are not built.
+What it shows: the edge sheds the flood and, the small collection being within its share of the
+router's answers, sends the small one's requests first and sheds none of them; the flood holds one
+collections thread, so the small one's searches do not wait for its scans. The A/B records (one
+collections thread; the edge without fair shares) are listed in docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
     cli.add_argument("--flood", type=float, default=600.0, help="searches/s on the large one")
     cli.add_argument("--duration", type=float, default=30.0)
     cli.add_argument("--name", default="collections-isolation")
+    cli.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                     help="a server setting (`shardserve serve --arg`), e.g. collection_threads=1")
     args = cli.parse_args()
     vegeta()
     from shardserve.data.datasets import load_dataset
@@ -61,7 +63,8 @@ def main() -> None:
         work = Path(tmp)
         index = work / "idx"  # the index the server serves beside the collections: small, its own
         build_index("fashion-mnist", 2, "IVF64,Flat", str(index), limit=5000, backend="local")
-        server = Server(index, free_port(), log=work / "serve.log", flags=("--num-cpus", "2"))
+        server = Server(index, free_port(), log=work / "serve.log", flags=("--num-cpus", "2", *(
+            flag for arg in args.arg for flag in ("--arg", arg))))
         try:
             server.wait_said("Ctrl-C stops it.", 0)
             with Client(server.url, timeout_s=60) as client:
@@ -93,7 +96,8 @@ def main() -> None:
     record = new_record(args.name, [alone, beside, flooded],
                         {"dataset": args.dataset, "dim": data.dim, "small": args.small, "large": args.large,
                          "stage": "exact (both)", "metric": "l2"},
-                        load={"rate": args.rate, "flood": args.flood, "duration_s": args.duration},
+                        load={"rate": args.rate, "flood": args.flood, "duration_s": args.duration,
+                              "server_args": args.arg},
                         headline={"small_p99_ms_alone": alone["p99_ms"],
                                   "small_p99_ms_beside": beside["p99_ms"],
                                   "flood_status_codes": flooded.get("status_codes"),

@@ -22,6 +22,10 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   queue and an overload's look alike by length (both stand); what differs is that an overload
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
   drops (a swap, a dead replica).
+- Fair shares among collections: while more than one collection (or the served index) sends, a
+  request of one that sends no more than the router's answers / the collections sending is
+  dequeued first and is not cut with an overload's queue (OWNER_EXPIRE_S): a quiet collection
+  beside a flooded one is answered while the flood is shed.
 - `/v1/health` is outside the rule, on a backend of its own (HEALTH_IN_FLIGHT in the router at
   most): a load balancer's check is never queued behind searches nor shed with them.
 `shardserve tune` writes K, B and Q from a sweep's knee (K + Q = capacity x delay target).
@@ -97,6 +101,22 @@ TEXT_QUEUE_TIMEOUT_MS = 10_000  # the text lane's backstop (capacity dropped), a
 # match (an escaped key, a key past the buffer) is refused by the router with a 422 (the lane
 # header the edge sets on every request says which lane it came by).
 TEXT_BODY = """'"texts?"[[:space:]]*:'"""  # single-quoted for HAProxy: its quotes are literal
+
+# Fair shares among collections. A request's owner is the collection its path names (the segment
+# after `/collections/`, native or Chroma's), or `/` for the served index's own routes. While more
+# than one owner has sent a request in the last OWNER_EXPIRE_S, an owner whose requests over the
+# last second number no more than the router's answers over that second / the owners is within its
+# share: its requests are dequeued before the others' and are not shed by the rules that cut an
+# overload's queue, only past that queue + B waiting. A collection searched at a steady rate beside
+# a flooded one is then answered, where one queue for every collection shed it as it shed the
+# flood (loadtests/records/collections-isolation.json). The sum of the shares is the router's answer
+# rate, so the requests within them cannot overload it, however many owners a client invents (each
+# one it adds shrinks every share); one owner alone is admitted exactly as without the rule.
+OWNER_EXPIRE_S = 2
+OWNER_TABLE_SIZE = 10_000  # owners remembered at once (the oldest are dropped): bounded memory
+OWNER_KEY_BYTES = 128  # an owner's name as compared (longer ones are cut)
+_OWNER_TABLE = (f"stick-table type string len {OWNER_KEY_BYTES} size {OWNER_TABLE_SIZE} "
+                f"expire {OWNER_EXPIRE_S}s store http_req_rate(1s)")
 
 # Health checks one client address may send per second: a load balancer checks a few times a second
 # at most, so past this a source is flooding, and gets 429 at the edge; the checks of every other
@@ -187,8 +207,9 @@ def edge_config(backend: str, listen: str = "127.0.0.1:8080", admission: Admissi
     `access_log`: one line per request on HAProxy's stdout, in its standard HTTP log format
     (`parse_access_line` reads its timers)."""
     a = admission or Admission()
-    shed_when = "!health !text overflow || !health !text standing shedding" + (
-        " || !health !text shedding crowded late" if a.delay_ms else "")
+    shed_when = "!health !text !light overflow || !health !text !light standing shedding" + (
+        " || !health !text !light shedding crowded late" if a.delay_ms else "") + " || light light_full" + (
+        " light_over" if a.burst_ms else "")
     text_shed_when = "!health text text_full || !health text text_shedding text_standing"
     health_path = route_prefix.rstrip("/") + "/v1/health"
     log_global, log_defaults = "", ""
@@ -264,7 +285,7 @@ defaults
     http-request track-sc0 int(0) table text_shed_meter if {{ var(txn.text_shed) -m bool }}
     http-request sc-inc-gpc0(0) if {{ var(txn.text_shed) -m bool }}
     {_returns(503, _OVERLOADED, "Retry-After 1")} if {{ var(txn.text_shed) -m bool }}
-    # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past
+{_owner_rules(a)}    # Admission, in C: more than {a.max_burst} waiting{_burst_words(a)} is an overflow, past
     # capacity; while the edge has shed in the last second, more than {a.max_queue} waiting is a
     # standing queue: shed it.
 {_overflow_rules(a)}    acl standing queue(shardserve) gt {a.max_queue}
@@ -284,7 +305,11 @@ backend shed_meter
 backend text_shed_meter
     # the same for the text lane
     stick-table type integer size 1 expire 10s store gpc0_rate(1s)
-{_answer_meter(a)}backend health_meter
+{_answer_meter(a)}backend owner_meter
+    # requests per owner (a collection, or `/`) over the last second; an owner unseen for
+    # {OWNER_EXPIRE_S} s is forgotten, so the table's count is the owners sending now
+    {_OWNER_TABLE}
+backend health_meter
     # health checks per client address over the last second
     stick-table type ipv6 size 100k expire 10s store http_req_rate(1s)
 backend shardserve_health
@@ -358,6 +383,32 @@ def _overflow_rules(a: Admission) -> str:
     http-request set-var(txn.burst_room) {room} if past_burst
     acl overflow var(txn.queued),sub(txn.burst_room) -m int gt 0
 """
+
+
+def _owner_rules(a: Admission) -> str:
+    """`light`: a request whose owner is within its fair share of the router while more than one
+    owner sends (OWNER_EXPIRE_S); it is dequeued first (priority class -1) and shed only when
+    `light_full` (and `light_over` with D_B): more than the vector lane's overflow + B waiting (an
+    ACL cannot name another: the shed rule joins them). The router's answer rate is
+    the answer meter's with D_B, else the requests sent to it in the last second."""
+    answers = ("int(0),table_gpc0_rate(answer_meter)" if a.burst_ms else "be_sess_rate(shardserve)")
+    full = f"    acl light_full queue(shardserve) gt {2 * a.max_burst}\n"
+    if a.burst_ms:  # past the overflow (B, or the router's answers in D_B) by B more
+        full += f"    acl light_over var(txn.queued),sub(txn.burst_room) -m int gt {a.max_burst}\n"
+    return f"""    # Fair shares: each owner (the collection the path names, `/` for the served index) within
+    # the router's answers / the owners sending now goes first and is not cut with an overload
+    acl in_collection path_reg /collections/[^/]
+    http-request set-var(txn.owner) path,regsub(^.*/collections/,/),field(2,/) if !health !text in_collection
+    http-request set-var(txn.owner) str(/) if !health !text !in_collection
+    http-request track-sc1 var(txn.owner) table owner_meter if !health !text
+    acl several table_cnt(owner_meter) gt 1
+    http-request set-var(txn.owners) table_cnt(owner_meter) if !health !text several
+    http-request set-var(txn.share) {answers},div(txn.owners) if !health !text several
+    acl within sc_http_req_rate(1),sub(txn.share) -m int le 0
+    http-request set-var(txn.light) bool(1) if !health !text several within
+    acl light var(txn.light) -m bool
+    http-request set-priority-class int(-1) if light
+{full}"""
 
 
 def _answer_rules(a: Admission) -> str:

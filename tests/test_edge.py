@@ -49,10 +49,13 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     assert "table_gpc0_rate(answer_meter),mul(250),div(1000) if past_burst" in text
     assert "http-response sc-inc-gpc0(2) if { sc2_tracked }" in text  # the router's answers, counted
     counts = edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0, burst_ms=0))
-    assert "be_sess_rate" not in counts and "answer_meter" not in counts
+    assert "crowded late" not in counts and "answer_meter" not in counts
     assert "queue(shardserve) gt 96\n" in edge_config("127.0.0.1:8000", admission=Admission(
         max_burst=96, burst_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
+    # a collection within its share of the router's answers goes first and is not cut with a flood
+    assert "set-priority-class int(-1) if light" in text and "!light overflow" in text
+    assert "light light_full light_over" in text and "light light_full\n" in counts
     assert config.stat().st_mode & 0o077 == 0  # the key is readable by its owner only
     with pytest.raises(ValueError):
         Admission(max_in_flight=0)
@@ -405,7 +408,7 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     counts = subprocess.run([str(exe), "edge-config", "--edge-delay-ms", "0", "--edge-burst-ms", "0",
                              "--dir", str(tmp_path / "c")], capture_output=True, text=True)
     assert counts.returncode == 0, counts.stderr
-    assert "be_sess_rate" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
+    assert "crowded late" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
     bad = subprocess.run([str(exe), "edge-config", "--edge-burst", "8", "--edge-queue", "16",
                           "--dir", str(tmp_path / "b")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
@@ -415,11 +418,13 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
 
 class _RawBackend:
     """A router stand-in that records each request's head as it arrived (headers included) and
-    answers 200 with the body's length: what the edge forwarded, byte for byte."""
+    answers 200 with the body's length: what the edge forwarded, byte for byte. `answer_s`: how long
+    it takes over each request (a router at a known capacity: K / answer_s a second)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer_s: float = 0.0) -> None:
         self.heads: list[bytes] = []
         self.server: asyncio.AbstractServer | None = None
+        self.answer_s = answer_s
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -432,6 +437,8 @@ class _RawBackend:
                 length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 body = await reader.readexactly(length)
+                if self.answer_s:
+                    await asyncio.sleep(self.answer_s)
                 answer = orjson.dumps({"bytes": len(body)})
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
@@ -448,6 +455,47 @@ class _RawBackend:
 
 def _edge_in_front_of(backend_port: int, **kwargs) -> EdgeProcess:
     return EdgeProcess(f"127.0.0.1:{backend_port}", f"127.0.0.1:{EDGE_PORT}", **kwargs).start()
+
+
+def test_edge_answers_a_collection_within_its_share_beside_a_flooded_one() -> None:
+    """A router answering 2 at a time, 50 ms each (40 a second); collection `large` flooded at
+    ~200 a second; collection `small` at ~5 a second, inside its share (40 / 2 owners). Every one of
+    small's requests is answered while the flood is shed. The control: the same requests sent as
+    `large`'s (one owner, the flood's) are shed with it: the share, not luck, kept them."""
+    backend = _RawBackend(answer_s=0.05)
+
+    async def run(steady_as: str) -> tuple[list[int], list[int]]:
+        port = await backend.start()
+        edge = _edge_in_front_of(port, admission=Admission(max_in_flight=2, max_burst=4, max_queue=2))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{EDGE_PORT}", timeout=30,
+                                         limits=httpx.Limits(max_connections=256)) as client:
+                async def flood() -> list[int]:
+                    sent = []
+                    for _ in range(600):
+                        sent.append(asyncio.create_task(
+                            client.post("/v1/collections/large/search", content=b"{}")))
+                        await asyncio.sleep(0.005)
+                    return [answer.status_code for answer in await asyncio.gather(*sent)]
+
+                async def steady() -> list[int]:
+                    await asyncio.sleep(0.5)  # the flood under way
+                    sent = []
+                    for _ in range(12):
+                        sent.append(asyncio.create_task(
+                            client.post(f"/v1/collections/{steady_as}/search", content=b"{}")))
+                        await asyncio.sleep(0.2)
+                    return [answer.status_code for answer in await asyncio.gather(*sent)]
+                flooded, steadied = await asyncio.gather(flood(), steady())
+                return flooded, steadied
+        finally:
+            edge.stop()
+            backend.close()
+
+    flooded, steadied = asyncio.run(run("small"))
+    assert 503 in flooded and steadied == [200] * 12, (flooded.count(503), steadied)
+    flooded, steadied = asyncio.run(run("large"))
+    assert 503 in flooded and 503 in steadied, (flooded.count(503), steadied)
 
 
 def test_edge_health_rule_is_the_exact_path_with_its_own_rate_limit_per_source() -> None:

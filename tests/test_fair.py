@@ -82,3 +82,43 @@ def test_any_submissions_run_once_each_in_order_per_key_and_in_turn(keys: list[s
         if following is not None:
             between = [k for k, _ in ran[position + 1:following]]
             assert all(between.count(other) <= 1 for other in set(between))
+
+
+def test_with_two_workers_a_key_in_progress_holds_one_and_its_next_call_waits_for_it() -> None:
+    """A flood's call in progress holds one worker: another key's call runs on the other at once,
+    and the flood's next call waits for its first, never beside it (a key's calls in order)."""
+    executor = FairExecutor("t", 100, workers=2)
+    release = _blocked(executor)  # "holder" on one worker
+    second = executor.submit("holder", int)  # the holder's next call: the other worker is free
+    other = executor.submit("small", lambda: "small")
+    assert other.result(timeout=30) == "small"  # ran while the holder's first call holds a worker
+    assert not second.done()  # waits for the holder's call in progress, not beside it
+    release.set()
+    assert second.result(timeout=30) == 0
+    executor.shutdown()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from("abcd"), min_size=1, max_size=60), st.integers(2, 4))
+def test_many_workers_run_each_call_once_one_call_of_a_key_at_a_time_in_its_order(keys: list[str],
+                                                                                   workers: int) -> None:
+    executor, ran, running = FairExecutor("t", 100, workers=workers), [], set()
+    overlapped = []
+    guard = threading.Lock()
+
+    def call(key: str, n: int) -> None:
+        with guard:
+            overlapped.append(key in running)
+            running.add(key)
+        threading.Event().wait(0.001)
+        with guard:
+            running.discard(key)
+            ran.append((key, n))
+    futures = [executor.submit(key, call, key, n) for n, key in enumerate(keys)]
+    for future in futures:
+        future.result(timeout=60)
+    executor.shutdown()
+    assert not any(overlapped)  # never two calls of one key at once
+    assert sorted(n for _, n in ran) == list(range(len(keys)))
+    for key in set(keys):
+        assert [n for k, n in ran if k == key] == [n for n, k in enumerate(keys) if k == key]

@@ -1,11 +1,13 @@
-"""One worker thread shared by many tenants, served in turn: `FairExecutor`.
+"""Worker threads shared by many tenants, served in turn: `FairExecutor`.
 
 Why not a ThreadPoolExecutor: its queue is first come, first served, so a flood of one tenant's
 work (one collection's searches) puts every other tenant's next call behind all of it. Here each
-key has its own queue and the worker takes one call from each key with work, in turn (round
-robin): a call waits for at most one call of every other busy key, whatever their backlogs. Each
-key's queue is bounded (`max_waiting`): past it `submit` raises `Busy` at once, so one tenant's
-backlog, and the memory it holds, stays its own.
+key has its own queue and the workers take one call from each key with work, in turn (round
+robin), and run at most one call of a key at a time: a call waits for at most one call of every
+other busy key, whatever their backlogs, and with two workers or more a flood of one key holds one
+of them only, so another key's call does not wait for the flood's call in progress either. A key's
+calls run in the order they came. Each key's queue is bounded (`max_waiting`): past it `submit`
+raises `Busy` at once, so one tenant's backlog, and the memory it holds, stays its own.
 """
 
 from __future__ import annotations
@@ -29,19 +31,24 @@ class Closed(ShardserveError, RuntimeError):
 
 
 class FairExecutor:
-    """`submit(key, fn, *args)` → a concurrent.futures.Future, run on one worker thread, keys in
-    turn. `initializer` runs once on the worker (e.g. FAISS's thread count)."""
+    """`submit(key, fn, *args)` → a concurrent.futures.Future, run on `workers` threads, keys in
+    turn, one call of a key at a time. `initializer` runs once on each worker (e.g. FAISS's thread
+    count)."""
 
-    def __init__(self, name: str, max_waiting: int, initializer: Callable[[], Any] | None = None):
-        if max_waiting < 1:
-            raise BadArgument("max_waiting must be >= 1")
+    def __init__(self, name: str, max_waiting: int, initializer: Callable[[], Any] | None = None,
+                 workers: int = 1):
+        if max_waiting < 1 or workers < 1:
+            raise BadArgument("max_waiting and workers must be >= 1")
         self.max_waiting = max_waiting
         self._queues: OrderedDict[Hashable, deque] = OrderedDict()  # keys with work, in turn order
+        self._running: set[Hashable] = set()  # keys with a call on a worker now
         self._ready = threading.Condition()
         self._closed = False
         self._initializer = initializer
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{n}", daemon=True)
+                         for n in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, key: Hashable, fn: Callable, *args: Any) -> Future:
         future: Future = Future()
@@ -70,20 +77,26 @@ class FairExecutor:
                 for future, _, _ in queue:
                     future.cancel()
             self._queues.clear()
-            self._ready.notify()
+            self._ready.notify_all()
 
-    def _next(self) -> tuple[Future, Callable, tuple] | None:
+    def _next(self, done: Hashable | None) -> tuple[Hashable, tuple[Future, Callable, tuple]] | None:
+        """The next call of the first key in turn with none running (`done`: the key whose call
+        this worker just ran, free again)."""
         with self._ready:
-            while not self._queues and not self._closed:
+            if done is not None:
+                self._running.discard(done)
+                self._ready.notify()  # its next call may wait for a worker
+            while not self._closed:
+                key = next((key for key in self._queues if key not in self._running), None)
+                if key is not None:
+                    queue = self._queues.pop(key)
+                    call = queue.popleft()
+                    if queue:  # back of the turn order
+                        self._queues[key] = queue
+                    self._running.add(key)
+                    return key, call
                 self._ready.wait()
-            if self._closed:
-                return None
-            key, queue = next(iter(self._queues.items()))
-            call = queue.popleft()
-            del self._queues[key]
-            if queue:  # back of the turn order
-                self._queues[key] = queue
-            return call
+            return None
 
     def _work(self) -> None:
         if self._initializer is not None:
@@ -91,8 +104,9 @@ class FairExecutor:
                 self._initializer()
             except Exception:  # noqa: BLE001 (a setting not applied: the calls still run, never hang)
                 logging.getLogger(__name__).exception("the executor's initializer failed")
-        while (call := self._next()) is not None:
-            future, fn, args = call
+        done = None
+        while (taken := self._next(done)) is not None:
+            done, (future, fn, args) = taken
             if not future.set_running_or_notify_cancel():
                 continue
             try:
