@@ -524,10 +524,10 @@ class CollectionsFront:
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
+        self.executor.shutdown()  # first: no read starts on a collection being let go below
         for collection_id in list(self._held):
             self._let_go(collection_id)
         self._writes_thread.shutdown(wait=False)
-        self.executor.shutdown()
         if self._catalogue is not None:
             self._catalogue.close()
 

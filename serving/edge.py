@@ -23,9 +23,9 @@ enough for full batches; the rest wait in HAProxy's queue, first come first serv
   overflows, and only then does the edge tighten. `timeout queue` is the backstop when capacity
   drops (a swap, a dead replica).
 - Fair shares among collections: while more than one collection (or the served index) sends, a
-  request of one that sends no more than the router's answers / the collections sending is
-  dequeued first and is not cut with an overload's queue (OWNER_EXPIRE_S): a quiet collection
-  beside a flooded one is answered while the flood is shed.
+  request of one holding no more than (K + B) / the collections of the requests inside (or only
+  this one) is dequeued first and is not cut with an overload's queue (OWNER_EXPIRE_S): a quiet
+  collection beside a flooded one is answered while the flood is shed.
 - `/v1/health` is outside the rule, on a backend of its own (HEALTH_IN_FLIGHT in the router at
   most): a load balancer's check is never queued behind searches nor shed with them.
 `shardserve tune` writes K, B and Q from a sweep's knee (K + Q = capacity x delay target).
@@ -103,20 +103,25 @@ TEXT_QUEUE_TIMEOUT_MS = 10_000  # the text lane's backstop (capacity dropped), a
 TEXT_BODY = """'"texts?"[[:space:]]*:'"""  # single-quoted for HAProxy: its quotes are literal
 
 # Fair shares among collections. A request's owner is the collection its path names (the segment
-# after `/collections/`, native or Chroma's), or `/` for the served index's own routes. While more
-# than one owner has sent a request in the last OWNER_EXPIRE_S, an owner whose requests over the
-# last second number no more than the router's answers over that second / the owners is within its
-# share: its requests are dequeued before the others' and are not shed by the rules that cut an
-# overload's queue, only past that queue + B waiting. A collection searched at a steady rate beside
-# a flooded one is then answered, where one queue for every collection shed it as it shed the
-# flood (loadtests/records/collections-isolation.json). The sum of the shares is the router's answer
-# rate, so the requests within them cannot overload it, however many owners a client invents (each
-# one it adds shrinks every share); one owner alone is admitted exactly as without the rule.
+# after `/collections/`, native or Chroma's, read from the path percent-decoded with its repeated
+# slashes joined, as the router reads it), or `/` for the served index's own routes. While more than
+# one owner is known (a request in the last OWNER_EXPIRE_S, or one still at the edge or the
+# router), a request whose owner has no more requests at the edge and in the router than (K + B) /
+# the owners, or only this one, is within its share: it is dequeued before the others (HAProxy's
+# priority class) and is not cut by the rules that cut an overload's queue, only past that
+# overflow + B waiting. A collection searched at a steady rate beside a flooded one is then
+# answered, where one queue for every collection shed it as it shed the flood
+# (loadtests/records/collections-isolation.json). Why requests in flight, not a rate: a request's
+# cost is in how long it stays, so a costly flood counts as it weighs, and the shares add up to
+# K + B, the edge's own bound for clients that wait, whatever the router answers a second or how
+# cheap its other answers are. A client that invents collection names divides the shares finer for
+# every collection (a fairness rule among trusted clients; the API key is the boundary), and what
+# goes first is still cut past the overflow + B. One owner alone is admitted exactly as without it.
 OWNER_EXPIRE_S = 2
 OWNER_TABLE_SIZE = 10_000  # owners remembered at once (the oldest are dropped): bounded memory
 OWNER_KEY_BYTES = 128  # an owner's name as compared (longer ones are cut)
 _OWNER_TABLE = (f"stick-table type string len {OWNER_KEY_BYTES} size {OWNER_TABLE_SIZE} "
-                f"expire {OWNER_EXPIRE_S}s store http_req_rate(1s)")
+                f"expire {OWNER_EXPIRE_S}s store http_req_cnt")
 
 # Health checks one client address may send per second: a load balancer checks a few times a second
 # at most, so past this a source is flooding, and gets 429 at the edge; the checks of every other
@@ -306,8 +311,8 @@ backend text_shed_meter
     # the same for the text lane
     stick-table type integer size 1 expire 10s store gpc0_rate(1s)
 {_answer_meter(a)}backend owner_meter
-    # requests per owner (a collection, or `/`) over the last second; an owner unseen for
-    # {OWNER_EXPIRE_S} s is forgotten, so the table's count is the owners sending now
+    # one entry per owner (a collection, or `/`): its requests at the edge and in the router are
+    # the streams tracking it (sc_trackers); an owner with none for {OWNER_EXPIRE_S} s is forgotten
     {_OWNER_TABLE}
 backend health_meter
     # health checks per client address over the last second
@@ -386,26 +391,28 @@ def _overflow_rules(a: Admission) -> str:
 
 
 def _owner_rules(a: Admission) -> str:
-    """`light`: a request whose owner is within its fair share of the router while more than one
-    owner sends (OWNER_EXPIRE_S); it is dequeued first (priority class -1) and shed only when
-    `light_full` (and `light_over` with D_B): more than the vector lane's overflow + B waiting (an
-    ACL cannot name another: the shed rule joins them). The router's answer rate is
-    the answer meter's with D_B, else the requests sent to it in the last second."""
-    answers = ("int(0),table_gpc0_rate(answer_meter)" if a.burst_ms else "be_sess_rate(shardserve)")
+    """`light`: a request whose owner holds no more than (K + B) / the owners of the requests at
+    the edge and in the router, or only this one, while more than one owner is known
+    (OWNER_EXPIRE_S); it is dequeued first (priority class -1) and shed only when `light_full`
+    (and `light_over` with D_B): more than the vector lane's overflow + B waiting (an ACL cannot
+    name another: the shed rule joins them)."""
     full = f"    acl light_full queue(shardserve) gt {2 * a.max_burst}\n"
+    owned, several = "!health !text in_collection", "!health !text several"
     if a.burst_ms:  # past the overflow (B, or the router's answers in D_B) by B more
         full += f"    acl light_over var(txn.queued),sub(txn.burst_room) -m int gt {a.max_burst}\n"
-    return f"""    # Fair shares: each owner (the collection the path names, `/` for the served index) within
-    # the router's answers / the owners sending now goes first and is not cut with an overload
-    acl in_collection path_reg /collections/[^/]
-    http-request set-var(txn.owner) path,regsub(^.*/collections/,/),field(2,/) if !health !text in_collection
+    return f"""    # Fair shares: an owner (the collection the path names, `/` for the served index) holding
+    # no more than (K + B) / the owners of the requests inside goes first, not cut with an overload
+    http-request set-var(txn.route) path,url_dec,regsub(/+,/,g) if !health !text
+    acl in_collection var(txn.route) -m reg /collections/[^/]
+    http-request set-var(txn.owner) var(txn.route),regsub(^.*/collections/,/),field(2,/) if {owned}
     http-request set-var(txn.owner) str(/) if !health !text !in_collection
     http-request track-sc1 var(txn.owner) table owner_meter if !health !text
     acl several table_cnt(owner_meter) gt 1
     http-request set-var(txn.owners) table_cnt(owner_meter) if !health !text several
-    http-request set-var(txn.share) {answers},div(txn.owners) if !health !text several
-    acl within sc_http_req_rate(1),sub(txn.share) -m int le 0
-    http-request set-var(txn.light) bool(1) if !health !text several within
+    http-request set-var(txn.share) int({a.max_in_flight + a.max_burst}),div(txn.owners) if {several}
+    acl within sc_trackers(1),sub(txn.share) -m int le 0
+    acl alone sc_trackers(1) le 1
+    http-request set-var(txn.light) bool(1) if !health !text several within || !health !text several alone
     acl light var(txn.light) -m bool
     http-request set-priority-class int(-1) if light
 {full}"""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_edge_config_is_valid_haproxy(tmp_path: Path) -> None:
     assert "table_gpc0_rate(answer_meter),mul(250),div(1000) if past_burst" in text
     assert "http-response sc-inc-gpc0(2) if { sc2_tracked }" in text  # the router's answers, counted
     counts = edge_config("127.0.0.1:8000", admission=Admission(delay_ms=0, burst_ms=0))
-    assert "crowded late" not in counts and "answer_meter" not in counts
+    assert "be_sess_rate" not in counts and "answer_meter" not in counts
     assert "queue(shardserve) gt 96\n" in edge_config("127.0.0.1:8000", admission=Admission(
         max_burst=96, burst_ms=0))
     assert "use_backend shardserve_health if health" in text  # health checks: not admitted, not shed
@@ -408,7 +409,7 @@ def test_edge_config_cli_sizes_the_burst_and_refuses_a_queue_above_it(tmp_path: 
     counts = subprocess.run([str(exe), "edge-config", "--edge-delay-ms", "0", "--edge-burst-ms", "0",
                              "--dir", str(tmp_path / "c")], capture_output=True, text=True)
     assert counts.returncode == 0, counts.stderr
-    assert "crowded late" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
+    assert "be_sess_rate" not in (tmp_path / "c" / "edge-haproxy.cfg").read_text()  # the counts alone
     bad = subprocess.run([str(exe), "edge-config", "--edge-burst", "8", "--edge-queue", "16",
                           "--dir", str(tmp_path / "b")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
@@ -459,9 +460,10 @@ def _edge_in_front_of(backend_port: int, **kwargs) -> EdgeProcess:
 
 def test_edge_answers_a_collection_within_its_share_beside_a_flooded_one() -> None:
     """A router answering 2 at a time, 50 ms each (40 a second); collection `large` flooded at
-    ~200 a second; collection `small` at ~5 a second, inside its share (40 / 2 owners). Every one of
-    small's requests is answered while the flood is shed. The control: the same requests sent as
-    `large`'s (one owner, the flood's) are shed with it: the share, not luck, kept them."""
+    ~200 a second, holding K + the overflowing queue; collection `small` at ~5 a second, one
+    request inside at a time, within its share ((K + B) / 2 owners). Every one of small's requests
+    is answered while the flood is shed. The control: the same requests sent as `large`'s (one
+    owner, the flood's) are shed with it: the share, not luck, kept them."""
     backend = _RawBackend(answer_s=0.05)
 
     async def run(steady_as: str) -> tuple[list[int], list[int]]:
@@ -496,6 +498,52 @@ def test_edge_answers_a_collection_within_its_share_beside_a_flooded_one() -> No
     assert 503 in flooded and steadied == [200] * 12, (flooded.count(503), steadied)
     flooded, steadied = asyncio.run(run("large"))
     assert 503 in flooded and 503 in steadied, (flooded.count(503), steadied)
+
+
+def test_edge_reads_a_requests_owner_from_the_path_as_the_router_reads_it() -> None:
+    """The owner a share is counted for: the collection after `/collections/`, percent-decoded and
+    with repeated slashes joined (the router decodes Chroma's segments and drops empty ones), `/`
+    for every other route. Read from the real HAProxy's own variable (a header the test's copy of
+    the config adds), so one collection spelled several ways is one owner."""
+    backend = _RawBackend()
+
+    async def run() -> dict[str, str | None]:
+        port = await backend.start()
+        directory = Path(tempfile.mkdtemp(prefix="edge-owner-"))
+        config = write_edge(directory, f"127.0.0.1:{port}", f"127.0.0.1:{EDGE_PORT}")
+        config.write_text(config.read_text().replace(
+            "    default_backend shardserve\n",
+            "    http-after-response set-header x-owner %[var(txn.owner)]\n    default_backend shardserve\n"))
+        edge = subprocess.Popen([HAPROXY, "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            owners = {}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{EDGE_PORT}", timeout=30) as client:
+                for _attempt in range(50):  # until the edge listens
+                    try:
+                        await client.get("/v1/index")
+                        break
+                    except httpx.ConnectError:
+                        await asyncio.sleep(0.1)
+                for path in ("/v1/collections/small/search", "/v1/collections/%73mall/search",
+                             "/v1//collections///small/search", "/api/v2/tenants/t/databases/d/collections/"
+                             "6f1e2d3c-0000-4000-8000-000000000001/query", "/v1/search", "/v1/collections",
+                             "/v1/collections/"):
+                    owners[path] = (await client.post(path, content=b"{}")).headers.get("x-owner")
+            return owners
+        finally:
+            edge.terminate()
+            edge.wait(timeout=30)
+            backend.close()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    owners = asyncio.run(run())
+    assert owners == {
+        "/v1/collections/small/search": "small", "/v1/collections/%73mall/search": "small",
+        "/v1//collections///small/search": "small",
+        "/api/v2/tenants/t/databases/d/collections/6f1e2d3c-0000-4000-8000-000000000001/query":
+            "6f1e2d3c-0000-4000-8000-000000000001",
+        "/v1/search": "/", "/v1/collections": "/", "/v1/collections/": "/"}, owners
 
 
 def test_edge_health_rule_is_the_exact_path_with_its_own_rate_limit_per_source() -> None:
