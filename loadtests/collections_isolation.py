@@ -9,10 +9,11 @@ each collection on one at a time, taken in turn) and the edge's admission, with 
 (serving/edge.py). The record keeps both levels of the small one (its p99 beside the flood against
 alone is the check) and the flood's own level (answered, 503s and how fast they came back).
 
-What it shows: the edge sheds the flood and, the small collection being within its share of the
-router's answers, sends the small one's requests first and sheds none of them; the flood holds one
-collections thread, so the small one's searches do not wait for its scans. The A/B records (one
-collections thread; the edge without fair shares) are listed in docs/experiments.md.
+What it shows: the edge sheds the flood and, the small collection holding one request inside at a
+time (within its share of the edge's slots), sends the small one's requests first and sheds none of
+them; the flood holds one collections thread, so the small one's searches do not wait for its
+scans. The A/B records (one collections thread; the edge without fair shares; shares by rate) are
+listed in docs/experiments.md.
 """
 
 from __future__ import annotations
