@@ -121,7 +121,7 @@ OWNER_EXPIRE_S = 2
 OWNER_TABLE_SIZE = 10_000  # owners remembered at once (the oldest are dropped): bounded memory
 OWNER_KEY_BYTES = 128  # an owner's name as compared (longer ones are cut)
 _OWNER_TABLE = (f"stick-table type string len {OWNER_KEY_BYTES} size {OWNER_TABLE_SIZE} "
-                f"expire {OWNER_EXPIRE_S}s store http_req_cnt")
+                f"expire {OWNER_EXPIRE_S}s")
 
 # Health checks one client address may send per second: a load balancer checks a few times a second
 # at most, so past this a source is flooding, and gets 429 at the edge; the checks of every other
